@@ -1,0 +1,24 @@
+"""kdtree-jax: DDTree speculative decoding for MLA/MoE models (Kimi K2, DeepSeek-V3) in JAX.
+
+The public API (DESIGN.md, "Public API"); README, tests and benchmarks use these names.
+"""
+
+from kdtree_jax.config import ModelConfig, RopeScaling
+from kdtree_jax.convert_hf import load_hf
+from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
+from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
+from kdtree_jax.ops import verify_attention
+
+__all__ = [
+    "ModelConfig",
+    "RopeScaling",
+    "load_hf",
+    "init_model",
+    "forward_logits",
+    "prefill",
+    "decode_step",
+    "verify_attention",
+    "KVCache",
+    "init_cache",
+    "PoolExhaustedError",
+]

@@ -1,0 +1,101 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, yarn rope, the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig, RopeScaling, yarn_get_mscale
+
+
+def dense_init(fan_in: int):
+    """N(0, 1/fan_in) keeps activations O(1) through random-weight test models."""
+    return nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+
+
+def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype, *, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=dense_init(d_in), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x):
+        # Normalise in float32 and cast back before the weight, as HF does.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(rngs, hidden, intermediate, dtype)
+        self.up_proj = linear(rngs, hidden, intermediate, dtype)
+        self.down_proj = linear(rngs, intermediate, hidden, dtype)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# Rope -------------------------------------------------------------------------------------------
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale ("attention factor"), HF's yarn formula."""
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if scaling is None or scaling.factor == 1.0 and not scaling.mscale_all_dim:
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    factor = scaling.factor
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+
+    def correction_dim(num_rotations):
+        return (dim * math.log(scaling.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolation_weight = 1.0 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+    if scaling.attention_factor is not None:
+        attention_factor = scaling.attention_factor
+    elif scaling.mscale and scaling.mscale_all_dim:
+        attention_factor = yarn_get_mscale(factor, scaling.mscale) / yarn_get_mscale(factor, scaling.mscale_all_dim)
+    else:
+        attention_factor = yarn_get_mscale(factor)
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+    """cos, sin [..., rope_dim] (float32) for integer positions [...] (rotate-half layout)."""
+    inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half rope on the last dim; cos/sin broadcast over x's head axis by the caller."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+def deinterleave_permutation(dim: int) -> np.ndarray:
+    """Index order that turns HF's interleaved rope features (x0 y0 x1 y1 ...) into rotate-half's
+    (x0 x1 ... y0 y1 ...). Applied to weight rows at load time, so the forward pass never permutes."""
+    return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])

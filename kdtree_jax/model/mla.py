@@ -1,0 +1,84 @@
+"""Multi-head latent attention (MLA) in the absorbed form, over the paged latent cache.
+
+Per token the cache holds one latent row `[c_kv (kv_lora_rank, after kv_a_layernorm) | rope(k_pe)]`,
+shared by all heads. A query row is `[q_nope · W_UK | rope(q_pe)]`; the attention output is a weighted
+sum of latent rows, which `W_UV` then maps to each head's value. Mathematically equal to HF's
+decompressed attention (tests/test_model.py checks it), but it reads one row per position instead of
+H keys and H values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
+from kdtree_jax.ops import verify_attention
+
+
+class AttentionBatch(NamedTuple):
+    """Where a forward pass's T tokens live in the paged pool, and what they may see."""
+
+    kv_slots: jnp.ndarray  # [B, Lmax] int32: slot of every position (incl. the T new ones)
+    kv_lens: jnp.ndarray  # [B] int32: valid positions, the T new tokens being the last T
+    tree_mask: jnp.ndarray  # [B, T, ceil(T/32)] uint32: query-to-query visibility
+    write_slots: jnp.ndarray  # [B, T] int32: where the T new latent rows are written
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(rngs, h, heads * cfg.qk_head_dim, dtype)
+        else:
+            self.q_a_proj = linear(rngs, h, cfg.q_lora_rank, dtype, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, rngs)
+            self.q_b_proj = linear(rngs, cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = linear(rngs, h, cfg.cache_dim, dtype, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype, rngs)
+        self.kv_b_proj = linear(rngs, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias)
+
+    # The two halves of kv_b_proj, per head: W_UK [c, H, nope] and W_UV [c, H, v].
+    def absorbed_weights(self):
+        cfg = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
+        return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+
+    def queries(self, x, cos, sin):
+        """[B, T, H, qk_nope], [B, T, H, qk_rope] (rope applied)."""
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        return q_nope, apply_rope(q_pe, cos[..., None, :], sin[..., None, :])
+
+    def latent_rows(self, x, cos, sin):
+        """The cache rows of these tokens: [B, T, kv_lora_rank + qk_rope]."""
+        cfg = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
+        return jnp.concatenate([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)], axis=-1)
+
+    def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, *, impl: str = "auto"):
+        """x [B, T, hidden] -> (out [B, T, hidden], kv_pages with this layer's T rows written)."""
+        cfg = self.cfg
+        rows = self.latent_rows(x, cos, sin).astype(kv_pages.dtype)
+        # In place when kv_pages is donated: one row per new token, no copy of the pool.
+        kv_pages = kv_pages.at[layer, batch.write_slots].set(rows, mode="drop")
+
+        q_nope, q_pe = self.queries(x, cos, sin)
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+        q_rows = jnp.concatenate([q_latent, q_pe], axis=-1).astype(kv_pages.dtype)
+        out_latent, _ = verify_attention(q_rows, kv_pages, layer, batch.kv_slots, batch.kv_lens, batch.tree_mask,
+                                         softmax_scale=cfg.softmax_scale, rope_dim=cfg.qk_rope_head_dim, impl=impl)
+        out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1)), kv_pages

@@ -1,0 +1,79 @@
+"""The DeepSeek-V3 / Kimi K2 decoder: embeddings, MLA + (dense MLP | MoE) layers, final norm, lm head."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import MLP, RMSNorm, linear, rope_cos_sin
+from kdtree_jax.model.mla import MLA, AttentionBatch
+from kdtree_jax.model.moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        self.self_attn = MLA(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str):
+        attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
+
+
+class ForwardOutput(NamedTuple):
+    logits: jnp.ndarray  # [B, T, V] float32
+    hidden: jnp.ndarray  # [len(hidden_layers), B, T, hidden]: residual stream after each requested layer
+    kv_pages: jnp.ndarray  # the pool with these tokens' latent rows written
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.embedding.dtype
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def head(self, hidden):
+        """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
+        x = self.norm(hidden)
+        if self.lm_head is None:
+            return (x @ self.embed_tokens.embedding[...].T).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
+
+    def __call__(self, tokens, positions, kv_pages, batch: AttentionBatch, *,
+                 hidden_layers: Sequence[int] = (), impl: str = "auto") -> ForwardOutput:
+        """Run T new tokens per sequence against the paged cache.
+
+        tokens, positions [B, T] int32 (positions drive rope: for a tree, start + depth);
+        `batch` says where the tokens' rows go and which cached positions each may see.
+        """
+        bad = [i for i in hidden_layers if not 0 <= i < self.cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"hidden_layers {bad} out of range [0, {self.cfg.num_hidden_layers})")
+        cos, sin = rope_cos_sin(self.cfg, positions)
+        x = self.embed(tokens)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x, kv_pages = layer(x, cos, sin, kv_pages, i, batch, impl)
+            if i in hidden_layers:
+                captured[i] = x
+        hidden = jnp.stack([captured[i] for i in hidden_layers]) if hidden_layers else jnp.zeros((0,) + x.shape, x.dtype)
+        return ForwardOutput(self.head(x), hidden, kv_pages)
