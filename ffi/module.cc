@@ -1,0 +1,32 @@
+// nanobind module: hands the FFI handlers to Python as capsules (jax.ffi.register_ffi_target takes them)
+// and exposes the few host helpers the Python side and the benchmarks need.
+#include <nanobind/nanobind.h>
+
+#include "verify_attention.h"
+
+namespace nb = nanobind;
+
+namespace {
+template <typename T>
+nb::capsule encapsulate(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>, "not an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_verify_attention_ext, m) {
+  m.doc() = "Paged MLA verify attention: XLA FFI handlers (CPU, CUDA) and GPU micro-benchmarks";
+  m.def("cpu_handler", []() { return encapsulate(kdtree_verify_attention_cpu); });
+#if defined(KDTREE_WITH_CUDA)
+  m.attr("with_cuda") = true;
+  m.def("cuda_handler", []() { return encapsulate(kdtree_verify_attention_cuda); });
+  m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
+        "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");
+  m.def("bench_mma_sync_tflops", &kdtree::bench_mma_sync_tflops, nb::arg("device") = 0,
+        "Measured rate of mma.sync.m16n8k16 bf16 (fp32 accumulate) over the whole GPU, TFLOP/s.");
+  m.def("bench_copy_gbps", &kdtree::bench_copy_gbps, nb::arg("device") = 0, nb::arg("bytes") = int64_t{1} << 31,
+        nb::arg("iters") = 20, "Device-to-device cudaMemcpy bandwidth, bytes read + written per second / 1e9.");
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

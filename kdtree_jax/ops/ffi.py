@@ -1,0 +1,170 @@
+"""The compiled verify-attention op: loads the nanobind extension, registers its XLA FFI targets and calls them.
+
+One target name, two handlers: `kdtree_verify_attention` on "cpu" (plain loops, float32 accumulation, any
+dims, float32/bfloat16) and on "CUDA" (the split-KV flash-decode kernel, bf16 with Dc=512, Dr=64).
+`jax.lax.platform_dependent` picks the branch when the program is lowered, so one traced function runs on
+either platform. On a GPU with other dtypes/dims the CUDA branch falls back to the pure-JAX reference (with
+a one-time warning) because the kernel is specialised to the 576-wide K2/DeepSeek latent row.
+
+Scratch for the split-KV partials (out, lse per split) is returned by the CUDA call as two extra outputs
+rather than taken from the FFI scratch allocator: outputs are part of XLA's buffer assignment, so their
+addresses are fixed before the program runs and stay valid when a CUDA graph (XLA command buffer) that
+captured the call is replayed; a scratch allocation made while a graph is being captured would be freed
+after capture and its memory reused by the replayed graph's neighbours.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.ops.reference import verify_attention_reference
+
+try:  # the extension is optional: a pure-Python checkout still works through the reference
+    from kdtree_jax import _verify_attention_ext as _ext
+except ImportError:  # pragma: no cover - exercised only without a build
+    _ext = None
+
+TARGET = "kdtree_verify_attention"
+
+# The CUDA kernel's tiling (ffi/verify_attention.cu); the split heuristic below needs the same numbers.
+CUDA_LATENT_DIM = 512
+CUDA_ROPE_DIM = 64
+CUDA_ROWS_PER_BLOCK = 16
+CUDA_KV_TILE = 32
+CUDA_BLOCKS_PER_SM = 2  # 93 KiB of shared memory per block: two blocks fit an H200 multiprocessor
+CUDA_MAX_SPLITS = 256
+CPU_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@functools.cache
+def _register() -> bool:
+    if _ext is None:
+        return False
+    jax.ffi.register_ffi_target(TARGET, _ext.cpu_handler(), platform="cpu")
+    if _ext.with_cuda:
+        jax.ffi.register_ffi_target(TARGET, _ext.cuda_handler(), platform="CUDA")
+    return True
+
+
+def available() -> bool:
+    """True when the compiled extension is importable (its CPU handler is always built)."""
+    return _register()
+
+
+def cuda_built() -> bool:
+    return _ext is not None and bool(_ext.with_cuda)
+
+
+@functools.cache
+def sm_count(device: int = 0) -> int:
+    """Multiprocessors of CUDA device `device`, queried once (132 when no GPU answers, e.g. while tracing
+    the CUDA branch on a CPU-only machine: the branch is then never lowered)."""
+    if cuda_built():
+        count = int(_ext.sm_count(device))
+        if count > 0:
+            return count
+    return 132
+
+
+def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int) -> int:
+    """KV splits from static shapes only: enough blocks to fill every multiprocessor once, each split
+    at least two KV tiles long (the work of a split must outweigh its partial write + the merge)."""
+    row_tiles = math.ceil(num_queries * num_heads / CUDA_ROWS_PER_BLOCK)
+    blocks_without_split = row_tiles * batch
+    wanted = math.ceil(CUDA_BLOCKS_PER_SM * num_sms / blocks_without_split)
+    kv_tiles = math.ceil(max_len / CUDA_KV_TILE)
+    return int(max(1, min(wanted, kv_tiles // 2, CUDA_MAX_SPLITS)))
+
+
+def _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits):
+    if q.dtype not in CPU_DTYPES or kv_pool.dtype not in CPU_DTYPES:
+        raise ValueError(f"the FFI op takes float32 or bfloat16 q and kv_pool; got {q.dtype} and {kv_pool.dtype}")
+    if not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    if int(num_splits) != num_splits or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic); got {num_splits}")
+    if q.shape[-1] - rope_dim <= 0:
+        raise ValueError(f"rope_dim ({rope_dim}) must leave a positive latent width (q's last dim {q.shape[-1]})")
+
+
+def cuda_fast_path(q, kv_pool, rope_dim) -> bool:
+    """Whether the CUDA kernel handles these inputs (else the GPU branch uses the reference)."""
+    return (cuda_built() and q.dtype == jnp.bfloat16 and kv_pool.dtype == jnp.bfloat16
+            and rope_dim == CUDA_ROPE_DIM and q.shape[-1] == CUDA_LATENT_DIM + CUDA_ROPE_DIM)
+
+
+@functools.cache
+def _warn_fallback_once(reason: str) -> None:
+    warnings.warn(f"verify_attention: the CUDA kernel does not handle {reason}; using the XLA reference on GPU",
+                  stacklevel=3)
+
+
+def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim):
+    batch, num_queries, num_heads, width = q.shape
+    out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, num_queries, num_heads), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+    return call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
+                softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim))
+
+
+def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits):
+    batch, num_queries, num_heads, width = q.shape
+    if num_splits == 0:
+        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count())
+    rows = num_queries * num_heads
+    # With one split the kernel writes the final result directly and the partial buffers are unused.
+    part_rows = batch * num_splits * rows if num_splits > 1 else 1
+    out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, num_queries, num_heads), jnp.float32),
+                 jax.ShapeDtypeStruct((part_rows, CUDA_LATENT_DIM), jnp.float32),  # per-split out
+                 jax.ShapeDtypeStruct((part_rows,), jnp.float32))                  # per-split lse
+    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+    out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
+                          softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
+                          num_splits=np.int64(num_splits))
+    return out, lse
+
+
+def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale: float,
+                         rope_dim: int = 64, num_splits: int = 0):
+    """The FFI op (shapes already validated by `kdtree_jax.ops.validate_verify_args`)."""
+    if not available():
+        raise ValueError("the compiled verify-attention extension is not built; reinstall with `pip install -e .`")
+    _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits)
+    layer = jnp.asarray(layer, jnp.int32)
+    kwargs = dict(softmax_scale=float(softmax_scale), rope_dim=int(rope_dim))
+
+    def reference(*args):
+        return verify_attention_reference(*args, **kwargs)
+
+    def on_cpu(*args):
+        return _call_cpu(*args, **kwargs)
+
+    def on_cuda(*args):
+        if cuda_fast_path(q, kv_pool, rope_dim):
+            return _call_cuda(*args, **kwargs, num_splits=int(num_splits))
+        if cuda_built() and _has_gpu():
+            _warn_fallback_once(f"q {q.dtype}/kv_pool {kv_pool.dtype} with width {q.shape[-1]} and rope_dim {rope_dim} "
+                                f"(fast path: bfloat16, {CUDA_LATENT_DIM}+{CUDA_ROPE_DIM})")
+        return reference(*args)
+
+    return jax.lax.platform_dependent(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
+                                      cpu=on_cpu, cuda=on_cuda, default=reference)
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "sm_count", "cuda_fast_path"]

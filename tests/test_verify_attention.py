@@ -1,0 +1,191 @@
+"""The FFI verify-attention op (CPU handler) against the pure-JAX oracle.
+
+Inputs are fresh random draws: slot tables are random permutations (scattered rows), lengths are not
+multiples of any tile (the prefix may be empty), masks are causal, random trees' ancestor masks or random
+bits (which leave some queries with nothing visible). Shapes are few and static so the compiled functions
+are shared across draws; lengths and masks are data, so they vary freely without recompiling.
+`make_case` is shared with tests/test_verify_attention_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.ops import verify_attention, verify_attention_reference
+from kdtree_jax.ops import ffi as vffi
+from kdtree_jax.ops.masks import ancestor_mask, causal_mask, pack_mask_bits
+
+pytestmark = pytest.mark.skipif(not vffi.available(), reason="compiled extension not built")
+
+
+def random_masks(rng: np.random.Generator, batch: int, num_queries: int):
+    """One mask kind per sequence: causal (a chain), a random tree's ancestors, or random bits."""
+    rows = []
+    for _ in range(batch):
+        kind = rng.integers(3)
+        if kind == 0:
+            rows.append(causal_mask(1, num_queries)[0])
+        elif kind == 1:
+            parents = np.array([-1] + [rng.integers(0, i) for i in range(1, num_queries)], np.int32)
+            rows.append(ancestor_mask(jnp.asarray(parents)[None])[0])
+        else:
+            bits = rng.random((num_queries, num_queries)) < 0.3
+            bits[rng.random(num_queries) < 0.2] = False  # some queries see no query token at all
+            rows.append(pack_mask_bits(jnp.asarray(bits)))
+    return jnp.stack(rows)
+
+
+def make_case(seed: int, batch: int, num_queries: int, num_heads: int, max_len: int, *, latent: int, rope: int,
+              dtype, num_layers: int = 3, num_slots: int | None = None, lens=None):
+    """Random inputs of the contract; lengths default to random values in [T, Lmax] with the special
+    cases (prefix 0, nothing at all, full table) mixed in."""
+    rng = np.random.default_rng(seed)
+    width = latent + rope
+    num_slots = num_slots or batch * max_len + 7
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    q = jax.random.normal(keys[0], (batch, num_queries, num_heads, width), jnp.float32).astype(dtype)
+    kv_pool = jax.random.normal(keys[1], (num_layers, num_slots, width), jnp.float32).astype(dtype)
+    kv_slots = np.stack([rng.permutation(num_slots)[:max_len] for _ in range(batch)]).astype(np.int32)
+    if lens is None:
+        lens = rng.integers(num_queries, max_len + 1, size=batch)
+        specials = [num_queries, max_len, 0]  # empty prefix; full table; nothing visible (kv_len 0)
+        for b in range(min(batch, len(specials))):
+            if rng.random() < 0.5:
+                lens[b] = specials[b]
+    kv_lens = jnp.asarray(np.asarray(lens, np.int32))
+    tree_mask = random_masks(rng, batch, num_queries)
+    layer = jnp.int32(rng.integers(num_layers))
+    return q, kv_pool, layer, jnp.asarray(kv_slots), kv_lens, tree_mask
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def check_against_reference(out, lse, ref_out, ref_lse, *, tol: float):
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    ref_out, ref_lse = np.asarray(ref_out, np.float32), np.asarray(ref_lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="rows with nothing visible differ")
+    assert np.all(out[empty] == 0.0), "a row with nothing visible must give out = 0"
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=tol, atol=tol)
+    assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+
+
+@functools.cache
+def jitted(impl: str, softmax_scale: float, rope_dim: int, num_splits: int = 0):
+    return jax.jit(functools.partial(verify_attention, softmax_scale=softmax_scale, rope_dim=rope_dim,
+                                     num_splits=num_splits, impl=impl))
+
+
+def reference_f32(case, softmax_scale, rope_dim):
+    """The oracle on float32 copies of the inputs (the op's own inputs may be bf16)."""
+    q, kv_pool, *rest = case
+    f = jitted("reference", softmax_scale, rope_dim)
+    return f(q.astype(jnp.float32), kv_pool.astype(jnp.float32), *rest)
+
+
+# (B, T, H, Lmax, Dc, Dr, dtype): every T of the issue, H in {1, 8, 16}, odd table lengths.
+CPU_SHAPES = [
+    (3, 1, 8, 45, 32, 8, jnp.float32),
+    (2, 2, 16, 37, 32, 8, jnp.float32),
+    (3, 7, 1, 61, 24, 8, jnp.float32),
+    (2, 16, 8, 83, 32, 8, jnp.float32),
+    (1, 33, 1, 101, 16, 4, jnp.float32),
+    (2, 64, 1, 150, 32, 8, jnp.float32),
+    (1, 200, 1, 299, 16, 8, jnp.float32),
+    (2, 7, 8, 77, 512, 64, jnp.bfloat16),  # the CUDA fast-path geometry, through the CPU handler
+]
+
+
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}L{s[3]}D{s[4]}+{s[5]}{s[6].__name__}")
+def test_cpu_ffi_matches_reference(shape):
+    batch, num_queries, num_heads, max_len, latent, rope, dtype = shape
+    scale = (latent + rope) ** -0.5
+    ffi_fn = jitted("ffi", scale, rope)
+    for draw in range(3):
+        case = make_case(1000 * draw + max_len, batch, num_queries, num_heads, max_len, latent=latent, rope=rope,
+                         dtype=dtype)
+        out, lse = ffi_fn(*case)
+        assert out.dtype == dtype and out.shape == (batch, num_queries, num_heads, latent)
+        assert lse.dtype == jnp.float32 and lse.shape == (batch, num_queries, num_heads)
+        ref_out, ref_lse = reference_f32(case, scale, rope)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_nothing_visible_gives_zero_and_neg_inf():
+    case = make_case(7, 2, 5, 2, 19, latent=16, rope=4, dtype=jnp.float32, lens=[0, 5])
+    q, kv_pool, layer, kv_slots, kv_lens, _ = case
+    empty_mask = jnp.zeros((2, 5, 1), jnp.uint32)  # and with prefix 0 (kv_len = T) nothing is left
+    out, lse = jitted("ffi", 0.25, 4)(q, kv_pool, layer, kv_slots, kv_lens, empty_mask)
+    assert np.all(np.asarray(out) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_out_of_range_slots_and_layer_are_clamped_like_the_reference():
+    case = make_case(11, 2, 3, 2, 23, latent=16, rope=4, dtype=jnp.float32)
+    q, kv_pool, _, kv_slots, kv_lens, tree_mask = case
+    bad_slots = kv_slots.at[:, ::3].set(jnp.int32(10**6)).at[:, 1::5].set(-5)
+    for layer in (jnp.int32(-2), jnp.int32(99)):
+        out, lse = jitted("ffi", 0.25, 4)(q, kv_pool, layer, bad_slots, kv_lens, tree_mask)
+        ref_out, ref_lse = jitted("reference", 0.25, 4)(q, kv_pool, layer, bad_slots, kv_lens, tree_mask)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5)
+
+
+def test_mixed_dtypes_and_vmap():
+    """float32 queries over a bfloat16 pool; vmap over a leading axis runs the handler per element."""
+    q, kv_pool, layer, kv_slots, kv_lens, tree_mask = make_case(5, 2, 3, 2, 31, latent=16, rope=4, dtype=jnp.float32)
+    kv_pool = kv_pool.astype(jnp.bfloat16)
+    out, lse = jitted("ffi", 0.25, 4)(q, kv_pool, layer, kv_slots, kv_lens, tree_mask)
+    ref_out, ref_lse = jitted("reference", 0.25, 4)(q, kv_pool.astype(jnp.float32), layer, kv_slots, kv_lens, tree_mask)
+    check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5)
+
+    qs = jnp.stack([q, -q])
+    f = jax.vmap(lambda qq: verify_attention(qq, kv_pool, layer, kv_slots, kv_lens, tree_mask, softmax_scale=0.25,
+                                             rope_dim=4, impl="ffi"))
+    vout, vlse = f(qs)
+    np.testing.assert_array_equal(np.asarray(vout[0]), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(vlse[0]), np.asarray(lse))
+
+
+def test_inside_scan_reads_layer_from_device():
+    """`layer` is a traced scalar: one compiled scan walks the layers without host round-trips."""
+    q, kv_pool, _, kv_slots, kv_lens, tree_mask = make_case(9, 1, 4, 2, 40, latent=16, rope=4, dtype=jnp.float32)
+
+    def body(carry, layer):
+        out, lse = verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, softmax_scale=0.3, rope_dim=4,
+                                    impl="ffi")
+        return carry, (out, lse)
+
+    _, (outs, lses) = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32)))()
+    for layer in range(3):
+        ref_out, ref_lse = jitted("reference", 0.3, 4)(q, kv_pool, jnp.int32(layer), kv_slots, kv_lens, tree_mask)
+        check_against_reference(outs[layer], lses[layer], ref_out, ref_lse, tol=1e-5)
+
+
+def test_ffi_validation_errors_are_clear():
+    q, kv_pool, layer, kv_slots, kv_lens, tree_mask = make_case(3, 1, 2, 1, 10, latent=8, rope=4, dtype=jnp.float32)
+    kw = dict(softmax_scale=0.5, rope_dim=4, impl="ffi")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        verify_attention(q.astype(jnp.float16), kv_pool.astype(jnp.float16), layer, kv_slots, kv_lens, tree_mask, **kw)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, **{**kw, "softmax_scale": float("nan")})
+    with pytest.raises(ValueError, match="tree_mask"):
+        verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask[..., :0], **kw)
+    with pytest.raises(ValueError, match="num_splits"):
+        verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, num_splits=-1, **kw)
+
+
+def test_split_heuristic_uses_static_shapes_only():
+    # Small batches of short rows get many splits; big row counts none; never more splits than tile pairs.
+    assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == vffi.CUDA_MAX_SPLITS
+    assert vffi.choose_num_splits(8, 257, 8, 65536, 132) == 1
+    assert vffi.choose_num_splits(1, 16, 8, 100, 132) == 2  # 4 KV tiles: two splits of two
+    assert vffi.choose_num_splits(1, 16, 8, 40, 132) == 1
+    assert 1 <= vffi.choose_num_splits(1, 16, 8, 4096, 132) <= 4096 // 64
