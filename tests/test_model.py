@@ -38,10 +38,10 @@ def naive_mla(attn, x, positions, cfg):
     """HF's formulation: decompress per-head keys and values through kv_b_proj, causal softmax attention."""
     b, t, _ = x.shape
     heads = cfg.num_attention_heads
-    q = _rms(x @ _np(attn.q_a_proj.kernel), _np(attn.q_a_layernorm.weight), cfg.rms_norm_eps) @ _np(attn.q_b_proj.kernel)
+    q = _rms(x @ _np(attn.q_a_proj.kernel), _np(attn.q_a_layernorm.weight), 1e-6) @ _np(attn.q_b_proj.kernel)
     q = q.reshape(b, t, heads, cfg.qk_head_dim)
     kv = x @ _np(attn.kv_a_proj_with_mqa.kernel)
-    c_kv = _rms(kv[..., : cfg.kv_lora_rank], _np(attn.kv_a_layernorm.weight), cfg.rms_norm_eps)
+    c_kv = _rms(kv[..., : cfg.kv_lora_rank], _np(attn.kv_a_layernorm.weight), 1e-6)
     k_pe = kv[..., cfg.kv_lora_rank:]
     kv_full = (c_kv @ _np(attn.kv_b_proj.kernel)).reshape(b, t, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
     k_nope, v = kv_full[..., : cfg.qk_nope_head_dim], kv_full[..., cfg.qk_nope_head_dim:]
@@ -83,7 +83,7 @@ def naive_route(x, w_router, bias, cfg):
         per_group = cfg.n_routed_experts // cfg.n_group
         group_score = [np.sort(biased[g * per_group:(g + 1) * per_group])[-2:].sum() for g in range(cfg.n_group)]
         keep_groups = np.argsort(group_score)[::-1][: cfg.topk_group]
-        masked = np.zeros_like(biased)  # HF's convention: excluded groups score 0.0
+        masked = np.full_like(biased, -np.inf)  # experts of excluded groups are never chosen
         for g in keep_groups:
             masked[g * per_group:(g + 1) * per_group] = biased[g * per_group:(g + 1) * per_group]
         idx = np.argsort(-masked, kind="stable")[: cfg.num_experts_per_tok]

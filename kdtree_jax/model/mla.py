@@ -19,6 +19,11 @@ from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
 from kdtree_jax.ops import verify_attention
 
 
+# HF and DeepSeek's reference code build q_a_layernorm / kv_a_layernorm with the RMSNorm default eps,
+# not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
 class AttentionBatch(NamedTuple):
     """Where a forward pass's T tokens live in the paged pool, and what they may see."""
 
@@ -36,10 +41,10 @@ class MLA(nnx.Module):
             self.q_proj = linear(rngs, h, heads * cfg.qk_head_dim, dtype)
         else:
             self.q_a_proj = linear(rngs, h, cfg.q_lora_rank, dtype, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype, rngs)
             self.q_b_proj = linear(rngs, cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype)
         self.kv_a_proj_with_mqa = linear(rngs, h, cfg.cache_dim, dtype, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype, rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype, rngs)
         self.kv_b_proj = linear(rngs, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias)
 

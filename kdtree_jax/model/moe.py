@@ -28,11 +28,11 @@ def route(router_logits, bias, cfg: ModelConfig):
         top2 = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, G]
         _, best_groups = jax.lax.top_k(top2, cfg.topk_group)
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
-        # HF fills excluded groups with 0.0 (not -inf); we match it so logits agree with transformers.
-        choice = jnp.where(keep[:, :, None], grouped, 0.0).reshape(num_tokens, num_experts)
+        # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
     _, indices = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, indices, axis=-1)
-    if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+    if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
