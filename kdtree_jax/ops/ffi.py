@@ -38,7 +38,8 @@ CUDA_ROPE_DIM = 64
 CUDA_ROWS_PER_BLOCK = 16
 CUDA_KV_TILE = 32
 CUDA_BLOCKS_PER_SM = 2  # 93 KiB of shared memory per block: two blocks fit an H200 multiprocessor
-CUDA_MAX_SPLITS = 256
+CUDA_MAX_SPLITS = 256     # the heuristic's cap
+CUDA_SPLIT_LIMIT = 1024   # what the merge kernel accepts (kMaxSplits)
 CPU_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -87,8 +88,8 @@ def _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits):
         raise ValueError(f"the FFI op takes float32 or bfloat16 q and kv_pool; got {q.dtype} and {kv_pool.dtype}")
     if not math.isfinite(float(softmax_scale)):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
-    if int(num_splits) != num_splits or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic); got {num_splits}")
+    if int(num_splits) != num_splits or not 0 <= num_splits <= CUDA_SPLIT_LIMIT:
+        raise ValueError(f"num_splits must be an int in [0, {CUDA_SPLIT_LIMIT}] (0 = automatic); got {num_splits}")
     if q.shape[-1] - rope_dim <= 0:
         raise ValueError(f"rope_dim ({rope_dim}) must leave a positive latent width (q's last dim {q.shape[-1]})")
 

@@ -1,0 +1,252 @@
+"""Verify-attention kernel sweep on one GPU, with the ceilings measured in the same run.
+
+    python benchmarks/verify_kernel.py [--quick] [--commit SHA] [--out benchmarks/results/verify_kernel_h200]
+
+Rows: L in {4k, 16k, 64k, 128k, 200k} x T in {1, 9, 16, 33, 64, 128, 257} x H = 8 x B in {1, 8}, contiguous
+and scattered slot tables (kv_lens = L for every sequence). Columns: time per call, KV GB/s, TFLOP/s, the
+fraction of the portable roofline max(KV bytes / copy BW, FLOPs / mma.sync rate) with
+FLOPs = 2*B*T*H*L*(576+512), and the XLA reference (gather + einsum) time with the speedup over it.
+
+Timing: a call's time is the slope of wall time over the number of calls in one jitted program (programs
+of K1 and K2 unrolled calls, median of several runs each), so dispatch overhead cancels; consecutive calls
+read different layers of a pool sized well past the 60 MB L2, as a model's layers do.
+Ceilings: device-to-device cudaMemcpy (bytes read + written), XLA's bf16 dot on random 8192^3 operands, and
+an mma.sync m16n8k16 bf16 micro-benchmark compiled into the extension.
+A second figure: 64 calls inside one jitted `lax.while_loop` with XLA command buffers on (run in a child
+process that sets XLA_FLAGS) against the single-call time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
+                        "--xla_gpu_graph_min_graph_size=1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kdtree_jax.ops import verify_attention  # noqa: E402
+from kdtree_jax.ops import ffi as vffi  # noqa: E402
+from kdtree_jax.ops.masks import ancestor_mask  # noqa: E402
+
+H = 8
+WIDTH, LATENT = 576, 512
+SCALE = 192 ** -0.5
+ROW_BYTES = WIDTH * 2
+LS = [4096, 16384, 65536, 131072, 200000]
+TS = [1, 9, 16, 33, 64, 128, 257]
+BS = [1, 8]
+POOL_TARGET_BYTES = 512 << 20   # layers to rotate through: > 8x the L2, so every call reads HBM
+REF_MAX_SCORES = 1 << 28        # skip the XLA reference above 2^28 scores (1 GiB of float32 per temporary)
+
+
+def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7) -> float:
+    """Seconds per call: slope between programs of k1 and k2 calls (medians of `reps` runs)."""
+    medians = []
+    for k in (k1, k2):
+        fn = make_fn(k)
+        jax.block_until_ready(fn(*args))  # compile + warm up
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        medians.append(float(np.median(times)))
+    return max((medians[1] - medians[0]) / (k2 - k1), 1e-9)
+
+
+def unrolled(op, num_layers: int):
+    """A jitted program of k calls on layers 0, 1, ... (mod num_layers); all outputs are returned, so no
+    call can be dropped, and no extra kernels sit between the calls."""
+    def make(k):
+        @jax.jit
+        def run(q, kv_pool, kv_slots, kv_lens, tree_mask):
+            return [op(q, kv_pool, jnp.int32(i % num_layers), kv_slots, kv_lens, tree_mask) for i in range(k)]
+        return run
+    return make
+
+
+def make_inputs(key, batch, num_queries, length, scattered: bool):
+    num_slots = batch * length
+    num_layers = max(2, math.ceil(POOL_TARGET_BYTES / (num_slots * ROW_BYTES)))
+    k = jax.random.split(key, 4)
+    kv_pool = jax.random.normal(k[0], (num_layers, num_slots, WIDTH), jnp.bfloat16)
+    q = jax.random.normal(k[1], (batch, num_queries, H, WIDTH), jnp.bfloat16)
+    if scattered:
+        kv_slots = jax.random.permutation(k[2], num_slots).astype(jnp.int32).reshape(batch, length)
+    else:
+        kv_slots = jnp.arange(num_slots, dtype=jnp.int32).reshape(batch, length)
+    kv_lens = jnp.full((batch,), length, jnp.int32)
+    # A random tree over the T query tokens (the mask only touches the last tile, so its shape barely matters).
+    rng = np.random.default_rng(0)
+    parents = np.array([[-1] + [rng.integers(0, i) for i in range(1, num_queries)] for _ in range(batch)], np.int32)
+    tree_mask = ancestor_mask(jnp.asarray(parents))
+    return (q, kv_pool, kv_slots, kv_lens, tree_mask), num_layers
+
+
+def measure_ceilings(ext):
+    copy_gbps = ext.bench_copy_gbps(0, 2 << 30, 20)
+    mma_tflops = ext.bench_mma_sync_tflops(0)
+    n = 8192
+    ka, kb = jax.random.split(jax.random.PRNGKey(1))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    bs = [jax.random.normal(jax.random.fold_in(kb, i), (n, n), jnp.bfloat16) for i in range(4)]
+
+    def make(k):
+        return jax.jit(lambda a, *bs: [jnp.dot(a, bs[i % 4], preferred_element_type=jnp.bfloat16) for i in range(k)])
+
+    per_dot = wall_per_call(make, (a, *bs), 2, 10, reps=5)
+    return {"copy_gbps": copy_gbps, "mma_sync_tflops": mma_tflops, "xla_dot_tflops": 2 * n ** 3 / per_dot / 1e12}
+
+
+def kernel_op(num_splits=0):
+    return lambda *a: verify_attention(*a, softmax_scale=SCALE, num_splits=num_splits, impl="ffi")
+
+
+def reference_op(*a):
+    return verify_attention(*a, softmax_scale=SCALE, impl="reference")
+
+
+def sweep(ceilings, quick: bool):
+    rows = []
+    ls = LS[:3] if quick else LS
+    ts = [1, 16, 64] if quick else TS
+    for batch in BS:
+        for length in ls:
+            for scattered in (False, True):
+                for num_queries in ts:
+                    args, num_layers = make_inputs(jax.random.PRNGKey(length + num_queries), batch, num_queries,
+                                                   length, scattered)
+                    kv_bytes = batch * length * ROW_BYTES
+                    flops = 2 * batch * num_queries * H * length * (WIDTH + LATENT)
+                    roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
+                    # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
+                    k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
+                    t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
+                    t_ref = None
+                    if scattered and batch * num_queries * H * length <= REF_MAX_SCORES:
+                        t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
+                    splits = vffi.choose_num_splits(batch, num_queries, H, length, vffi.sm_count())
+                    row = dict(B=batch, L=length, T=num_queries, H=H, slots="scattered" if scattered else "contiguous",
+                               num_splits=splits, us=t_kernel * 1e6, gbps=kv_bytes / t_kernel / 1e9,
+                               tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
+                               bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
+                               xla_us=None if t_ref is None else t_ref * 1e6,
+                               speedup=None if t_ref is None else t_ref / t_kernel)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    del args
+    return rows
+
+
+def while_loop_figure(cases):
+    """Per-call time of 64 calls inside one jitted while loop (command buffers on in this process)."""
+    out = []
+    for batch, length, num_queries in cases:
+        args, num_layers = make_inputs(jax.random.PRNGKey(7), batch, num_queries, length, True)
+        op = kernel_op()
+
+        def make(k):
+            @jax.jit
+            def run(q, kv_pool, kv_slots, kv_lens, tree_mask):
+                def body(i, acc):
+                    o, lse = op(q, kv_pool, i % num_layers, kv_slots, kv_lens, tree_mask)
+                    return acc + lse[0, 0, 0]
+                return jax.lax.fori_loop(0, k, body, jnp.float32(0))
+            return run
+
+        per_call_loop = wall_per_call(make, args, 1, 64, reps=7)
+        t0 = time.perf_counter()
+        run64 = make(64)
+        jax.block_until_ready(run64(*args))
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run64(*args))
+            times.append(time.perf_counter() - t0)
+        single = wall_per_call(unrolled(op, num_layers), args, 4, 20)
+        out.append(dict(B=batch, L=length, T=num_queries, single_call_us=single * 1e6,
+                        while_loop_per_call_us=per_call_loop * 1e6,
+                        while_loop_64_wall_over_64_us=float(np.median(times)) / 64 * 1e6,
+                        ratio=per_call_loop / single))
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def fmt(x, spec):
+    return "–" if x is None else format(x, spec)
+
+
+def write_results(path, meta, ceilings, rows, loop_rows):
+    with open(path + ".json", "w") as f:
+        json.dump(dict(meta=meta, ceilings=ceilings, rows=rows, while_loop=loop_rows), f, indent=1)
+    lines = [f"# Verify-attention kernel on {meta['device']}", "",
+             f"Date {meta['date']}, commit `{meta['commit']}`, jax {meta['jax']}, H = {H}, kv_lens = L, "
+             f"split count automatic ({meta['sm_count']} SMs). Generated by `benchmarks/verify_kernel.py`.", "",
+             f"Ceilings measured in the same run: copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
+             f"XLA bf16 dot {ceilings['xla_dot_tflops']:.0f} TFLOP/s, mma.sync m16n8k16 bf16 "
+             f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s.", "",
+             "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
+             "XLA = the pure-JAX reference (gather + einsum), scattered slots only, skipped above 2^28 scores.", "",
+             "| B | L | T | slots | splits | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['slots']} | {r['num_splits']} | {r['us']:.1f} | "
+                     f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
+                     f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} |")
+    if loop_rows:
+        lines += ["", "## Inside a jitted while loop (64 calls, XLA command buffers incl. WHILE/CONDITIONAL)", "",
+                  "| B | L | T | single call µs | per call in loop µs | ratio |", "|---|---|---|---|---|---|"]
+        for r in loop_rows:
+            lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['single_call_us']:.1f} | "
+                         f"{r['while_loop_per_call_us']:.1f} | {r['ratio']:.2f} |")
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few rows only")
+    parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
+    parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
+    parser.add_argument("--while-loop-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not (vffi.available() and vffi.cuda_built()) or jax.default_backend() != "gpu":
+        sys.exit("needs a GPU and the extension built with CUDA")
+    loop_cases = [(1, 4096, 1), (1, 4096, 16), (1, 65536, 1), (1, 65536, 16)]
+    if args.while_loop_only:
+        print("WHILE_LOOP_JSON " + json.dumps(while_loop_figure(loop_cases)))
+        return
+
+    ext = vffi._ext
+    meta = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="minutes"), commit=args.commit, jax=jax.__version__, sm_count=vffi.sm_count())
+    ceilings = measure_ceilings(ext)
+    print(json.dumps(ceilings), flush=True)
+    rows = sweep(ceilings, args.quick)
+
+    # The command-buffer figure runs in a child: XLA_FLAGS are read once, at backend start.
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip())
+    child = subprocess.run([sys.executable, __file__, "--while-loop-only"], env=env, capture_output=True, text=True)
+    loop_rows = []
+    for line in child.stdout.splitlines():
+        if line.startswith("WHILE_LOOP_JSON "):
+            loop_rows = json.loads(line[len("WHILE_LOOP_JSON "):])
+    if not loop_rows:
+        print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
+    write_results(args.out, meta, ceilings, rows, loop_rows)
+    print(open(args.out + ".md").read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+// CUDA handler of the verify-attention op: split-KV flash-decode over slot-indirected latent rows.
+//
+// Geometry (K2/DeepSeek absorbed MLA): a latent row is 576 bf16 = [c_kv 512 | rope 64]; scores use all 576
+// dims, the output is the softmax-weighted sum of the first 512.  Query rows of one sequence are the T*H
+// pairs (t, h) flattened as r = t*H + h (q's own memory order).
+//
+// Work split.  Grid (row tiles, KV splits, batch).  A block owns 16 query rows (one m16 MMA tile) and one
+// contiguous range of KV positions; its 4 warps share every KV tile that lands in shared memory:
+//   * S = Q·Kᵀ: warp w multiplies its 144-dim slice of the 576 dims (its Q fragments stay in registers
+//     for the whole block: 36 regs) for all 32 positions of the tile; the four partial score tiles are
+//     summed through shared memory, so each K element is read from shared memory once;
+//   * every warp then holds the full 16x32 score tile and runs the online softmax itself (cheaper than
+//     another round of barriers), turning the probabilities into bf16 A fragments in registers;
+//   * O += P·V: warp w owns output dims [128w, 128w+128) (64 fp32 accumulator regs).
+// KV tiles (32 rows x 1152 B) arrive by cp.async (16 B per copy, 18 per thread in flight) into a double
+// buffer; a row is padded to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.
+// Shared memory: 2 x 32 x 1168 + 4 x 16 x 40 x 4 = 84,992 B (< 99 KB on sm_120; two blocks per H200 SM).
+//
+// Splits write (out / l, lse) partials that a second kernel merges by LSE weights; with one split the main
+// kernel writes the final result itself.  Tiles are split evenly over the splits from the *device* kv_len,
+// so the split count is static (a launch parameter) while the work per split follows the real length.
+//
+// No host synchronisation, no allocation: the handler only launches, so it is safe inside CUDA graphs
+// (XLA command buffers); the partial buffers are outputs of the custom call (see kdtree_jax/ops/ffi.py).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "verify_attention.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLatent = 512;
+constexpr int kRope = 64;
+constexpr int kWidth = kLatent + kRope;     // 576
+constexpr int kRows = 16;                   // query rows per block
+constexpr int kTile = 32;                   // KV positions per pipeline stage
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 2;
+constexpr int kRowBytes = kWidth * 2 + 16;  // 1168: padded shared-memory row
+constexpr int kKSlice = kWidth / kWarps;    // 144 dims of Q·Kᵀ per warp
+constexpr int kKSteps = kKSlice / 16;       // 9 MMA k-steps
+constexpr int kOutCols = kLatent / kWarps;  // 128 output dims per warp
+constexpr int kOutBlocks = kOutCols / 8;    // 16 n8 blocks
+constexpr int kScoreStride = kTile + 8;     // floats per partial-score row (+8: conflict-free float2 stores)
+constexpr int kChunksPerRow = kWidth * 2 / 16;              // 72 16-byte chunks per latent row
+constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;  // 18
+constexpr int kKvBytes = kStages * kTile * kRowBytes;
+constexpr int kScoreBytes = kWarps * kRows * kScoreStride * 4;
+constexpr int kSmemBytes = kKvBytes + kScoreBytes;
+static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+static_assert(kThreads / 4 == kTile && kChunksPerRow % 4 == 0, "4 threads load each KV row");
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {
+  const uint16_t* q;          // [B, rows, 576] bf16 bits
+  const uint16_t* kv_pool;    // [num_layers, num_slots, 576]
+  const int32_t* layer;       // []
+  const int32_t* kv_slots;    // [B, max_len]
+  const int32_t* kv_lens;     // [B]
+  const uint32_t* tree_mask;  // [B, T, mask_words]
+  uint16_t* out;              // [B, rows, 512] bf16
+  float* lse;                 // [B, rows]
+  float* out_part;            // [B, splits, rows, 512]   (splits > 1 only)
+  float* lse_part;            // [B, splits, rows]
+  int num_queries, num_heads, rows, mask_words, max_len, num_layers, num_splits;
+  int64_t num_slots;
+  float scale_log2;           // softmax_scale * log2(e): the softmax runs in base 2 (ex2.approx)
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2 ulp, exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 writes zeros (positions past the end never hold stale data: a zero
+// row times a zero probability stays zero, whereas garbage could be NaN).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D = A·B + D, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Issue the copies of KV tile `tile` (positions tile*32 ...) into stage buffer `stage_base`.
+__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
+                                             int valid, int tile, uint32_t stage_base) {
+  const int row = threadIdx.x / 4;
+  const int pos = tile * kTile + row;
+  const bool ok = pos < valid;
+  int64_t slot = ok ? static_cast<int64_t>(slots[pos]) : 0;
+  slot = slot < 0 ? 0 : (slot >= p.num_slots ? p.num_slots - 1 : slot);  // bad slots never read out of bounds
+  const char* src = reinterpret_cast<const char*>(layer_rows + slot * kWidth);
+  const uint32_t dst = stage_base + row * kRowBytes;
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) {
+    const int chunk = (threadIdx.x % 4) + 4 * i;
+    cp_async_16(dst + chunk * 16, src + chunk * 16, ok ? 16 : 0);
+  }
+}
+
+template <bool kDirect>
+__global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* score_part = reinterpret_cast<float*>(smem + kKvBytes);  // [warp][row][kScoreStride]
+  const uint32_t kv_smem = smem_addr(smem);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, qd = lane % 4;  // MMA fragment coordinates: row group, column pair
+  const int row_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int row0 = row_tile * kRows;
+
+  // This sequence's valid positions and this split's share of them (whole tiles).
+  const int kv_len = p.kv_lens[b];
+  const int valid = min(max(kv_len, 0), p.max_len);
+  const int first = kv_len - p.num_queries;  // position of query token 0
+  const int num_tiles = (valid + kTile - 1) / kTile;
+  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * tiles_per_split, num_tiles);
+  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+
+  const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
+  const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
+  const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+
+  if (tile_begin < tile_end) load_kv_tile(p, layer_rows, slots, valid, tile_begin, kv_smem);
+  cp_async_commit();
+
+  // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).
+  uint32_t qf[kKSteps][4];
+  {
+    const int ra = row0 + g, rb = row0 + g + 8;
+    const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
+    const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int k2 = (warp * kKSlice + ks * 16) / 2 + qd;  // in 32-bit words
+      qf[ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
+      qf[ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
+      qf[ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
+      qf[ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
+    }
+  }
+  // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
+  const uint32_t* mask_a = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g, p.rows - 1) / p.num_heads) * p.mask_words;
+  const uint32_t* mask_b = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g + 8, p.rows - 1) / p.num_heads) * p.mask_words;
+
+  float acc[kOutBlocks][4];
+#pragma unroll
+  for (int i = 0; i < kOutBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base-2 scaled running max of rows g, g+8
+  float row_sum[2] = {0.f, 0.f};              // this thread's share of the running denominators
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int stage = (tile - tile_begin) % kStages;
+    const uint32_t stage_base = kv_smem + stage * kTile * kRowBytes;
+    // Everybody is done with the other stage (previous tile) and with the partial scores: refill it.
+    __syncthreads();
+    if (tile + 1 < tile_end) {
+      load_kv_tile(p, layer_rows, slots, valid, tile + 1, kv_smem + ((tile + 1 - tile_begin) % kStages) * kTile * kRowBytes);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile's copies (this thread's) have landed ...
+    __syncthreads();     // ... and everybody's
+
+    // Partial scores over this warp's dims: 16 rows x 32 positions.
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    {
+      const int mat = lane / 8;
+      const uint32_t lane_addr = stage_base + ((lane % 8) + (mat / 2) * 8) * kRowBytes + (warp * kKSlice + (mat % 2) * 8) * 2;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t kb[4];
+          ldmatrix_x4(lane_addr + j * 16 * kRowBytes + ks * 32, kb);
+          mma_bf16(s[2 * j], qf[ks], kb[0], kb[1]);
+          mma_bf16(s[2 * j + 1], qf[ks], kb[2], kb[3]);
+        }
+      }
+    }
+    float* my_part = score_part + warp * kRows * kScoreStride;
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      *reinterpret_cast<float2*>(my_part + g * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][0], s[nb][1]);
+      *reinterpret_cast<float2*>(my_part + (g + 8) * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][2], s[nb][3]);
+    }
+    __syncthreads();
+    // Full scores (sum of the four warps' slices), scaled to base 2.
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      float2 top = make_float2(0.f, 0.f), bottom = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float* part = score_part + w * kRows * kScoreStride;
+        const float2 t = *reinterpret_cast<const float2*>(part + g * kScoreStride + nb * 8 + 2 * qd);
+        const float2 u = *reinterpret_cast<const float2*>(part + (g + 8) * kScoreStride + nb * 8 + 2 * qd);
+        top.x += t.x; top.y += t.y; bottom.x += u.x; bottom.y += u.y;
+      }
+      s[nb][0] = top.x * p.scale_log2; s[nb][1] = top.y * p.scale_log2;
+      s[nb][2] = bottom.x * p.scale_log2; s[nb][3] = bottom.y * p.scale_log2;
+    }
+    // Masking: only tiles that reach past the prefix (or past the valid length) need it.
+    const int tile_pos = tile * kTile;
+    if (tile_pos + kTile > min(first, valid)) {
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = tile_pos + nb * 8 + 2 * qd + (e & 1);
+          const uint32_t* mask_row = e < 2 ? mask_a : mask_b;
+          const bool visible = pos < valid && kdtree::position_visible(pos, first, p.num_queries, mask_row);
+          if (!visible) s[nb][e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax (rows g and g+8): new max over the quad, rescale, probabilities.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      tile_max[0] = fmaxf(tile_max[0], fmaxf(s[nb][0], s[nb][1]));
+      tile_max[1] = fmaxf(tile_max[1], fmaxf(s[nb][2], s[nb][3]));
+    }
+    float scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+      const float new_max = fmaxf(row_max[h], tile_max[h]);
+      // A row that has seen nothing yet keeps max -inf; subtract 0 then so that exp2(-inf) = 0, not NaN.
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      scale[h] = fast_exp2(row_max[h] - base);
+      row_max[h] = new_max;
+      row_sum[h] *= scale[h];
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        s[nb][2 * h] = fast_exp2(s[nb][2 * h] - base);
+        s[nb][2 * h + 1] = fast_exp2(s[nb][2 * h + 1] - base);
+        row_sum[h] += s[nb][2 * h] + s[nb][2 * h + 1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kOutBlocks; ++i) {
+      acc[i][0] *= scale[0]; acc[i][1] *= scale[0]; acc[i][2] *= scale[1]; acc[i][3] *= scale[1];
+    }
+    // P (bf16) as A fragments: the accumulator layout of two n8 blocks is the A layout of one k16 step.
+    uint32_t pf[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      pf[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+      pf[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+      pf[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pf[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    // O += P·V over this warp's 128 output dims; V is row-major [position][dim]: transposed ldmatrix.
+    {
+      const int mat = lane / 8;
+      const uint32_t lane_addr = stage_base + ((lane % 8) + (mat % 2) * 8) * kRowBytes + (warp * kOutCols + (mat / 2) * 8) * 2;
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+        for (int j = 0; j < kOutBlocks / 2; ++j) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(lane_addr + kk * 16 * kRowBytes + j * 32, vb);
+          mma_bf16(acc[2 * j], pf[kk], vb[0], vb[1]);
+          mma_bf16(acc[2 * j + 1], pf[kk], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: full denominators over the quad, normalise, write final rows or per-split partials.
+  float inv[2], lse_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+    lse_row[h] = sum > 0.f ? (row_max[h] + log2f(sum)) * kLn2 : -INFINITY;
+  }
+  const int r[2] = {row0 + g, row0 + g + 8};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (r[h] >= p.rows) continue;
+    const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r[h]
+                                      : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r[h];
+    if (kDirect) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + warp * kOutCols + 2 * qd);
+#pragma unroll
+      for (int i = 0; i < kOutBlocks; ++i) dst[i * 4] = pack_bf16(acc[i][2 * h] * inv[h], acc[i][2 * h + 1] * inv[h]);
+      if (warp == 0 && qd == 0) p.lse[row_index] = lse_row[h];
+    } else {
+      float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + warp * kOutCols + 2 * qd);
+#pragma unroll
+      for (int i = 0; i < kOutBlocks; ++i) dst[i * 4] = make_float2(acc[i][2 * h] * inv[h], acc[i][2 * h + 1] * inv[h]);
+      if (warp == 0 && qd == 0) p.lse_part[row_index] = lse_row[h];
+    }
+  }
+}
+
+// Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
+constexpr int kReduceThreads = kLatent / 4;  // 128 threads x 4 dims
+constexpr int kMaxSplits = 1024;
+
+__global__ void __launch_bounds__(kReduceThreads) merge_splits_kernel(const Params p) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float shared_max, shared_lse, shared_inv;
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
+  float local_max = -INFINITY;
+  for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
+    weight[s] = p.lse_part[part_row0 + static_cast<int64_t>(s) * p.rows];
+    local_max = fmaxf(local_max, weight[s]);
+  }
+  // Block max, then weights and their sum (one warp does the small serial part).
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, o));
+  __shared__ float warp_max[kReduceThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local_max;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int w = 0; w < kReduceThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    shared_max = m;
+  }
+  __syncthreads();
+  const float m = shared_max;
+  for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
+    weight[s] = m == -INFINITY ? 0.f : __expf(weight[s] - m);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) total += weight[s];
+    shared_lse = total > 0.f ? m + logf(total) : -INFINITY;
+    shared_inv = total > 0.f ? 1.f / total : 0.f;
+  }
+  __syncthreads();
+  const float inv_total = shared_inv;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float w = weight[s];
+    if (w == 0.f) continue;  // empty splits (and their zero rows) cost nothing
+    const float4 v = *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + threadIdx.x * 4);
+    sum.x += w * v.x; sum.y += w * v.y; sum.z += w * v.z; sum.w += w * v.w;
+  }
+  const int64_t row_index = static_cast<int64_t>(b) * p.rows + r;
+  uint2 packed;
+  packed.x = pack_bf16(sum.x * inv_total, sum.y * inv_total);
+  packed.y = pack_bf16(sum.z * inv_total, sum.w * inv_total);
+  *reinterpret_cast<uint2*>(p.out + row_index * kLatent + threadIdx.x * 4) = packed;
+  if (threadIdx.x == 0) p.lse[row_index] = shared_lse;
+}
+
+// Raise the dynamic shared-memory limit once per device (a host-side attribute, no stream work).
+constexpr int kMaxDevices = 64;
+std::once_flag smem_once[kMaxDevices];
+cudaError_t smem_status[kMaxDevices];
+
+cudaError_t ensure_smem_limit(int device) {
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(smem_once[device], [device] {
+    cudaError_t err = cudaFuncSetAttribute(verify_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err == cudaSuccess) {
+      err = cudaFuncSetAttribute(verify_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    }
+    smem_status[device] = err;
+  });
+  return smem_status[device];
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("verify_attention (CUDA): ") + what + ": " + cudaGetErrorString(err));
+}
+
+using Scalar32 = ffi::Buffer<ffi::S32, 0>;
+using Slots = ffi::Buffer<ffi::S32, 2>;
+using Lens = ffi::Buffer<ffi::S32, 1>;
+using Mask = ffi::Buffer<ffi::U32, 3>;
+using Lse = ffi::Buffer<ffi::F32, 3>;
+using OutPart = ffi::Buffer<ffi::F32, 2>;
+using LsePart = ffi::Buffer<ffi::F32, 1>;
+
+ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, Scalar32 layer,
+                               Slots kv_slots, Lens kv_lens, Mask tree_mask, float softmax_scale, int64_t rope_dim,
+                               int64_t num_splits, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Lse> lse,
+                               ffi::Result<OutPart> out_part, ffi::Result<LsePart> lse_part) {
+  const auto qd = q.dimensions();
+  const auto pd = kv_pool.dimensions();
+  if (q.element_type() != ffi::DataType::BF16 || kv_pool.element_type() != ffi::DataType::BF16 ||
+      out->element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("verify_attention (CUDA): q, kv_pool and out must be bfloat16");
+  }
+  if (qd.size() != 4 || pd.size() != 3 || qd[3] != kWidth || pd[2] != kWidth || rope_dim != kRope) {
+    return ffi::Error::InvalidArgument("verify_attention (CUDA): rows must be 576 wide with rope_dim 64");
+  }
+  const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
+  const int64_t rows = num_queries * num_heads;
+  const int64_t max_len = kv_slots.dimensions()[1];
+  if (num_splits < 1 || num_splits > kMaxSplits || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+      pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
+    return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
+  }
+  if (num_splits > 1 && (out_part->element_count() < batch * num_splits * rows * kLatent ||
+                         lse_part->element_count() < batch * num_splits * rows)) {
+    return ffi::Error::InvalidArgument("verify_attention (CUDA): partial buffers too small for num_splits");
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_error("cudaGetDevice", err);
+  if (cudaError_t err = ensure_smem_limit(device); err != cudaSuccess) return cuda_error("shared memory limit", err);
+
+  Params p{};
+  p.q = static_cast<const uint16_t*>(q.untyped_data());
+  p.kv_pool = static_cast<const uint16_t*>(kv_pool.untyped_data());
+  p.layer = layer.typed_data();
+  p.kv_slots = kv_slots.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.tree_mask = tree_mask.typed_data();
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  p.lse = lse->typed_data();
+  p.out_part = out_part->typed_data();
+  p.lse_part = lse_part->typed_data();
+  p.num_queries = static_cast<int>(num_queries);
+  p.num_heads = static_cast<int>(num_heads);
+  p.rows = static_cast<int>(rows);
+  p.mask_words = static_cast<int>(tree_mask.dimensions()[2]);
+  p.max_len = static_cast<int>(max_len);
+  p.num_layers = static_cast<int>(pd[0]);
+  p.num_slots = pd[1];
+  p.num_splits = static_cast<int>(num_splits);
+  p.scale_log2 = softmax_scale * kLog2e;
+  if (rows == 0 || batch == 0) return ffi::Error::Success();
+
+  const dim3 grid(static_cast<unsigned>((rows + kRows - 1) / kRows), static_cast<unsigned>(num_splits),
+                  static_cast<unsigned>(batch));
+  if (num_splits == 1) {
+    verify_attention_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  } else {
+    verify_attention_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    merge_splits_kernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(batch)), kReduceThreads, 0, stream>>>(p);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_error("kernel launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, VerifyAttentionCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // kv_pool
+                                  .Arg<Scalar32>()        // layer
+                                  .Arg<Slots>()           // kv_slots
+                                  .Arg<Lens>()            // kv_lens
+                                  .Arg<Mask>()            // tree_mask
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("rope_dim")
+                                  .Attr<int64_t>("num_splits")
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<Lse>()             // lse
+                                  .Ret<OutPart>()         // per-split out (scratch)
+                                  .Ret<LsePart>(),        // per-split lse (scratch)
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,143 @@
+"""The CUDA verify-attention kernel against the pure-JAX oracle (needs a GPU; marked `gpu`).
+
+Same sweep as the CPU tests, at the kernel's geometry (bf16, 576 = 512 + 64) and longer tables, with both
+the automatic split count and forced ones (one split writes directly, several go through the merge).
+Before every call the allocator is handed a NaN-filled block of the outputs' size, so an element the kernel
+fails to write shows up as NaN. Also: repeated calls are bit-identical, a call inside `lax.while_loop`
+with XLA command buffers agrees, and compute-sanitizer (memcheck) is clean on a small case.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.ops import ffi as vffi
+from test_verify_attention import check_against_reference, jitted, make_case, reference_f32
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (vffi.available() and vffi.cuda_built()), reason="extension built without CUDA"),
+]
+
+LATENT, ROPE = 512, 64
+SCALE = (128 + 64) ** -0.5  # K2's qk head dim (the absorbed row is 576 wide, the scale is not)
+
+
+def poison_allocator(*shapes_and_dtypes):
+    """Fill freshly allocated device blocks of these sizes with NaN and free them again: the next
+    allocation of the same sizes (the kernel's outputs) very likely lands on the poisoned memory."""
+    blocks = [jnp.full(shape, jnp.nan, dtype) for shape, dtype in shapes_and_dtypes]
+    jax.block_until_ready(blocks)
+    for block in blocks:
+        block.delete()
+
+
+def run_poisoned(fn, case):
+    q = case[0]
+    batch, num_queries, num_heads, _ = q.shape
+    poison_allocator(((batch, num_queries, num_heads, LATENT), jnp.bfloat16),
+                     ((batch, num_queries, num_heads), jnp.float32))
+    return jax.block_until_ready(fn(*case))
+
+
+# (B, T, H, Lmax): every T of the issue, H in {1, 8, 16}, lengths that are no multiple of 16 or 32.
+GPU_SHAPES = [
+    (3, 1, 8, 2001),
+    (2, 2, 16, 777),
+    (3, 7, 1, 1234),
+    (2, 16, 8, 3001),
+    (1, 33, 1, 333),
+    (2, 64, 1, 1500),
+    (1, 200, 1, 999),
+    (2, 200, 16, 517),
+    (4, 16, 8, 40007),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_cuda_matches_reference(shape, num_splits):
+    batch, num_queries, num_heads, max_len = shape
+    fn = jitted("auto", SCALE, ROPE, num_splits)
+    for draw in range(2):
+        case = make_case(97 * draw + max_len + num_splits, batch, num_queries, num_heads, max_len, latent=LATENT,
+                         rope=ROPE, dtype=jnp.bfloat16)
+        out, lse = run_poisoned(fn, case)
+        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
+def test_repeated_calls_are_bit_identical():
+    case = make_case(5, 2, 16, 8, 5003, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
+    fn = jitted("auto", SCALE, ROPE, 0)
+    first = [np.asarray(x) for x in run_poisoned(fn, case)]
+    for _ in range(3):
+        again = run_poisoned(fn, case)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_inside_while_loop_matches_single_call():
+    """64 calls in one jitted while loop (layers rotate) give what the single calls give."""
+    case = make_case(8, 1, 9, 8, 4099, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16, num_layers=4)
+    q, kv_pool, _, kv_slots, kv_lens, tree_mask = case
+    fn = jitted("auto", SCALE, ROPE, 0)
+
+    @jax.jit
+    def loop():
+        def body(i, acc):
+            out, lse = fn(q, kv_pool, i % 4, kv_slots, kv_lens, tree_mask)
+            return acc.at[i % 4].set(out.astype(jnp.float32))
+        return jax.lax.fori_loop(0, 64, body, jnp.zeros((4,) + q.shape[:3] + (LATENT,), jnp.float32))
+
+    looped = np.asarray(loop())
+    for layer in range(4):
+        out, _ = fn(q, kv_pool, jnp.int32(layer), kv_slots, kv_lens, tree_mask)
+        np.testing.assert_array_equal(looped[layer], np.asarray(out, np.float32))
+
+
+def test_other_dtypes_fall_back_to_reference_on_gpu():
+    case = make_case(3, 1, 4, 2, 50, latent=32, rope=8, dtype=jnp.float32)
+    with pytest.warns(UserWarning, match="does not handle"):
+        vffi._warn_fallback_once.cache_clear()
+        out, lse = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.2, rope_dim=8))(*case)
+    ref_out, ref_lse = reference_f32(case, 0.2, 8)
+    check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5)
+
+
+SANITIZER_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax, jax.numpy as jnp, numpy as np
+    from test_verify_attention import make_case, jitted
+    for splits in (1, 3):
+        case = make_case(1, 2, 7, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
+        out, lse = jitted("auto", 0.07, 64, splits)(*case)
+        out.block_until_ready()
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+    print("SANITIZER-CASE-OK")
+""")
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+def test_compute_sanitizer_is_clean(tool):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    script = SANITIZER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    # racecheck instruments only our kernels (shared-memory hazards); memcheck checks every kernel.
+    only_ours = ["--kernel-name", "kns=verify_attention_kernel"] if tool == "racecheck" else []
+    res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
+                          sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0 and "SANITIZER-CASE-OK" in log, log[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log, log[-4000:]
