@@ -1,0 +1,197 @@
+"""Acceptance: which part of a draft tree the target agrees with, and the token it adds ("bonus").
+
+After the verify pass we have the target's logits at every tree node: row n is the target's
+distribution for the token that follows node n's prefix. Walk from the root: at the current node pick
+the target's token (argmax, or a sample); if a valid child of the node carries that token, move to it
+and continue; otherwise stop, and the picked token is the bonus. The emitted tokens are the picked
+tokens along the walk, so each one is exactly what plain decoding with the target would have picked
+after the same prefix: the draft only decides how many of them one verify pass yields. With sampling
+that makes the output an exact sample of the (filtered) target, as long as every visited node gets
+fresh randomness of its own.
+
+Shapes are static: D = tree.max_depth, so a walk visits at most D + 1 nodes (the root and at most D
+accepted nodes) and emits at most D + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax.spec.tree import Tree
+
+
+class Acceptance(NamedTuple):
+    """Result of one acceptance walk, per sequence. Padding is -1 in every array.
+
+    path          int32 [B, D+1]  node indices visited, from the root (path[:, 0] = 0); entries past
+                                  num_accepted are -1
+    num_accepted  int32 [B]       accepted non-root nodes, 0..D
+    bonus         int32 [B]       the target's token at the last visited node (not in the tree)
+    emitted       int32 [B, D+1]  tokens produced this step, in order: the accepted nodes' tokens,
+                                  then the bonus; entries past num_accepted are -1
+    num_emitted   int32 [B]       num_accepted + 1
+    last_node     int32 [B]       path[num_accepted]: the deepest accepted node (0 = the root), whose
+                                  target logits gave the bonus; its KV and hidden state are the last
+                                  ones to keep
+    """
+
+    path: jax.Array
+    num_accepted: jax.Array
+    bonus: jax.Array
+    emitted: jax.Array
+    num_emitted: jax.Array
+    last_node: jax.Array
+
+
+def _check_logits(tree: Tree, target_logits) -> None:
+    batch, num_nodes = tree.tokens.shape
+    shape = tuple(jnp.shape(target_logits))
+    if len(shape) != 3 or shape[:2] != (batch, num_nodes):
+        raise ValueError(f"target_logits must be [B={batch}, T={num_nodes}, V]; got shape {list(shape)}")
+
+
+def _walk(tree: Tree, choose) -> Acceptance:
+    """The acceptance walk. choose(node [B]) -> the target's token at that node, [B] int32."""
+    batch = tree.tokens.shape[0]
+    max_depth = tree.max_depth
+    rows = jnp.arange(batch)
+
+    def step(s, carry):
+        node, done, path, emitted, num_accepted, bonus = carry
+        token = choose(node)
+        child_match = (tree.parents == node[:, None]) & tree.valid & (tree.tokens == token[:, None])
+        found = child_match.any(axis=1) & ~done
+        child = jnp.argmax(child_match, axis=1).astype(jnp.int32)  # the first match if siblings repeat
+        emitted = emitted.at[rows, s].set(jnp.where(done, -1, token))
+        # path has one spare column so that step s = D (where nothing can be found) stays in range.
+        path = path.at[rows, s + 1].set(jnp.where(found, child, -1))
+        bonus = jnp.where(done | found, bonus, token)
+        return (jnp.where(found, child, node), done | ~found, path, emitted,
+                num_accepted + found.astype(jnp.int32), bonus)
+
+    init = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+            jnp.full((batch, max_depth + 2), -1, jnp.int32).at[:, 0].set(0),
+            jnp.full((batch, max_depth + 1), -1, jnp.int32), jnp.zeros((batch,), jnp.int32),
+            jnp.full((batch,), -1, jnp.int32))
+    # D + 1 picks: at most D accepted nodes (the tree is at most D deep), then the bonus.
+    node, _, path, emitted, num_accepted, bonus = jax.lax.fori_loop(0, max_depth + 1, step, init)
+    return Acceptance(path=path[:, :max_depth + 1], num_accepted=num_accepted, bonus=bonus, emitted=emitted,
+                      num_emitted=num_accepted + 1, last_node=node)
+
+
+def accept_greedy(tree: Tree, target_logits) -> Acceptance:
+    """Greedy verification: follow the target's argmax (ties: the lowest token id) down the tree."""
+    _check_logits(tree, target_logits)
+    choices = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, T], one pass over the logits
+    return _walk(tree, lambda node: jnp.take_along_axis(choices, node[:, None], axis=1)[:, 0])
+
+
+def _is_static_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_sampling(temperature, top_k, top_p) -> int:
+    if _is_static_number(temperature) and temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
+    if isinstance(top_k, bool):
+        raise ValueError(f"top_k must be a static int >= 0 (0 = off); got {top_k!r}")
+    try:
+        top_k = operator.index(top_k)
+    except TypeError:
+        raise ValueError(f"top_k must be a static int >= 0 (0 = off); got {type(top_k).__name__}") from None
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off); got {top_k}")
+    if _is_static_number(top_p) and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off); got {top_p}")
+    return top_k
+
+
+def filter_logits(logits, temperature, top_k: int = 0, top_p=1.0):
+    """The sampling distribution as logits: f32 [..., V], -inf on removed tokens.
+
+    In order:
+      1. divide by temperature;
+      2. top-k (0 = off): keep the tokens whose logit is >= the k-th largest (ties at the boundary all stay);
+      3. top-p (1 = off): with the kept tokens' probabilities renormalised and sorted best first, token i
+         stays iff the summed probability of tokens 0..i-1 is < top_p -- the smallest best-first set
+         whose mass reaches top_p (the best token always stays; ties at the cutoff value all stay).
+    Sampling from the result (softmax / `jax.random.categorical`) renormalises over the kept set.
+
+    temperature == 0 means greedy: only the argmax (the lowest id among ties) stays, at logit 0.
+    temperature and top_p may be traced scalars (then temperature >= 0 and 0 < top_p <= 1 are the
+    caller's to ensure); top_k is static.
+    """
+    top_k = _check_sampling(temperature, top_k, top_p)
+    logits = jnp.asarray(logits, jnp.float32)
+    vocab = logits.shape[-1]
+    token_ids = jnp.arange(vocab)
+    argmax_only = jnp.where(token_ids == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, -jnp.inf)
+    if _is_static_number(temperature) and temperature == 0:
+        return argmax_only
+
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    sorted_desc = None  # best-first logits, when we have them anyway
+    if top_k > 0 and top_k < vocab:
+        sorted_desc = jax.lax.top_k(scaled, top_k)[0]
+        scaled = jnp.where(scaled >= sorted_desc[..., -1:], scaled, -jnp.inf)
+
+    if not (_is_static_number(top_p) and top_p >= 1.0):
+        if sorted_desc is None:
+            sorted_desc = -jnp.sort(-scaled, axis=-1)
+        # With top-k on, the kept set is sorted_desc plus, possibly, ties of its last value; the cumulative
+        # mass of sorted_desc's entries is the same either way, and the normaliser covers all kept tokens.
+        probs = jnp.exp(sorted_desc - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+        mass = jnp.cumsum(probs, axis=-1)
+        mass_before = jnp.concatenate([jnp.zeros_like(mass[..., :1]), mass[..., :-1]], axis=-1)
+        num_kept = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(sorted_desc, num_kept - 1, axis=-1)
+        keep = (scaled >= cutoff) | (top_p >= 1.0)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+
+    if _is_static_number(temperature):
+        return scaled
+    return jnp.where(temperature > 0, scaled, argmax_only)
+
+
+def _per_sequence_keys(key, batch: int):
+    """[B] keys: a batch of keys is used as given; a single key gets the row index folded in."""
+    is_typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    single_ndim = 0 if is_typed else 1
+    if key.ndim == single_ndim:
+        return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+    if key.ndim == single_ndim + 1 and key.shape[0] == batch:
+        return key
+    raise ValueError(f"key must be one PRNG key or a batch of {batch} keys; got shape {key.shape}")
+
+
+def accept_sampled(tree: Tree, target_logits, key, *, temperature, top_k: int = 0, top_p=1.0) -> Acceptance:
+    """Lossless sampled verification: at each visited node, sample the filtered target distribution.
+
+    key: one PRNG key (then sequence b uses fold_in(key, b): its draws depend on its row in the batch)
+    or a batch of B keys (one per sequence: draws independent of the batch's composition); typed keys
+    (`jax.random.key`) or raw uint32 ones. The draw at node n uses fold_in(sequence key, n). The engine
+    must give every step a new key (e.g. fold in the step or the sequence's position).
+
+    temperature / top_k / top_p: as in `filter_logits`. A static temperature == 0 is `accept_greedy`.
+    Only the <= D + 1 visited rows are filtered and sampled, not all T.
+    """
+    _check_logits(tree, target_logits)
+    top_k = _check_sampling(temperature, top_k, top_p)
+    if _is_static_number(temperature) and temperature == 0:
+        return accept_greedy(tree, target_logits)
+    seq_keys = _per_sequence_keys(jnp.asarray(key) if not isinstance(key, jax.Array) else key, tree.tokens.shape[0])
+
+    def choose(node):
+        row = jnp.take_along_axis(target_logits, node[:, None, None], axis=1)[:, 0]  # [B, V]
+        row = filter_logits(row, temperature, top_k, top_p)
+        node_keys = jax.vmap(jax.random.fold_in)(seq_keys, node)
+        return jax.vmap(jax.random.categorical)(node_keys, row).astype(jnp.int32)
+
+    return _walk(tree, choose)
+
+
+__all__ = ["Acceptance", "accept_greedy", "accept_sampled", "filter_logits"]
