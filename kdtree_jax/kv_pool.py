@@ -131,3 +131,44 @@ def reset_sequences(cache: KVCache, which) -> KVCache:
     owned = which[:, None] & (positions < cache.seq_lens[:, None])
     cache = release(cache, cache.slot_table, owned)
     return cache._replace(seq_lens=jnp.where(which, 0, cache.seq_lens))
+
+
+def commit_path(cache: KVCache, node_slots, path, num_accepted, active) -> KVCache:
+    """Make an accepted tree path the sequences' next positions, free every other node's slot.
+
+    node_slots [B, T]: slot of each tree node (placed at positions [seq_len, seq_len + T) for the
+    verify pass); path [B, D+1]: accepted node indices, root first; num_accepted [B]: accepted nodes
+    after the root. The path's rows were computed at rope positions seq_len + depth, which are exactly
+    the positions they take now, so committing is a rewrite of the slot table: no KV row moves.
+    Inactive sequences keep nothing.
+    """
+    batch, num_nodes = node_slots.shape
+    steps = jnp.arange(path.shape[1])[None, :]
+    num_keep = jnp.where(active, num_accepted + 1, 0)
+    on_path = steps < num_keep[:, None]
+    path_safe = jnp.clip(path, 0, num_nodes - 1)
+    rows = jnp.arange(batch)[:, None]
+    dest = jnp.where(on_path, cache.seq_lens[:, None] + steps, cache.max_len)
+    table = cache.slot_table.at[rows, dest].set(jnp.take_along_axis(node_slots, path_safe, axis=1), mode="drop")
+    kept = jnp.zeros((batch, num_nodes), bool).at[rows, jnp.where(on_path, path_safe, num_nodes)].set(True, mode="drop")
+    cache = release(cache._replace(slot_table=table), node_slots, ~kept)
+    return cache._replace(seq_lens=cache.seq_lens + num_keep.astype(jnp.int32))
+
+
+def defrag(cache: KVCache) -> KVCache:
+    """Compact a churned pool: every live row moves to slots [0, live), in (sequence, position) order,
+    and the free list becomes the contiguous rest. Logits are unchanged (only slot ids change).
+
+    This copies the live rows once; run it between requests, not per step.
+    """
+    live = jnp.arange(cache.max_len)[None, :] < cache.seq_lens[:, None]  # [B, Lmax]
+    new_ids = jnp.where(live, jnp.cumsum(live.reshape(-1)).reshape(live.shape) - 1, 0).astype(jnp.int32)
+    total = live.sum(dtype=jnp.int32)
+    src = jnp.where(live, cache.slot_table, 0).reshape(-1)
+    dst = jnp.where(live.reshape(-1), new_ids.reshape(-1), cache.num_slots)
+    pages = jnp.zeros_like(cache.pages).at[:, dst].set(cache.pages[:, src], mode="drop")
+    # Free slots are [total, num_slots); popped from the top of the stack in ascending order.
+    idx = jnp.arange(cache.num_slots, dtype=jnp.int32)
+    free = jnp.where(idx < cache.num_slots - total, cache.num_slots - 1 - idx, 0).astype(jnp.int32)
+    return cache._replace(pages=pages, free_slots=free, num_free=cache.num_slots - total,
+                          slot_table=jnp.where(live, new_ids, 0))

@@ -54,3 +54,28 @@ def test_decode_step_does_not_copy_the_pool():
     # The reference attention gathers each sequence's rows ([B, Lmax, D] per layer, 1/12 of this pool)
     # but must never materialise a second pool.
     assert mem.temp_size_in_bytes < pool_bytes / 2
+
+
+def test_defrag_keeps_logits_identical():
+    """Churn a pool (sequences reset and refilled, padding freed), compact it, and check that every
+    sequence's next-token logits are bit-identical before and after."""
+    cfg = TINY
+    model = kdtree_jax.init_model(cfg, seed=4)
+    rng = np.random.default_rng(9)
+    cache = kv_pool.init_cache(cfg, 3, 48, num_slots=200, dtype=jnp.float32)
+    cache = cache._replace(free_slots=jnp.asarray(rng.permutation(200).astype(np.int32)))
+    _, _, cache = kdtree_jax.prefill(model, cache, rng.integers(0, cfg.vocab_size, (3, 20)), [20, 7, 13], chunk_size=8)
+    cache = kv_pool.reset_sequences(cache, jnp.array([False, True, False]))
+    _, _, cache = kdtree_jax.prefill(model, cache, rng.integers(0, cfg.vocab_size, (3, 9)), [3, 9, 5], chunk_size=8)
+    live = int(np.asarray(cache.seq_lens).sum())
+    assert int(cache.num_free) == 200 - live
+
+    probe = rng.integers(0, cfg.vocab_size, 3)
+    before, _ = kdtree_jax.decode_step(model, jax.tree.map(jnp.copy, cache), probe, impl="reference")
+    packed = kv_pool.defrag(cache)
+    table = np.asarray(packed.slot_table)
+    owned = np.concatenate([table[b, :n] for b, n in enumerate(np.asarray(packed.seq_lens))])
+    assert sorted(owned.tolist()) == list(range(live))  # compact: slots 0..live-1, each once
+    assert int(packed.num_free) == 200 - live
+    after, packed = kdtree_jax.decode_step(model, packed, probe, impl="reference")
+    np.testing.assert_array_equal(np.asarray(before), np.asarray(after))

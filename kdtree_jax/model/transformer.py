@@ -51,12 +51,15 @@ class Transformer(nnx.Module):
     def embed(self, tokens):
         return self.embed_tokens(tokens)
 
-    def head(self, hidden):
-        """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
-        x = self.norm(hidden)
+    def lm_logits(self, x):
+        """The lm head alone (the drafter brings its own final norm): [.., hidden] -> float32 [.., V]."""
         if self.lm_head is None:
             return (x @ self.embed_tokens.embedding[...].T).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
+
+    def head(self, hidden):
+        """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
+        return self.lm_logits(self.norm(hidden))
 
     def __call__(self, tokens, positions, kv_pages, batch: AttentionBatch, *,
                  hidden_layers: Sequence[int] = (), impl: str = "auto") -> ForwardOutput:

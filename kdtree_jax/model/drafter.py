@@ -1,0 +1,201 @@
+"""A DFlash-style block drafter: one forward pass proposes the next `block_size - 1` tokens.
+
+The input block is `[bonus token, MASK, ..., MASK]` at positions `start, start+1, ...`. Attention inside
+the block is bidirectional, and every layer also attends to the *context*: the target's hidden states
+at every committed position (from a few target layers, concatenated and projected to the model width).
+Each layer keeps the keys/values of that context in a `DrafterCache`, extended as tokens are accepted,
+so a step costs only the block's work plus attention over the cached context.
+
+The drafter owns no embedding or output head: it shares the target's (their width is the target's).
+The block's output at position i >= 1 gives the distribution of the token at `start + i`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import MLP, RMSNorm, apply_rope, linear
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    block_size: int = 8  # the bonus token + block_size - 1 drafted positions
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    target_layer_ids: Optional[tuple[int, ...]] = None  # None: evenly spaced over the target's layers
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        problems = []
+        if self.block_size < 2:
+            problems.append(f"block_size must be >= 2; got {self.block_size}")
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even (rope); got {self.head_dim}")
+        if problems:
+            raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
+
+    @property
+    def depth(self) -> int:
+        """Drafted positions per pass (D)."""
+        return self.block_size - 1
+
+    def layer_ids(self, target: ModelConfig) -> tuple[int, ...]:
+        """Which target layers' outputs feed the drafter (validated against the target)."""
+        n = target.num_hidden_layers
+        ids = self.target_layer_ids
+        if ids is None:
+            k = min(3, n)
+            ids = tuple(sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}))
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad or not ids:
+            raise ValueError(f"target_layer_ids {ids} must be a non-empty subset of [0, {n})")
+        return tuple(ids)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        d = dict(d)
+        if d.get("target_layer_ids") is not None:
+            d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        return cls(**d)
+
+
+class DrafterCache(NamedTuple):
+    """Per drafter layer, the keys/values of the context features at each position."""
+
+    k: jnp.ndarray  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    v: jnp.ndarray
+    lens: jnp.ndarray  # [B] int32: context positions filled
+
+
+def rope_tables(head_dim: int, theta: float, positions):
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, hidden: int, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.q_proj = linear(rngs, hidden, cfg.num_heads * cfg.head_dim, dtype)
+        self.k_proj = linear(rngs, hidden, cfg.num_kv_heads * cfg.head_dim, dtype)
+        self.v_proj = linear(rngs, hidden, cfg.num_kv_heads * cfg.head_dim, dtype)
+        self.o_proj = linear(rngs, cfg.num_heads * cfg.head_dim, hidden, dtype)
+
+    def keys_values(self, x, cos, sin):
+        shape = x.shape[:-1] + (self.cfg.num_kv_heads, self.cfg.head_dim)
+        return apply_rope(self.k_proj(x).reshape(shape), cos, sin), self.v_proj(x).reshape(shape)
+
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_lens):
+        """x [B, S, hidden] (the block) attends to ctx positions [0, ctx_lens) and to the whole block."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        q = apply_rope(self.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim), cos, sin)
+        k_blk, v_blk = self.keys_values(x, cos, sin)
+        k = jnp.concatenate([ctx_k, k_blk], axis=1)  # [B, L + S, Hkv, Dh]
+        v = jnp.concatenate([ctx_v, v_blk], axis=1)
+        group = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, s, cfg.num_kv_heads, group, cfg.head_dim)
+        scores = jnp.einsum("bskgd,blkd->bkgsl", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
+        max_len = ctx_k.shape[1]
+        visible = jnp.concatenate([jnp.arange(max_len)[None, :] < ctx_lens[:, None], jnp.ones((b, s), bool)], axis=1)
+        scores = jnp.where(visible[:, None, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgsl,blkd->bskgd", probs, v.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(out.reshape(b, s, -1))
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, hidden: int, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
+        self.self_attn = DrafterAttention(hidden, cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
+        self.mlp = MLP(hidden, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_lens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_lens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nnx.Module):
+    def __init__(self, target_cfg: ModelConfig, cfg: DrafterConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.target_layer_ids = cfg.layer_ids(target_cfg)
+        hidden = target_cfg.hidden_size
+        self.fc = linear(rngs, len(self.target_layer_ids) * hidden, hidden, dtype)
+        self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
+        self.mask_embedding = nnx.Param(jax.random.normal(rngs.params(), (hidden,), jnp.float32).astype(dtype))
+        self.layers = nnx.List([DrafterLayer(hidden, cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
+
+    @property
+    def dtype(self):
+        return self.mask_embedding.dtype
+
+    def init_cache(self, batch: int, max_len: int) -> DrafterCache:
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((batch,), jnp.int32))
+
+    def context_features(self, target_hidden):
+        """target_hidden [len(target_layer_ids), B, n, hidden] -> projected context [B, n, hidden]."""
+        stacked = jnp.concatenate(list(target_hidden), axis=-1)
+        return self.hidden_norm(self.fc(stacked.astype(self.dtype)))
+
+    def extend_context(self, cache: DrafterCache, target_hidden, num_new) -> DrafterCache:
+        """Append the features of the next positions; the first num_new[b] of n are real."""
+        feats = self.context_features(target_hidden)
+        b, n, _ = feats.shape
+        positions = cache.lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+        # Padding goes past the end of the table, where the scatter drops it.
+        dest = jnp.where(jnp.arange(n)[None, :] < num_new[:, None], positions, cache.k.shape[2])
+        rows = jnp.arange(b)[:, None]
+        k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(feats, cos, sin)
+            k_all = k_all.at[i, rows, dest].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[i, rows, dest].set(v.astype(v_all.dtype), mode="drop")
+        return DrafterCache(k_all, v_all, cache.lens + num_new.astype(jnp.int32))
+
+    def __call__(self, target, cache: DrafterCache, bonus, start_pos):
+        """Log-probs [B, D, V] (float32) of the tokens at start_pos + 1 .. start_pos + D.
+
+        bonus [B]: the last accepted token, at position start_pos [B] (== cache.lens, normally).
+        `target` provides the shared embedding and lm head.
+        """
+        b = bonus.shape[0]
+        block = self.cfg.block_size
+        first = target.embed(bonus[:, None]).astype(self.dtype)
+        masks = jnp.broadcast_to(self.mask_embedding[...], (b, block - 1, first.shape[-1]))
+        x = jnp.concatenate([first, masks], axis=1)
+        positions = start_pos[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lens)
+        logits = target.lm_logits(self.norm(x[:, 1:]))
+        return jax.nn.log_softmax(logits, axis=-1)
+
+
+def init_drafter(target_cfg: ModelConfig, cfg: DrafterConfig | None = None, seed: int = 0, dtype=jnp.float32) -> Drafter:
+    """A drafter with random weights, shaped for `target_cfg`."""
+    return Drafter(target_cfg, cfg or DrafterConfig(), dtype, rngs=nnx.Rngs(seed))

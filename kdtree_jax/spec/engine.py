@@ -1,0 +1,288 @@
+"""DDTree speculative decoding: the whole decode in one jitted `lax.while_loop`.
+
+One step, all on device (DESIGN.md, "Data flow of one speculative step"):
+
+    drafter(block [bonus, MASK...], cached target features) -> per-depth top-K log-probs
+    -> draft tree (DDTree best-first / chain / static shape) -> T slots allocated and placed
+    -> target verify forward over the T nodes (tree mask, rope at start + depth)
+    -> acceptance walk (greedy or sampled) -> commit the accepted path's slots, free the rest
+    -> the accepted nodes' hidden states extend the drafter's context -> emit tokens.
+
+Invariant between steps: the target cache holds every committed token except the last one (the
+"bonus"), which sits at position `seq_lens` and becomes the next tree's root. The drafter's context
+holds the target features of the same positions.
+
+budget 0 is plain autoregressive decoding through the same loop (a root-only tree, no drafter pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax import kv_pool
+from kdtree_jax.decode import prefill, validate_tokens
+from kdtree_jax.kv_pool import KVCache
+from kdtree_jax.model.drafter import Drafter, DrafterCache
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.spec import accept as acceptance
+from kdtree_jax.spec import tree as trees
+
+TreeShape = Union[str, tuple]  # "ddtree", "chain", or a static branching tuple such as (4, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of one compiled decode loop."""
+
+    tree: TreeShape = "ddtree"
+    budget: int = 16  # DDTree nodes besides the root; 0: autoregressive
+    topk: int = 4  # drafter candidates per depth
+    temperature: float = 0.0
+    top_k: int = 0  # target sampling filters (temperature > 0)
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    impl: str = "auto"  # verify-attention implementation
+
+
+class LoopState(NamedTuple):
+    cache: KVCache
+    dcache: Optional[DrafterCache]
+    bonus: jnp.ndarray  # [B] the last emitted token, not yet in the target cache
+    out: jnp.ndarray  # [B, max_new + D + 1] emitted tokens
+    num_out: jnp.ndarray  # [B]
+    active: jnp.ndarray  # [B] bool
+    step: jnp.ndarray  # [] loop iterations
+    key: jnp.ndarray
+    accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
+    stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list  # per sequence, the generated token ids (prompt excluded, stop token included)
+    stats: dict
+
+
+def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig) -> trees.Tree:
+    start = state.cache.seq_lens
+    if spec.budget == 0 and spec.tree == "ddtree" or drafter is None:
+        return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
+    logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
+    top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
+    if spec.tree == "ddtree":
+        return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
+    if spec.tree == "chain":
+        return trees.build_chain(top_tok, top_lp, state.bonus, start)
+    return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
+
+
+def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig) -> LoopState:
+    tree = _draft_tree(drafter, target, state, spec)
+    num_nodes = tree.num_nodes
+    cache, slots = kv_pool.allocate(state.cache, num_nodes)
+    cache = kv_pool.place(cache, slots)
+    batch = kv_pool.attention_batch(cache, slots, tree.mask)
+    hidden_layers = () if drafter is None else drafter.target_layer_ids
+    # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
+    fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
+                 hidden_layers=hidden_layers, impl=spec.impl)
+    cache = cache._replace(pages=fwd.kv_pages)
+
+    if spec.temperature == 0:
+        acc = acceptance.accept_greedy(tree, fwd.logits)
+    else:
+        acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
+                                        temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+    active = state.active
+    cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
+    num_keep = jnp.where(active, acc.num_accepted + 1, 0)
+
+    dcache = state.dcache
+    if drafter is not None:
+        path = jnp.clip(acc.path, 0, num_nodes - 1)
+        path_hidden = jnp.take_along_axis(fwd.hidden, path[None, :, :, None], axis=2)  # [n, B, D+1, H]
+        dcache = drafter.extend_context(dcache, path_hidden, num_keep)
+
+    # Emit: the accepted tokens then the bonus, cut after a stop token.
+    emitted = acc.emitted  # [B, D+1], -1 past num_emitted
+    width = emitted.shape[1]
+    j = jnp.arange(width)[None, :]
+    in_step = j < jnp.where(active, acc.num_emitted, 0)[:, None]
+    is_stop = in_step & (emitted[:, :, None] == state.stop_ids[None, None, :]).any(-1)
+    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), width)
+    n_emit = jnp.minimum(jnp.where(active, acc.num_emitted, 0), first_stop + 1)
+    rows = jnp.arange(emitted.shape[0])[:, None]
+    dest = jnp.where(j < n_emit[:, None], state.num_out[:, None] + j, state.out.shape[1])
+    out = state.out.at[rows, dest].set(emitted, mode="drop")
+    num_out = state.num_out + n_emit
+    max_new = state.out.shape[1] - width
+    still = active & ~is_stop.any(1) & (num_out < max_new)
+
+    hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
+    return LoopState(cache, dcache, jnp.where(active, acc.bonus, state.bonus), out, num_out, still,
+                     state.step + 1, state.key, hist, state.stop_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig) -> LoopState:
+    """Speculative steps until every sequence is done; one compiled program, no host round trip."""
+    max_steps = spec.max_new_tokens  # each step emits >= 1 token per active sequence
+
+    def cond(s: LoopState):
+        return (s.step < max_steps) & s.active.any()
+
+    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec), state)
+
+
+@jax.jit
+def _extend_drafter(drafter: Drafter, dcache: DrafterCache, hidden, num_new):
+    return drafter.extend_context(dcache, hidden, num_new)
+
+
+def _first_token(last_logits, spec: SpecConfig, key):
+    if spec.temperature == 0:
+        return jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+    filtered = acceptance.filter_logits(last_logits, spec.temperature, spec.top_k, spec.top_p)
+    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(last_logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+def _as_batch(prompt_ids) -> tuple[list[np.ndarray], bool]:
+    """A prompt (list of ids), a batch of prompts (list of lists, ragged) or a [B, L] array."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompt_ids)
+        if arr.ndim == 1:
+            return [arr], True
+        if arr.ndim == 2:
+            return list(arr), False
+        raise ValueError(f"prompt_ids must be [L] or [B, L]; got shape {arr.shape}")
+    prompt_ids = list(prompt_ids)
+    if prompt_ids and all(np.isscalar(t) for t in prompt_ids):
+        return [np.asarray(prompt_ids)], True
+    return [np.asarray(p) for p in prompt_ids], False
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
+             budget: int = 16, topk: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
+             chunk_size: int = 64, kv_dtype=None) -> GenerateResult:
+    """Speculative decoding of one prompt or a batch of (ragged) prompts.
+
+    tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
+    top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
+    drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
+    emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
+    Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
+    acceptance, tokens/s.
+    """
+    cfg = target.cfg
+    prompts, single = _as_batch(prompt_ids)
+    if not prompts or any(p.ndim != 1 or p.size == 0 for p in prompts):
+        raise ValueError("prompt_ids must hold at least one non-empty prompt")
+    for p in prompts:
+        validate_tokens(p, cfg.vocab_size, "prompt_ids")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0; got {budget}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1; got {topk}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0; got {temperature}")
+    if isinstance(tree, str) and tree not in ("ddtree", "chain"):
+        raise ValueError(f"tree must be 'ddtree', 'chain' or a tuple of branching factors; got {tree!r}")
+    stop = validate_tokens(np.asarray(list(stop_ids) or [-1]), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
+    if drafter is not None and drafter.cfg.depth < 1:
+        raise ValueError("the drafter's block_size must be >= 2")
+    use_drafter = drafter is not None and not (tree == "ddtree" and budget == 0)
+    depth = drafter.cfg.depth if drafter is not None else 0
+    if use_drafter and tree == "ddtree":
+        limit = trees.max_ddtree_budget(depth, topk)
+        if budget > limit:
+            raise ValueError(f"budget must be <= {limit} for block_size {drafter.cfg.block_size} and topk {topk}")
+    num_nodes = (budget + 1 if tree == "ddtree" else depth + 1 if tree == "chain"
+                 else 1 + sum(int(np.prod(tree[:i + 1])) for i in range(len(tree))))
+    if not use_drafter:
+        num_nodes = 1
+
+    batch = len(prompts)
+    lens = np.array([p.size for p in prompts], np.int32)
+    chunk = min(chunk_size, _round_up(int(lens.max()), 16))
+    padded = _round_up(int(lens.max()), chunk)
+    ids = np.zeros((batch, padded), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, :p.size] = p
+    # Room for the prompt, every new token and one verify tree past the end; bucketed so similar
+    # requests share a compiled loop.
+    max_len = _round_up(padded + max_new_tokens + num_nodes + depth + 1, 64)
+    if max_len > cfg.max_position_embeddings * 64:
+        raise ValueError(f"prompt + max_new_tokens ({padded + max_new_tokens}) is far beyond the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+
+    spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
+                      budget=budget if use_drafter else 0, topk=topk, temperature=float(temperature),
+                      top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl)
+    key = jax.random.key(seed)
+    cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
+
+    t0 = time.perf_counter()
+    hidden_layers = drafter.target_layer_ids if use_drafter else ()
+    last_logits, hidden, cache = prefill(target, cache, ids, lens, chunk_size=chunk,
+                                         hidden_layers=hidden_layers, impl=impl)
+    dcache = None
+    if use_drafter:
+        dcache = _extend_drafter(drafter, drafter.init_cache(batch, max_len), hidden, jnp.asarray(lens))
+    first = _first_token(last_logits, spec, jax.random.fold_in(key, 1 << 30))
+    first_np = np.asarray(first)
+    t_prefill = time.perf_counter() - t0
+
+    width = (depth if use_drafter else 0) + 1
+    out = jnp.full((batch, max_new_tokens + width), -1, jnp.int32).at[:, 0].set(first)
+    active = ~np.isin(first_np, stop) & (max_new_tokens > 1)
+    state = LoopState(cache, dcache, first, out, jnp.ones((batch,), jnp.int32), jnp.asarray(active),
+                      jnp.zeros((), jnp.int32), key, jnp.zeros((width,), jnp.int32), jnp.asarray(stop, jnp.int32))
+
+    # Compile ahead (cached by jax for later calls with the same shapes) so tokens/s times decoding only.
+    t1 = time.perf_counter()
+    loop = decode_loop.lower(target, drafter if use_drafter else None, state, spec=spec).compile()
+    t_compile = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    final = loop(target, drafter if use_drafter else None, state)
+    final.num_out.block_until_ready()
+    t_decode = time.perf_counter() - t1
+    kv_pool.check_overflow(final.cache)
+
+    out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
+    tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(batch)]
+    hist = np.asarray(final.accepted_hist).astype(np.int64)
+    seq_steps = int(hist.sum())
+    new_tokens = sum(len(t) for t in tokens)
+    stats = {
+        "steps": int(final.step),
+        "sequence_steps": seq_steps,
+        "tau": float((hist * (np.arange(width) + 1)).sum() / seq_steps) if seq_steps else float("nan"),
+        # P(at least d drafted tokens accepted in a step), d = 1..D
+        "acceptance_by_depth": [float(hist[d:].sum() / seq_steps) if seq_steps else float("nan")
+                                for d in range(1, width)],
+        "new_tokens": new_tokens,
+        "prefill_seconds": t_prefill,
+        "compile_seconds": t_compile,
+        "decode_seconds": t_decode,
+        # Tokens from the decode loop (the first token of each sequence comes from the prefill).
+        "tokens_per_second": (new_tokens - batch) / t_decode if t_decode > 0 else float("nan"),
+        "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
+        "budget": num_nodes - 1,  # tree nodes besides the root
+        "num_nodes": num_nodes,
+    }
+    return GenerateResult(tokens=tokens, stats=stats)
