@@ -7,7 +7,9 @@ from kdtree_jax.config import ModelConfig, RopeScaling
 from kdtree_jax.convert_hf import load_hf
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
 from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
+from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import verify_attention
+from kdtree_jax.spec.engine import GenerateResult, generate
 
 __all__ = [
     "ModelConfig",
@@ -21,4 +23,8 @@ __all__ = [
     "KVCache",
     "init_cache",
     "PoolExhaustedError",
+    "DrafterConfig",
+    "init_drafter",
+    "generate",
+    "GenerateResult",
 ]
