@@ -10,8 +10,11 @@ import argparse
 import json
 import os
 import sys
+import types
 
 import jax.numpy as jnp
+
+from kdtree_jax.spec import engine
 
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "default")
 
@@ -83,8 +86,6 @@ def load_models(checkpoint: str | None):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
-    from kdtree_jax.spec.engine import generate
-
     target, drafter, tokenizer, description = load_models(args.checkpoint)
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"[{description}]", file=sys.stderr)
     try:
-        res = generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
+        res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
                        temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed,
                        tree=tree, impl=args.impl)
     except ValueError as e:
@@ -109,6 +110,17 @@ def main(argv=None) -> int:
           f"(compile {stats['compile_seconds']:.1f} s, not counted)", file=sys.stderr)
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`kdtree_jax.generate` names both this CLI module (`python -m kdtree_jax.generate`) and the public
+    function (`kdtree_jax.generate(target, drafter, ...)`). Importing a submodule rebinds the package
+    attribute to the module, so the module itself forwards calls to the engine's `generate`."""
+
+    def __call__(self, *args, **kwargs):
+        return engine.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
