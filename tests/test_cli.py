@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-from kdtree_jax import generate as cli
+from kdtree_jax.generate import main as cli_main
 
 
 def test_cli_json_in_process(capsys):
-    assert cli.main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4", "--json"]) == 0
+    assert cli_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt"] == "def f(x):"
     assert len(out["tokens"]) == 6
@@ -27,6 +27,6 @@ def test_cli_as_a_module_prints_text_and_summary():
 def test_cli_rejects_bad_arguments(capsys):
     import pytest
     with pytest.raises(SystemExit):
-        cli.main(["--prompt", "x", "--budget", "-3"])
+        cli_main(["--prompt", "x", "--budget", "-3"])
     with pytest.raises(SystemExit):
-        cli.main(["--prompt", "x", "--tree", "bush"])
+        cli_main(["--prompt", "x", "--tree", "bush"])
