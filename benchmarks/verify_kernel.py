@@ -45,7 +45,8 @@ ROW_BYTES = WIDTH * 2
 LS = [4096, 16384, 65536, 131072, 200000]
 TS = [1, 9, 16, 33, 64, 128, 257]
 BS = [1, 8]
-POOL_TARGET_BYTES = 512 << 20   # layers to rotate through: > 8x the L2, so every call reads HBM
+POOL_MAX_BYTES = 12 << 30       # per (B, L) pool
+MAX_LAYERS = 21                 # calls per timed program <= layers - 1: no two calls are identical
 REF_MAX_SCORES = 1 << 28        # skip the XLA reference above 2^28 scores (1 GiB of float32 per temporary)
 
 
@@ -76,22 +77,29 @@ def unrolled(op, num_layers: int):
     return make
 
 
-def make_inputs(key, batch, num_queries, length, scattered: bool):
+def make_pool(key, batch, length):
+    """The latent pool of one (B, L): enough layers that the calls of one timed program all read different
+    layers (XLA would merge identical calls) and that they span several times the L2."""
     num_slots = batch * length
-    num_layers = max(2, math.ceil(POOL_TARGET_BYTES / (num_slots * ROW_BYTES)))
-    k = jax.random.split(key, 4)
-    kv_pool = jax.random.normal(k[0], (num_layers, num_slots, WIDTH), jnp.bfloat16)
-    q = jax.random.normal(k[1], (batch, num_queries, H, WIDTH), jnp.bfloat16)
+    layer_bytes = num_slots * ROW_BYTES
+    num_layers = max(4, min(MAX_LAYERS, POOL_MAX_BYTES // layer_bytes))
+    return jax.random.normal(key, (num_layers, num_slots, WIDTH), jnp.bfloat16)
+
+
+def make_inputs(key, kv_pool, batch, num_queries, length, scattered: bool):
+    num_slots = batch * length
+    k = jax.random.split(key, 2)
+    q = jax.random.normal(k[0], (batch, num_queries, H, WIDTH), jnp.bfloat16)
     if scattered:
-        kv_slots = jax.random.permutation(k[2], num_slots).astype(jnp.int32).reshape(batch, length)
+        kv_slots = jax.random.permutation(k[1], num_slots).astype(jnp.int32).reshape(batch, length)
     else:
         kv_slots = jnp.arange(num_slots, dtype=jnp.int32).reshape(batch, length)
     kv_lens = jnp.full((batch,), length, jnp.int32)
     # A random tree over the T query tokens (the mask only touches the last tile, so its shape barely matters).
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(num_queries)
     parents = np.array([[-1] + [rng.integers(0, i) for i in range(1, num_queries)] for _ in range(batch)], np.int32)
     tree_mask = ancestor_mask(jnp.asarray(parents))
-    return (q, kv_pool, kv_slots, kv_lens, tree_mask), num_layers
+    return q, kv_pool, kv_slots, kv_lens, tree_mask
 
 
 def measure_ceilings(ext):
@@ -100,12 +108,12 @@ def measure_ceilings(ext):
     n = 8192
     ka, kb = jax.random.split(jax.random.PRNGKey(1))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    bs = [jax.random.normal(jax.random.fold_in(kb, i), (n, n), jnp.bfloat16) for i in range(4)]
+    bs = [jax.random.normal(jax.random.fold_in(kb, i), (n, n), jnp.bfloat16) for i in range(8)]
 
-    def make(k):
-        return jax.jit(lambda a, *bs: [jnp.dot(a, bs[i % 4], preferred_element_type=jnp.bfloat16) for i in range(k)])
+    def make(k):  # k distinct products (identical ones would be merged by XLA)
+        return jax.jit(lambda a, *bs: [jnp.dot(a, bs[i], preferred_element_type=jnp.bfloat16) for i in range(k)])
 
-    per_dot = wall_per_call(make, (a, *bs), 2, 10, reps=5)
+    per_dot = wall_per_call(make, (a, *bs), 2, 8, reps=5)
     return {"copy_gbps": copy_gbps, "mma_sync_tflops": mma_tflops, "xla_dot_tflops": 2 * n ** 3 / per_dot / 1e12}
 
 
@@ -123,15 +131,19 @@ def sweep(ceilings, quick: bool):
     ts = [1, 16, 64] if quick else TS
     for batch in BS:
         for length in ls:
+            kv_pool = make_pool(jax.random.PRNGKey(length), batch, length)
+            num_layers = kv_pool.shape[0]
             for scattered in (False, True):
                 for num_queries in ts:
-                    args, num_layers = make_inputs(jax.random.PRNGKey(length + num_queries), batch, num_queries,
-                                                   length, scattered)
+                    args = make_inputs(jax.random.PRNGKey(length + num_queries), kv_pool, batch, num_queries, length,
+                                       scattered)
                     kv_bytes = batch * length * ROW_BYTES
                     flops = 2 * batch * num_queries * H * length * (WIDTH + LATENT)
                     roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
                     # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
                     k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
+                    k2 = min(k2, num_layers - 1)
+                    k1 = min(k1, k2 // 3)
                     t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
                     t_ref = None
                     if scattered and batch * num_queries * H * length <= REF_MAX_SCORES:
@@ -146,6 +158,7 @@ def sweep(ceilings, quick: bool):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     del args
+            del kv_pool
     return rows
 
 
@@ -153,7 +166,9 @@ def while_loop_figure(cases):
     """Per-call time of 64 calls inside one jitted while loop (command buffers on in this process)."""
     out = []
     for batch, length, num_queries in cases:
-        args, num_layers = make_inputs(jax.random.PRNGKey(7), batch, num_queries, length, True)
+        kv_pool = make_pool(jax.random.PRNGKey(length), batch, length)
+        num_layers = kv_pool.shape[0]
+        args = make_inputs(jax.random.PRNGKey(7), kv_pool, batch, num_queries, length, True)
         op = kernel_op()
 
         def make(k):
@@ -166,7 +181,6 @@ def while_loop_figure(cases):
             return run
 
         per_call_loop = wall_per_call(make, args, 1, 64, reps=7)
-        t0 = time.perf_counter()
         run64 = make(64)
         jax.block_until_ready(run64(*args))
         times = []

@@ -7,14 +7,17 @@
 // Work split.  Grid (row tiles, KV splits, batch).  A block owns 16 query rows (one m16 MMA tile) and one
 // contiguous range of KV positions; its 4 warps share every KV tile that lands in shared memory:
 //   * S = Q·Kᵀ: warp w multiplies its 144-dim slice of the 576 dims (its Q fragments stay in registers
-//     for the whole block: 36 regs) for all 32 positions of the tile; the four partial score tiles are
+//     for the whole block: 36 regs) for all 16 positions of the tile; the four partial score tiles are
 //     summed through shared memory, so each K element is read from shared memory once;
-//   * every warp then holds the full 16x32 score tile and runs the online softmax itself (cheaper than
+//   * every warp then holds the full 16x16 score tile and runs the online softmax itself (cheaper than
 //     another round of barriers), turning the probabilities into bf16 A fragments in registers;
 //   * O += P·V: warp w owns output dims [128w, 128w+128) (64 fp32 accumulator regs).
-// KV tiles (32 rows x 1152 B) arrive by cp.async (16 B per copy, 18 per thread in flight) into a double
-// buffer; a row is padded to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.
-// Shared memory: 2 x 32 x 1168 + 4 x 16 x 40 x 4 = 84,992 B (< 99 KB on sm_120; two blocks per H200 SM).
+// KV tiles (16 rows x 1152 B) arrive by cp.async (16 B per copy) into a 5-stage ring: 4 tiles (74 KB) are
+// in flight while one is computed, which is what hides the latency of scattered row reads.  The slot of
+// each row is read one tile before its copy is issued, so no copy waits on an index load.  A row is padded
+// to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.  Two barriers per tile.
+// Shared memory: 5 x 16 x 1168 + 4 x 16 x 24 x 4 = 99,584 B (<= 99 KB, sm_120's limit; two blocks fit an
+// H200 multiprocessor, whose 208-register threads also allow two).
 //
 // Splits write (out / l, lse) partials that a second kernel merges by LSE weights; with one split the main
 // kernel writes the final result itself.  Tiles are split evenly over the splits from the *device* kv_len,
@@ -40,23 +43,24 @@ constexpr int kLatent = 512;
 constexpr int kRope = 64;
 constexpr int kWidth = kLatent + kRope;     // 576
 constexpr int kRows = 16;                   // query rows per block
-constexpr int kTile = 32;                   // KV positions per pipeline stage
+constexpr int kTile = 16;                   // KV positions per pipeline stage
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 2;
+constexpr int kStages = 5;                  // 4 tiles in flight while one is computed
 constexpr int kRowBytes = kWidth * 2 + 16;  // 1168: padded shared-memory row
 constexpr int kKSlice = kWidth / kWarps;    // 144 dims of Q·Kᵀ per warp
 constexpr int kKSteps = kKSlice / 16;       // 9 MMA k-steps
 constexpr int kOutCols = kLatent / kWarps;  // 128 output dims per warp
 constexpr int kOutBlocks = kOutCols / 8;    // 16 n8 blocks
 constexpr int kScoreStride = kTile + 8;     // floats per partial-score row (+8: conflict-free float2 stores)
-constexpr int kChunksPerRow = kWidth * 2 / 16;              // 72 16-byte chunks per latent row
-constexpr int kChunksPerThread = kTile * kChunksPerRow / kThreads;  // 18
+constexpr int kChunksPerRow = kWidth * 2 / 16;             // 72 16-byte chunks per latent row
+constexpr int kThreadsPerRow = kThreads / kTile;           // 8 threads copy one row
+constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
 constexpr int kKvBytes = kStages * kTile * kRowBytes;
 constexpr int kScoreBytes = kWarps * kRows * kScoreStride * 4;
-constexpr int kSmemBytes = kKvBytes + kScoreBytes;
+constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 B
 static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
-static_assert(kThreads / 4 == kTile && kChunksPerRow % 4 == 0, "4 threads load each KV row");
+static_assert(kChunksPerRow % kThreadsPerRow == 0 && kTile == 16, "copy layout / one k16 step of P·V per tile");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -118,20 +122,24 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Issue the copies of KV tile `tile` (positions tile*32 ...) into stage buffer `stage_base`.
-__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
-                                             int valid, int tile, uint32_t stage_base) {
-  const int row = threadIdx.x / 4;
-  const int pos = tile * kTile + row;
-  const bool ok = pos < valid;
-  int64_t slot = ok ? static_cast<int64_t>(slots[pos]) : 0;
-  slot = slot < 0 ? 0 : (slot >= p.num_slots ? p.num_slots - 1 : slot);  // bad slots never read out of bounds
-  const char* src = reinterpret_cast<const char*>(layer_rows + slot * kWidth);
+// The slot this thread copies for KV tile `tile` (its row is threadIdx.x / 8), or -1 past the end.
+// Read one tile ahead of its use, so that the copies never wait on this load.
+__device__ __forceinline__ int64_t tile_slot(const Params& p, const int32_t* slots, int valid, int tile) {
+  const int pos = tile * kTile + static_cast<int>(threadIdx.x) / kThreadsPerRow;
+  if (pos >= valid) return -1;
+  const int64_t slot = __ldg(slots + pos);
+  return slot < 0 ? 0 : (slot >= p.num_slots ? p.num_slots - 1 : slot);  // bad slots never read out of bounds
+}
+
+// Issue this thread's 9 copies of its row of a KV tile into stage buffer `stage_base` (zeros for slot -1).
+__device__ __forceinline__ void load_kv_tile(const uint16_t* layer_rows, int64_t slot, uint32_t stage_base) {
+  const int row = threadIdx.x / kThreadsPerRow;
+  const char* src = reinterpret_cast<const char*>(layer_rows + (slot < 0 ? 0 : slot) * kWidth);
   const uint32_t dst = stage_base + row * kRowBytes;
 #pragma unroll
   for (int i = 0; i < kChunksPerThread; ++i) {
-    const int chunk = (threadIdx.x % 4) + 4 * i;
-    cp_async_16(dst + chunk * 16, src + chunk * 16, ok ? 16 : 0);
+    const int chunk = (threadIdx.x % kThreadsPerRow) + kThreadsPerRow * i;
+    cp_async_16(dst + chunk * 16, src + chunk * 16, slot < 0 ? 0 : 16);
   }
 }
 
@@ -159,8 +167,14 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
   const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
   const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
 
-  if (tile_begin < tile_end) load_kv_tile(p, layer_rows, slots, valid, tile_begin, kv_smem);
-  cp_async_commit();
+  // Prologue: the first kStages - 1 tiles in flight (one commit group each, empty ones too, so that the
+  // group count in the loop's wait is the same for every block).
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (tile_begin + st < tile_end) load_kv_tile(layer_rows, tile_slot(p, slots, valid, tile_begin + st), kv_smem + st * kTile * kRowBytes);
+    cp_async_commit();
+  }
+  int64_t next_slot = tile_begin + kStages - 1 < tile_end ? tile_slot(p, slots, valid, tile_begin + kStages - 1) : -1;
 
   // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).
   uint32_t qf[kKSteps][4];
@@ -187,46 +201,42 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 scaled running max of rows g, g+8
   float row_sum[2] = {0.f, 0.f};              // this thread's share of the running denominators
 
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int stage = (tile - tile_begin) % kStages;
-    const uint32_t stage_base = kv_smem + stage * kTile * kRowBytes;
-    // Everybody is done with the other stage (previous tile) and with the partial scores: refill it.
-    __syncthreads();
-    if (tile + 1 < tile_end) {
-      load_kv_tile(p, layer_rows, slots, valid, tile + 1, kv_smem + ((tile + 1 - tile_begin) % kStages) * kTile * kRowBytes);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();  // this tile's copies (this thread's) have landed ...
-    __syncthreads();     // ... and everybody's
+  const int mat = lane / 8;  // which 8x8 matrix of an ldmatrix.x4 this lane addresses
+  // Q·Kᵀ B fragments: rows = positions (two n8 blocks), columns = this warp's dims.
+  const uint32_t k_lane = ((lane % 8) + (mat / 2) * 8) * kRowBytes + (warp * kKSlice + (mat % 2) * 8) * 2;
+  // P·V B fragments (transposed): rows = positions (the k16 step), columns = this warp's output dims.
+  const uint32_t v_lane = ((lane % 8) + (mat % 2) * 8) * kRowBytes + (warp * kOutCols + (mat / 2) * 8) * 2;
 
-    // Partial scores over this warp's dims: 16 rows x 32 positions.
-    float s[4][4];
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int k = tile - tile_begin;
+    const uint32_t stage_base = kv_smem + (k % kStages) * kTile * kRowBytes;
+    cp_async_wait<kStages - 2>();  // this tile's copies (this thread's) have landed ...
+    // ... and everybody's; everybody is also done with tile - 1 (its stage is refilled next) and with the
+    // partial scores of the previous tile.
+    __syncthreads();
+    if (tile + kStages - 1 < tile_end) load_kv_tile(layer_rows, next_slot, kv_smem + ((k + kStages - 1) % kStages) * kTile * kRowBytes);
+    cp_async_commit();
+    next_slot = tile + kStages < tile_end ? tile_slot(p, slots, valid, tile + kStages) : -1;
+
+    // Partial scores over this warp's dims: 16 rows x 16 positions.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    {
-      const int mat = lane / 8;
-      const uint32_t lane_addr = stage_base + ((lane % 8) + (mat / 2) * 8) * kRowBytes + (warp * kKSlice + (mat % 2) * 8) * 2;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          uint32_t kb[4];
-          ldmatrix_x4(lane_addr + j * 16 * kRowBytes + ks * 32, kb);
-          mma_bf16(s[2 * j], qf[ks], kb[0], kb[1]);
-          mma_bf16(s[2 * j + 1], qf[ks], kb[2], kb[3]);
-        }
-      }
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t kb[4];
+      ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
+      mma_bf16(s[0], qf[ks], kb[0], kb[1]);
+      mma_bf16(s[1], qf[ks], kb[2], kb[3]);
     }
     float* my_part = score_part + warp * kRows * kScoreStride;
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb) {
+    for (int nb = 0; nb < 2; ++nb) {
       *reinterpret_cast<float2*>(my_part + g * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][0], s[nb][1]);
       *reinterpret_cast<float2*>(my_part + (g + 8) * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][2], s[nb][3]);
     }
     __syncthreads();
     // Full scores (sum of the four warps' slices), scaled to base 2.
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb) {
+    for (int nb = 0; nb < 2; ++nb) {
       float2 top = make_float2(0.f, 0.f), bottom = make_float2(0.f, 0.f);
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -242,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
     const int tile_pos = tile * kTile;
     if (tile_pos + kTile > min(first, valid)) {
 #pragma unroll
-      for (int nb = 0; nb < 4; ++nb) {
+      for (int nb = 0; nb < 2; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = tile_pos + nb * 8 + 2 * qd + (e & 1);
@@ -253,25 +263,20 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
       }
     }
     // Online softmax (rows g and g+8): new max over the quad, rescale, probabilities.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb) {
-      tile_max[0] = fmaxf(tile_max[0], fmaxf(s[nb][0], s[nb][1]));
-      tile_max[1] = fmaxf(tile_max[1], fmaxf(s[nb][2], s[nb][3]));
-    }
     float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      const float new_max = fmaxf(row_max[h], tile_max[h]);
+      float tile_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[h], tile_max);
       // A row that has seen nothing yet keeps max -inf; subtract 0 then so that exp2(-inf) = 0, not NaN.
       const float base = new_max == -INFINITY ? 0.f : new_max;
       scale[h] = fast_exp2(row_max[h] - base);
       row_max[h] = new_max;
       row_sum[h] *= scale[h];
 #pragma unroll
-      for (int nb = 0; nb < 4; ++nb) {
+      for (int nb = 0; nb < 2; ++nb) {
         s[nb][2 * h] = fast_exp2(s[nb][2 * h] - base);
         s[nb][2 * h + 1] = fast_exp2(s[nb][2 * h + 1] - base);
         row_sum[h] += s[nb][2 * h] + s[nb][2 * h + 1];
@@ -282,28 +287,15 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
       acc[i][0] *= scale[0]; acc[i][1] *= scale[0]; acc[i][2] *= scale[1]; acc[i][3] *= scale[1];
     }
     // P (bf16) as A fragments: the accumulator layout of two n8 blocks is the A layout of one k16 step.
-    uint32_t pf[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pf[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      pf[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      pf[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pf[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
+    const uint32_t pf[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
+                            pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};
     // O += P·V over this warp's 128 output dims; V is row-major [position][dim]: transposed ldmatrix.
-    {
-      const int mat = lane / 8;
-      const uint32_t lane_addr = stage_base + ((lane % 8) + (mat % 2) * 8) * kRowBytes + (warp * kOutCols + (mat / 2) * 8) * 2;
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-#pragma unroll
-        for (int j = 0; j < kOutBlocks / 2; ++j) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(lane_addr + kk * 16 * kRowBytes + j * 32, vb);
-          mma_bf16(acc[2 * j], pf[kk], vb[0], vb[1]);
-          mma_bf16(acc[2 * j + 1], pf[kk], vb[2], vb[3]);
-        }
-      }
+    for (int j = 0; j < kOutBlocks / 2; ++j) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(stage_base + v_lane + j * 32, vb);
+      mma_bf16(acc[2 * j], pf, vb[0], vb[1]);
+      mma_bf16(acc[2 * j + 1], pf, vb[2], vb[3]);
     }
   }
   cp_async_wait<0>();
@@ -339,57 +331,80 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
 }
 
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
-constexpr int kReduceThreads = kLatent / 4;  // 128 threads x 4 dims
+// Grid (rows, B, 4 column quarters); 8 warps, warp w takes splits w, w+8, ...; lane l owns 4 columns.
+// The split loop keeps several 16-byte loads in flight per thread: one load per round trip would make
+// a 256-split merge take ~100 µs.
+constexpr int kMergeWarps = 8;
+constexpr int kMergeThreads = kMergeWarps * 32;
+constexpr int kMergeQuarters = kLatent / (32 * 4);  // 4
 constexpr int kMaxSplits = 1024;
 
-__global__ void __launch_bounds__(kReduceThreads) merge_splits_kernel(const Params p) {
+__device__ __forceinline__ float block_reduce(float v, float* scratch, bool is_max) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, other) : v + other;
+  }
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = scratch[0];
+  for (int w = 1; w < kMergeWarps; ++w) total = is_max ? fmaxf(total, scratch[w]) : total + scratch[w];
+  __syncthreads();
+  return total;
+}
+
+__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Params p) {
   __shared__ float weight[kMaxSplits];
-  __shared__ float shared_max, shared_lse, shared_inv;
-  const int r = blockIdx.x, b = blockIdx.y;
+  __shared__ float scratch[kMergeWarps];
+  __shared__ float4 partial[kMergeWarps][32];
+  const int r = blockIdx.x, b = blockIdx.y, quarter = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
   float local_max = -INFINITY;
-  for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
+  for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
     weight[s] = p.lse_part[part_row0 + static_cast<int64_t>(s) * p.rows];
     local_max = fmaxf(local_max, weight[s]);
   }
-  // Block max, then weights and their sum (one warp does the small serial part).
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, o));
-  __shared__ float warp_max[kReduceThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local_max;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = -INFINITY;
-    for (int w = 0; w < kReduceThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    shared_max = m;
-  }
-  __syncthreads();
-  const float m = shared_max;
-  for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
+  const float m = block_reduce(local_max, scratch, true);
+  float local_sum = 0.f;
+  for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
     weight[s] = m == -INFINITY ? 0.f : __expf(weight[s] - m);
+    local_sum += weight[s];
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) total += weight[s];
-    shared_lse = total > 0.f ? m + logf(total) : -INFINITY;
-    shared_inv = total > 0.f ? 1.f / total : 0.f;
-  }
-  __syncthreads();
-  const float inv_total = shared_inv;
+  const float total = block_reduce(local_sum, scratch, false);  // (its barrier also publishes weight[])
+
+  const int col = quarter * 128 + lane * 4;
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float w = weight[s];
-    if (w == 0.f) continue;  // empty splits (and their zero rows) cost nothing
-    const float4 v = *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + threadIdx.x * 4);
-    sum.x += w * v.x; sum.y += w * v.y; sum.z += w * v.z; sum.w += w * v.w;
+  constexpr int kUnroll = 4;
+  for (int s0 = warp; s0 < p.num_splits; s0 += kMergeWarps * kUnroll) {
+    float4 v[kUnroll];
+    float w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // issue all loads first
+      const int s = s0 + u * kMergeWarps;
+      w[u] = s < p.num_splits ? weight[s] : 0.f;
+      v[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      sum.x += w[u] * v[u].x; sum.y += w[u] * v[u].y; sum.z += w[u] * v[u].z; sum.w += w[u] * v[u].w;
+    }
   }
+  partial[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0) return;
+  for (int w = 1; w < kMergeWarps; ++w) {
+    const float4 o = partial[w][lane];
+    sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
+  }
+  const float inv_total = total > 0.f ? 1.f / total : 0.f;
   const int64_t row_index = static_cast<int64_t>(b) * p.rows + r;
   uint2 packed;
   packed.x = pack_bf16(sum.x * inv_total, sum.y * inv_total);
   packed.y = pack_bf16(sum.z * inv_total, sum.w * inv_total);
-  *reinterpret_cast<uint2*>(p.out + row_index * kLatent + threadIdx.x * 4) = packed;
-  if (threadIdx.x == 0) p.lse[row_index] = shared_lse;
+  *reinterpret_cast<uint2*>(p.out + row_index * kLatent + col) = packed;
+  if (quarter == 0 && lane == 0) p.lse[row_index] = total > 0.f ? m + logf(total) : -INFINITY;
 }
 
 // Raise the dynamic shared-memory limit once per device (a host-side attribute, no stream work).
@@ -403,6 +418,11 @@ cudaError_t ensure_smem_limit(int device) {
     cudaError_t err = cudaFuncSetAttribute(verify_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (err == cudaSuccess) {
       err = cudaFuncSetAttribute(verify_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    }
+    // Ask for the largest shared-memory carveout so that two blocks share a multiprocessor where it has room.
+    for (const void* fn : {reinterpret_cast<const void*>(verify_attention_kernel<true>),
+                           reinterpret_cast<const void*>(verify_attention_kernel<false>)}) {
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     }
     smem_status[device] = err;
   });
@@ -477,7 +497,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
     verify_attention_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
   } else {
     verify_attention_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
-    merge_splits_kernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(batch)), kReduceThreads, 0, stream>>>(p);
+    merge_splits_kernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(batch), kMergeQuarters), kMergeThreads, 0, stream>>>(p);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_error("kernel launch", err);
   return ffi::Error::Success();

@@ -36,8 +36,8 @@ TARGET = "kdtree_verify_attention"
 CUDA_LATENT_DIM = 512
 CUDA_ROPE_DIM = 64
 CUDA_ROWS_PER_BLOCK = 16
-CUDA_KV_TILE = 32
-CUDA_BLOCKS_PER_SM = 2  # 93 KiB of shared memory per block: two blocks fit an H200 multiprocessor
+CUDA_KV_TILE = 16
+CUDA_BLOCKS_PER_SM = 2  # 97 KiB of shared memory per block: two blocks fit an H200 multiprocessor
 CUDA_MAX_SPLITS = 256     # the heuristic's cap
 CUDA_SPLIT_LIMIT = 1024   # what the merge kernel accepts (kMaxSplits)
 CPU_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -74,13 +74,14 @@ def sm_count(device: int = 0) -> int:
 
 
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int) -> int:
-    """KV splits from static shapes only: enough blocks to fill every multiprocessor once, each split
-    at least two KV tiles long (the work of a split must outweigh its partial write + the merge)."""
+    """KV splits from static shapes only: as many as fit one wave of resident blocks (a second, partial
+    wave would double the time), each split at least four KV tiles long (its work must outweigh its
+    partial write and the merge)."""
     row_tiles = math.ceil(num_queries * num_heads / CUDA_ROWS_PER_BLOCK)
     blocks_without_split = row_tiles * batch
-    wanted = math.ceil(CUDA_BLOCKS_PER_SM * num_sms / blocks_without_split)
+    wanted = (CUDA_BLOCKS_PER_SM * num_sms) // blocks_without_split
     kv_tiles = math.ceil(max_len / CUDA_KV_TILE)
-    return int(max(1, min(wanted, kv_tiles // 2, CUDA_MAX_SPLITS)))
+    return int(max(1, min(wanted, kv_tiles // 4, CUDA_MAX_SPLITS)))
 
 
 def _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits):
