@@ -8,6 +8,9 @@ import math
 import os
 from typing import Any, Optional
 
+# The one mesh axis the model is split over (tensor parallel heads/MLPs, or expert parallel MoE).
+MESH_AXIS = "model"
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:

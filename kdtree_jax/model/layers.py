@@ -17,15 +17,30 @@ def dense_init(fan_in: int):
     return nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
 
 
-def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype, *, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      kernel_init=dense_init(d_in), rngs=rngs)
+def logical_axes(variable: nnx.Variable, *axes: str | None) -> nnx.Variable:
+    """Name each dimension of a parameter (Flax sharding metadata); sharding.py maps names to the mesh
+    per layout. Eager sharding stays off: the model is built unsharded and placed by `shard_model`."""
+    if len(axes) != variable.ndim:
+        raise ValueError(f"{len(axes)} axis names for a {variable.ndim}-d parameter")
+    variable.set_metadata(out_sharding=axes, eager_sharding=False)
+    return variable
+
+
+def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype, *, bias: bool = False,
+           axes: tuple[str | None, str | None] = (None, None)) -> nnx.Linear:
+    """A Linear layer whose kernel [d_in, d_out] (and bias [d_out]) carry logical axis names."""
+    layer = nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                       kernel_init=dense_init(d_in), rngs=rngs)
+    logical_axes(layer.kernel, *axes)
+    if bias:
+        logical_axes(layer.bias, axes[1])
+    return layer
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis: str | None = "embed"):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = logical_axes(nnx.Param(jnp.ones((dim,), dtype)), axis)
 
     def __call__(self, x):
         # Normalise in float32 and cast back before the weight, as HF does.
@@ -38,9 +53,9 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and shared experts."""
 
     def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(rngs, hidden, intermediate, dtype)
-        self.up_proj = linear(rngs, hidden, intermediate, dtype)
-        self.down_proj = linear(rngs, intermediate, hidden, dtype)
+        self.gate_proj = linear(rngs, hidden, intermediate, dtype, axes=("embed", "mlp"))
+        self.up_proj = linear(rngs, hidden, intermediate, dtype, axes=("embed", "mlp"))
+        self.down_proj = linear(rngs, intermediate, hidden, dtype, axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

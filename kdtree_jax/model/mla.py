@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.config import ModelConfig
+from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
 from kdtree_jax.ops import verify_attention
 
@@ -38,15 +42,18 @@ class MLA(nnx.Module):
         self.cfg = cfg
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
-            self.q_proj = linear(rngs, h, heads * cfg.qk_head_dim, dtype)
+            self.q_proj = linear(rngs, h, heads * cfg.qk_head_dim, dtype, axes=("embed", "heads"))
         else:
-            self.q_a_proj = linear(rngs, h, cfg.q_lora_rank, dtype, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype, rngs)
-            self.q_b_proj = linear(rngs, cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype)
-        self.kv_a_proj_with_mqa = linear(rngs, h, cfg.cache_dim, dtype, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype, rngs)
-        self.kv_b_proj = linear(rngs, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
-        self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias)
+            self.q_a_proj = linear(rngs, h, cfg.q_lora_rank, dtype, bias=cfg.attention_bias, axes=("embed", "q_lora"))
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype, rngs, axis="q_lora")
+            self.q_b_proj = linear(rngs, cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype, axes=("q_lora", "heads"))
+        self.kv_a_proj_with_mqa = linear(rngs, h, cfg.cache_dim, dtype, bias=cfg.attention_bias,
+                                         axes=("embed", "kv_latent"))
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype, rngs, axis="kv_latent")
+        self.kv_b_proj = linear(rngs, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
+                                axes=("kv_latent", "heads"))
+        self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias, axes=("heads", "embed"))
+        self.mesh = None  # set by sharding.shard_model: attention then runs per device on its heads
 
     # The two halves of kv_b_proj, per head: W_UK [c, H, nope] and W_UV [c, H, v].
     def absorbed_weights(self):
@@ -83,7 +90,19 @@ class MLA(nnx.Module):
         w_uk, w_uv = self.absorbed_weights()
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
         q_rows = jnp.concatenate([q_latent, q_pe], axis=-1).astype(kv_pages.dtype)
-        out_latent, _ = verify_attention(q_rows, kv_pages, layer, batch.kv_slots, batch.kv_lens, batch.tree_mask,
-                                         softmax_scale=cfg.softmax_scale, rope_dim=cfg.qk_rope_head_dim, impl=impl)
+        out_latent = self.attend(q_rows, kv_pages, layer, batch, impl)
         out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv)
         return self.o_proj(out.reshape(*x.shape[:-1], -1)), kv_pages
+
+    def attend(self, q_rows, kv_pages, layer: int, batch: AttentionBatch, impl: str):
+        """The verify-attention op; on a mesh, each device runs it on its own heads against its
+        (replicated) copy of the latent pool, so the custom call never needs partitioning."""
+        op = functools.partial(verify_attention, softmax_scale=self.cfg.softmax_scale,
+                               rope_dim=self.cfg.qk_rope_head_dim, impl=impl)
+        args = (q_rows, kv_pages, jnp.asarray(layer, jnp.int32), batch.kv_slots, batch.kv_lens, batch.tree_mask)
+        if self.mesh is None:
+            return op(*args)[0]
+        heads = P(None, None, MESH_AXIS, None)
+        sharded = jax.shard_map(op, mesh=self.mesh, in_specs=(heads, P(), P(), P(), P(), P()),
+                                out_specs=(heads, P(None, None, MESH_AXIS)), check_vma=False)
+        return sharded(*args)[0]

@@ -7,9 +7,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import MLP
+from kdtree_jax.config import MESH_AXIS, ModelConfig
+from kdtree_jax.model.layers import MLP, logical_axes
 
 
 def route(router_logits, bias, cfg: ModelConfig):
@@ -37,12 +38,39 @@ def route(router_logits, bias, cfg: ModelConfig):
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0):
+    """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
+
+    gate/up [E_local, H, I], down [E_local, I, H] are experts expert_offset .. expert_offset + E_local
+    (all of them unsharded; a slice of them under expert parallelism, whose caller sums the devices'
+    results). The (token, expert) pairs are sorted by expert so that `ragged_dot` runs each expert over
+    one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
+    experts held elsewhere sort last, past every group, where ragged_dot yields zeros.
+    """
+    num_tokens, k = indices.shape
+    num_local = gate.shape[0]
+    local = indices - expert_offset
+    here = (local >= 0) & (local < num_local)
+    flat_expert = jnp.where(here, local, num_local).reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of_row = order // k
+    rows = x2d[token_of_row]
+    group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
+    out_rows = jax.lax.ragged_dot(h, down, group_sizes)
+    row_weight = jnp.where(here, weights, 0.0).reshape(-1)[order]
+    out_rows = out_rows * row_weight[:, None].astype(out_rows.dtype)
+    return jnp.zeros_like(x2d).at[token_of_row].add(out_rows)
+
+
 class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         init = nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.hidden_size))
-        self.weight = nnx.Param(init(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), jnp.float32).astype(dtype))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
+        # Every device routes every token, so the router is replicated ("router" maps to no mesh axis).
+        self.weight = logical_axes(nnx.Param(
+            init(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), jnp.float32).astype(dtype)), "router", "embed")
+        self.e_score_correction_bias = logical_axes(nnx.Param(jnp.zeros((cfg.n_routed_experts,), jnp.float32)), "router")
 
     def __call__(self, x2d):
         # The router runs in float32 whatever the model's dtype (as HF does).
@@ -56,32 +84,17 @@ class RoutedExperts(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         normal = nnx.initializers.normal
-        self.gate_proj = nnx.Param(normal(1.0 / math.sqrt(h))(rngs.params(), (e, h, i), dtype))
-        self.up_proj = nnx.Param(normal(1.0 / math.sqrt(h))(rngs.params(), (e, h, i), dtype))
-        self.down_proj = nnx.Param(normal(1.0 / math.sqrt(i))(rngs.params(), (e, i, h), dtype))
-
-    def __call__(self, x2d, indices, weights):
-        """Sum over each token's chosen experts of weight * expert(x), as one grouped matmul.
-
-        The (token, expert) pairs are sorted by expert so that `ragged_dot` runs each expert over one
-        contiguous block of rows: exact, and no expert runs on tokens that did not choose it.
-        """
-        num_tokens, k = indices.shape
-        num_experts = self.gate_proj.shape[0]
-        flat_expert = indices.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)
-        token_of_row = order // k
-        rows = x2d[token_of_row]
-        group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], group_sizes)
-        up = jax.lax.ragged_dot(rows, self.up_proj[...], group_sizes)
-        out_rows = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes)
-        out_rows = out_rows * weights.reshape(-1)[order][:, None].astype(out_rows.dtype)
-        return jnp.zeros_like(x2d).at[token_of_row].add(out_rows)
-
+        self.gate_proj = logical_axes(nnx.Param(normal(1.0 / math.sqrt(h))(rngs.params(), (e, h, i), dtype)),
+                                      "experts", "embed", "expert_mlp")
+        self.up_proj = logical_axes(nnx.Param(normal(1.0 / math.sqrt(h))(rngs.params(), (e, h, i), dtype)),
+                                    "experts", "embed", "expert_mlp")
+        self.down_proj = logical_axes(nnx.Param(normal(1.0 / math.sqrt(i))(rngs.params(), (e, i, h), dtype)),
+                                      "experts", "expert_mlp", "embed")
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.mesh = None  # set by sharding.shard_model, with the layout ("tp" or "ep")
+        self.layout = None
         self.gate = Router(cfg, dtype, rngs)
         self.experts = RoutedExperts(cfg, dtype, rngs)
         if cfg.n_shared_experts:
@@ -92,7 +105,32 @@ class MoE(nnx.Module):
     def __call__(self, x):
         x2d = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(x2d)
-        out = self.experts(x2d, indices, weights)
+        out = self.routed(x2d, indices, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2d)
         return out.reshape(x.shape)
+
+    def routed(self, x2d, indices, weights):
+        """Routed experts; on a mesh each device computes its share and the shares are summed.
+
+        tp: every device holds every expert's 1/n of the intermediate dim (partial sums);
+        ep: every device holds E/n whole experts and the tokens that chose them contribute there.
+        Tokens and routing are replicated, so the only collective is the final psum.
+        """
+        ex = self.experts
+        weights_in = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
+        if self.mesh is None:
+            return routed_experts(x2d, indices, weights, *weights_in)
+        if self.layout == "tp":
+            specs = (P(None, None, MESH_AXIS), P(None, None, MESH_AXIS), P(None, MESH_AXIS, None))
+
+            def local(x, i, w, g, u, d):
+                return jax.lax.psum(routed_experts(x, i, w, g, u, d), MESH_AXIS)
+        else:
+            specs = (P(MESH_AXIS, None, None),) * 3
+
+            def local(x, i, w, g, u, d):
+                offset = jax.lax.axis_index(MESH_AXIS) * g.shape[0]
+                return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset), MESH_AXIS)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P()) + specs, out_specs=P(),
+                             check_vma=False)(x2d, indices, weights, *weights_in)

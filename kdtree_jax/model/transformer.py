@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import MLP, RMSNorm, linear, rope_cos_sin
+from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
 from kdtree_jax.model.mla import MLA, AttentionBatch
 from kdtree_jax.model.moe import MoE
 
@@ -40,9 +40,14 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+        # The embedding stays whole on every device (a lookup into a vocab-split table would gather it);
+        # the lm head splits the vocab ("vocab_out").
+        logical_axes(self.embed_tokens.embedding, "vocab", "embed")
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype)
+        self.mesh = None  # set by sharding.shard_model
+        self.lm_head = None if cfg.tie_word_embeddings else linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype,
+                                                                   axes=("embed", "vocab_out"))
 
     @property
     def dtype(self):

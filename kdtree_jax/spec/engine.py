@@ -31,6 +31,7 @@ from kdtree_jax.decode import prefill, validate_tokens
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.sharding import replicate
 from kdtree_jax.spec import accept as acceptance
 from kdtree_jax.spec import tree as trees
 
@@ -235,6 +236,11 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl)
     key = jax.random.key(seed)
     cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:  # a sharded target: the pool and the drafter live whole on every device
+        cache = replicate(cache, mesh)
+        if drafter is not None:
+            drafter = replicate(drafter, mesh)
 
     t0 = time.perf_counter()
     hidden_layers = drafter.target_layer_ids if use_drafter else ()

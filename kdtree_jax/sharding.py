@@ -1,0 +1,120 @@
+"""Spreading the target over devices: a 1-D mesh, logical-axis rules for two layouts, `shard_model`.
+
+Every parameter names its dimensions with logical axes (Flax sharding metadata, set in model/*.py):
+"embed", "heads", "q_lora", "kv_latent", "mlp", "experts", "expert_mlp", "router", "vocab", "vocab_out".
+A layout maps some of them to the mesh axis; the rest are replicated.
+
+  tp  MLA heads split (q_b/q_proj, kv_b_proj columns, o_proj rows); the latent pool replicated on every
+      device (all heads read the same rows); dense MLPs, shared experts and every routed expert split
+      along their intermediate dim; partial sums meet in an all-reduce.
+  ep  MLA as in tp; routed experts split whole across devices (E/n each), tokens replicated, each
+      device computes its experts' contributions, then one psum; dense MLPs as in tp.
+
+In both, the lm head is split along the vocabulary and the embedding is replicated (a lookup into a
+split table would gather it). The verify-attention custom call runs under `jax.shard_map` on each
+device's heads (MLA.attend), and the routed experts under `shard_map` with one psum (MoE.routed); the
+rest is partitioned by XLA from the parameter shardings.
+
+The drafter is replicated: it is a few layers of the target's width (a few % of the target's FLOPs
+and bytes), and running it whole on every device costs no collective inside the draft step, whose
+latency is on the critical path, while its outputs (tree tokens) are needed on every device anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kdtree_jax.config import MESH_AXIS
+from kdtree_jax.model.mla import MLA
+from kdtree_jax.model.moe import MoE
+from kdtree_jax.model.transformer import Transformer
+
+LAYOUTS = {
+    "tp": {"heads": MESH_AXIS, "mlp": MESH_AXIS, "expert_mlp": MESH_AXIS, "vocab_out": MESH_AXIS},
+    "ep": {"heads": MESH_AXIS, "mlp": MESH_AXIS, "experts": MESH_AXIS, "vocab_out": MESH_AXIS},
+}
+
+
+def make_mesh(num_devices: Optional[int] = None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A 1-D mesh named "model" over `num_devices` devices (default: all, across hosts once
+    `jax.distributed.initialize()` has run)."""
+    devices = list(jax.devices() if devices is None else devices)
+    num_devices = len(devices) if num_devices is None else num_devices
+    if not 1 <= num_devices <= len(devices):
+        raise ValueError(f"num_devices must be in [1, {len(devices)}] (devices available); got {num_devices}")
+    return Mesh(np.array(devices[:num_devices]), (MESH_AXIS,))
+
+
+def partition_spec(axes: Optional[tuple], layout: str) -> P:
+    """Logical axis names of one parameter -> its PartitionSpec under a layout."""
+    rules = LAYOUTS[layout]
+    return P(*(rules.get(a) for a in axes)) if axes else P()
+
+
+def parameter_shardings(model: nnx.Module, mesh: Mesh, layout: str = "tp"):
+    """An nnx.State of NamedShardings mirroring the model's parameters."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+    state = nnx.state(model)
+    return jax.tree.map(lambda v: NamedSharding(mesh, partition_spec(v.get_metadata().get("out_sharding"), layout)),
+                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_divisible(model: Transformer, mesh: Mesh, layout: str) -> None:
+    """Every split dimension must divide evenly; say which one does not, before placing anything."""
+    n = mesh.shape[MESH_AXIS]
+    cfg = model.cfg
+    problems = []
+    if cfg.num_attention_heads % n:
+        problems.append(f"num_attention_heads ({cfg.num_attention_heads})")
+    if cfg.vocab_size % n:
+        problems.append(f"vocab_size ({cfg.vocab_size})")
+    if cfg.first_k_dense_replace and cfg.intermediate_size % n:
+        problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    if cfg.n_shared_experts and (cfg.moe_intermediate_size * cfg.n_shared_experts) % n:
+        problems.append(f"shared expert intermediate ({cfg.moe_intermediate_size * cfg.n_shared_experts})")
+    if cfg.num_moe_layers:
+        if layout == "tp" and cfg.moe_intermediate_size % n:
+            problems.append(f"moe_intermediate_size ({cfg.moe_intermediate_size})")
+        if layout == "ep" and cfg.n_routed_experts % n:
+            problems.append(f"n_routed_experts ({cfg.n_routed_experts})")
+    if problems:
+        raise ValueError(f"layout {layout!r} over {n} devices needs these divisible by {n}: " + ", ".join(problems))
+
+
+def shard_model(model: Transformer, mesh: Mesh, layout: str = "tp") -> Transformer:
+    """A copy of the target with its parameters placed on `mesh` by `layout` ("tp" or "ep").
+
+    The returned model's attention and MoE layers know the mesh, so jitted code (prefill, the decode
+    loop) runs sharded with no further changes.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+    check_divisible(model, mesh, layout)
+    graphdef, state = nnx.split(model)
+    shardings = parameter_shardings(model, mesh, layout)
+    placed = jax.device_put(state, shardings)  # shardings is a prefix tree of state
+    sharded = nnx.merge(graphdef, placed)
+    attach_mesh(sharded, mesh, layout)
+    return sharded
+
+
+def attach_mesh(model: Transformer, mesh: Optional[Mesh], layout: Optional[str]) -> None:
+    """Tell the model's attention and MoE layers to run per device (or, with mesh None, unsharded)."""
+    model.mesh = mesh
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, MLA):
+            module.mesh = mesh
+        elif isinstance(module, MoE):
+            module.mesh, module.layout = mesh, layout
+
+
+def replicate(tree, mesh: Mesh):
+    """Place every array of a pytree (the KV cache, the drafter) whole on every device of the mesh."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))

@@ -1,0 +1,122 @@
+"""Tensor- and expert-parallel layouts on 8 forced CPU devices: same logits, same greedy output, the
+requested parameter shardings, and no all-gather of parameters or of the pool in the compiled HLO."""
+
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kdtree_jax
+from kdtree_jax import decode, kv_pool
+from kdtree_jax.model.drafter import DrafterConfig, init_drafter
+from kdtree_jax.ops import ffi
+from kdtree_jax.sharding import make_mesh, replicate, shard_model
+from kdtree_jax.spec.engine import generate
+
+# Heads, experts and intermediate sizes divisible by 8.
+CFG = kdtree_jax.ModelConfig.preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=4, topk_group=2)
+LAYOUTS = [("tp", 2), ("ep", 2), ("tp", 8), ("ep", 8)]
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (forced CPU) devices")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kdtree_jax.init_model(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return init_drafter(CFG, DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=4)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 11)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def unsharded_logits(model, tokens):
+    return np.asarray(kdtree_jax.forward_logits(model, tokens))
+
+
+@pytest.mark.parametrize("layout,n", LAYOUTS)
+def test_sharded_logits_equal_unsharded(model, tokens, unsharded_logits, layout, n):
+    sharded = shard_model(model, make_mesh(n), layout)
+    logits = np.asarray(kdtree_jax.forward_logits(sharded, tokens))
+    assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
+
+
+@pytest.mark.parametrize("layout,n", LAYOUTS)
+def test_sharded_greedy_speculative_output_equals_unsharded(model, drafter, layout, n):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, CFG.vocab_size, 9).tolist(), rng.integers(0, CFG.vocab_size, 4).tolist()]
+    expected = generate(model, drafter, prompts, max_new_tokens=10, budget=6).tokens
+    sharded = shard_model(model, make_mesh(n), layout)
+    assert generate(sharded, drafter, prompts, max_new_tokens=10, budget=6).tokens == expected
+
+
+@pytest.mark.skipif(not ffi.available(), reason="the compiled extension is not built")
+def test_ffi_cpu_handler_runs_inside_shard_map(model, tokens, unsharded_logits):
+    sharded = shard_model(model, make_mesh(8), "tp")
+    logits = np.asarray(kdtree_jax.forward_logits(sharded, tokens, impl="ffi"))
+    assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
+
+
+def test_parameter_shardings_are_the_requested_ones(model):
+    mesh = make_mesh(8)
+    expect = {
+        "tp": {"q_b_proj": P(None, "model"), "o_proj": P("model", None), "kv_a_proj_with_mqa": P(None, None),
+               "experts.gate_proj": P(None, None, "model"), "experts.down_proj": P(None, "model", None),
+               "lm_head": P(None, "model"), "embed_tokens": P(None, None), "gate.weight": P(None, None)},
+        "ep": {"q_b_proj": P(None, "model"), "o_proj": P("model", None), "kv_a_proj_with_mqa": P(None, None),
+               "experts.gate_proj": P("model", None, None), "experts.down_proj": P("model", None, None),
+               "lm_head": P(None, "model"), "embed_tokens": P(None, None), "gate.weight": P(None, None)},
+    }
+    for layout, specs in expect.items():
+        sm = shard_model(model, mesh, layout)
+        attn, moe = sm.layers[1].self_attn, sm.layers[1].mlp
+        got = {"q_b_proj": attn.q_b_proj.kernel, "o_proj": attn.o_proj.kernel,
+               "kv_a_proj_with_mqa": attn.kv_a_proj_with_mqa.kernel, "experts.gate_proj": moe.experts.gate_proj,
+               "experts.down_proj": moe.experts.down_proj, "lm_head": sm.lm_head.kernel,
+               "embed_tokens": sm.embed_tokens.embedding, "gate.weight": moe.gate.weight}
+        for name, var in got.items():
+            sharding = var[...].sharding
+            assert sharding.mesh == mesh
+            assert sharding.spec == specs[name] or tuple(sharding.spec) == tuple(specs[name]) + (None,) * (
+                var.ndim - len(specs[name])), (layout, name, sharding.spec)
+
+
+def _collectives(hlo_text: str):
+    return [line for line in hlo_text.splitlines()
+            if re.search(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(", line)]
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
+    """The verify step (prefill chunk) and the whole speculative loop compile to all-reduces of
+    activations only: nothing gathers a parameter or the latent pool."""
+    from kdtree_jax.spec import engine
+
+    mesh = make_mesh(8)
+    sm = shard_model(model, mesh, layout)
+    cache = replicate(kv_pool.init_cache(CFG, 2, 64, dtype=jnp.float32), mesh)
+    chunk = decode.forward_chunk.lower(sm, cache, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32),
+                                       impl="reference").compile().as_text()
+    assert _collectives(chunk) == []
+    assert "all-reduce" in chunk  # the tensor-parallel sums are there
+
+    spec = engine.SpecConfig(budget=6, max_new_tokens=8)
+    dcache = replicate(drafter.init_cache(2, 64), mesh)
+    state = engine.LoopState(cache, dcache, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 12), jnp.int32),
+                             jnp.ones((2,), jnp.int32), jnp.ones((2,), bool), jnp.zeros((), jnp.int32),
+                             jax.random.key(0), jnp.zeros((4,), jnp.int32), jnp.array([-1], jnp.int32))
+    loop = engine.decode_loop.lower(sm, replicate(drafter, mesh), state, spec=spec).compile().as_text()
+    param_shapes = {tuple(v.shape) for v in jax.tree.leaves(jax.tree.map(lambda x: x, sm)) if hasattr(v, "shape")}
+    gathered = _collectives(loop)
+    for line in gathered:  # whatever is gathered must be neither a parameter nor the pool
+        shape = tuple(int(d) for d in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if d)
+        assert shape not in param_shapes and shape != tuple(cache.pages.shape), line
