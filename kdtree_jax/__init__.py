@@ -9,6 +9,7 @@ from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
 from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import verify_attention
+from kdtree_jax.sharding import make_mesh, shard_model
 # `kdtree_jax.generate` is this function; importing the CLI submodule of the same name rebinds it to
 # that module, which is callable with the same arguments (see generate.py).
 from kdtree_jax.spec.engine import GenerateResult, generate
@@ -29,4 +30,6 @@ __all__ = [
     "init_drafter",
     "generate",
     "GenerateResult",
+    "make_mesh",
+    "shard_model",
 ]
