@@ -113,7 +113,9 @@ def test_moe_matches_per_token_loop():
     unbiased_top = np.sort(np.argsort(-scores, -1)[:, : cfg.num_experts_per_tok], -1)
     assert (unbiased_top != np.sort(ref_idx, -1)).any()
 
-    out = np.asarray(moe(jnp.asarray(x)[None]))[0]
+    out_x, counts = moe(jnp.asarray(x)[None])
+    out = np.asarray(out_x)[0]
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(ref_idx.ravel(), minlength=cfg.n_routed_experts))
     expected = np.zeros_like(x, dtype=np.float64)
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     for n in range(x.shape[0]):

@@ -91,10 +91,18 @@ class RoutedExperts(nnx.Module):
         self.down_proj = logical_axes(nnx.Param(normal(1.0 / math.sqrt(i))(rngs.params(), (e, i, h), dtype)),
                                       "experts", "expert_mlp", "embed")
 
+class ExpertMap(nnx.Variable):
+    """Where each logical expert's replicas live among the physical expert slots (see eplb.py)."""
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.mesh = None  # set by sharding.shard_model, with the layout ("tp" or "ep")
         self.layout = None
+        # None: physical expert slot e holds logical expert e. Otherwise (eplb.apply_placement)
+        # replicas [E, R] physical slots of each logical expert (-1 padding), num_replicas [E].
+        self.replicas = nnx.data(None)
+        self.num_replicas = nnx.data(None)
         self.gate = Router(cfg, dtype, rngs)
         self.experts = RoutedExperts(cfg, dtype, rngs)
         if cfg.n_shared_experts:
@@ -102,13 +110,30 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots (E, or more when hot experts are replicated)."""
+        return self.experts.gate_proj.shape[0]
+
+    def to_physical(self, indices):
+        """Logical expert ids [N, k] -> physical slots; a token picks among replicas by its index, which
+        spreads a hot expert's tokens evenly over its copies."""
+        if self.replicas is None:
+            return indices
+        token = jnp.arange(indices.shape[0], dtype=jnp.int32)[:, None]
+        choice = token % self.num_replicas[...][indices]
+        return self.replicas[...][indices, choice]
+
     def __call__(self, x):
+        """-> (output like x, tokens routed to each physical expert slot [num_slots] int32)."""
         x2d = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(x2d)
-        out = self.routed(x2d, indices, weights)
+        slots = self.to_physical(indices)
+        out = self.routed(x2d, slots, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2d)
-        return out.reshape(x.shape)
+        counts = jnp.bincount(slots.reshape(-1), length=self.num_slots).astype(jnp.int32)
+        return out.reshape(x.shape), counts
 
     def routed(self, x2d, indices, weights):
         """Routed experts; on a mesh each device computes its share and the shares are summed.

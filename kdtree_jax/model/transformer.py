@@ -18,21 +18,27 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.self_attn = MLA(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        if cfg.is_moe_layer(layer):
+        self.is_moe = cfg.is_moe_layer(layer)
+        if self.is_moe:
             self.mlp = MoE(cfg, dtype, rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str):
+        """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer)."""
         attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
+        if self.is_moe:
+            mlp_out, expert_counts = self.mlp(self.post_attention_layernorm(x))
+            return x + mlp_out, kv_pages, expert_counts
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
 
 
 class ForwardOutput(NamedTuple):
     logits: jnp.ndarray  # [B, T, V] float32
     hidden: jnp.ndarray  # [len(hidden_layers), B, T, hidden]: residual stream after each requested layer
     kv_pages: jnp.ndarray  # the pool with these tokens' latent rows written
+    expert_counts: jnp.ndarray  # [num_moe_layers, expert slots] int32: tokens routed to each (router stats)
 
 
 class Transformer(nnx.Module):
@@ -78,10 +84,13 @@ class Transformer(nnx.Module):
             raise ValueError(f"hidden_layers {bad} out of range [0, {self.cfg.num_hidden_layers})")
         cos, sin = rope_cos_sin(self.cfg, positions)
         x = self.embed(tokens)
-        captured = {}
+        captured, expert_counts = {}, []
         for i, layer in enumerate(self.layers):
-            x, kv_pages = layer(x, cos, sin, kv_pages, i, batch, impl)
+            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl)
+            if counts is not None:
+                expert_counts.append(counts)
             if i in hidden_layers:
                 captured[i] = x
         hidden = jnp.stack([captured[i] for i in hidden_layers]) if hidden_layers else jnp.zeros((0,) + x.shape, x.dtype)
-        return ForwardOutput(self.head(x), hidden, kv_pages)
+        counts = jnp.stack(expert_counts) if expert_counts else jnp.zeros((0, 0), jnp.int32)
+        return ForwardOutput(self.head(x), hidden, kv_pages, counts)

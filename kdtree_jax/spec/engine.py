@@ -50,6 +50,30 @@ class SpecConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     impl: str = "auto"  # verify-attention implementation
+    expert_devices: int = 1  # expert-load statistics group the expert slots into this many devices
+
+
+class ExpertLoad(NamedTuple):
+    """Router statistics summed over the verify passes of active steps (per MoE layer)."""
+
+    slot_tokens: jnp.ndarray  # [n_moe, slots] tokens routed to each physical expert slot
+    device_tokens: jnp.ndarray  # [n_moe, devices] the same, per device (slots split contiguously)
+    device_active: jnp.ndarray  # [n_moe, devices] experts with >= 1 token, per device
+    imbalance: jnp.ndarray  # [n_moe] sum over steps of max/mean device tokens
+
+    @staticmethod
+    def zeros(num_moe: int, slots: int, devices: int) -> "ExpertLoad":
+        return ExpertLoad(jnp.zeros((num_moe, slots), jnp.int32), jnp.zeros((num_moe, devices), jnp.int32),
+                          jnp.zeros((num_moe, devices), jnp.int32), jnp.zeros((num_moe,), jnp.float32))
+
+    def add(self, counts) -> "ExpertLoad":
+        num_moe, devices = self.device_tokens.shape
+        per_device = counts.reshape(num_moe, devices, -1)
+        tokens = per_device.sum(-1)
+        mean = jnp.maximum(tokens.mean(-1), 1e-9)
+        return ExpertLoad(self.slot_tokens + counts, self.device_tokens + tokens,
+                          self.device_active + (per_device > 0).sum(-1).astype(jnp.int32),
+                          self.imbalance + tokens.max(-1) / mean)
 
 
 class LoopState(NamedTuple):
@@ -63,6 +87,7 @@ class LoopState(NamedTuple):
     key: jnp.ndarray
     accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
     stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
+    expert_load: ExpertLoad
 
 
 @dataclasses.dataclass
@@ -128,7 +153,7 @@ def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: Lo
 
     hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
     return LoopState(cache, dcache, jnp.where(active, acc.bonus, state.bonus), out, num_out, still,
-                     state.step + 1, state.key, hist, state.stop_ids)
+                     state.step + 1, state.key, hist, state.stop_ids, state.expert_load.add(fwd.expert_counts))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -155,6 +180,23 @@ def _first_token(last_logits, spec: SpecConfig, key):
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
 
+def _expert_load_stats(load: ExpertLoad, steps: int) -> dict:
+    """Per-step means of the router statistics, per MoE layer and overall."""
+    if load.slot_tokens.shape[0] == 0 or steps == 0:
+        return {}
+    device_tokens = np.asarray(load.device_tokens) / steps
+    device_active = np.asarray(load.device_active) / steps
+    imbalance = np.asarray(load.imbalance) / steps
+    return {
+        "devices": int(device_tokens.shape[1]),
+        "tokens_per_device_per_step": device_tokens.mean(0).round(3).tolist(),
+        "active_experts_per_device_per_step": device_active.mean(0).round(3).tolist(),
+        "max_over_mean_device_tokens": float(imbalance.mean()),
+        "max_over_mean_by_layer": imbalance.round(4).tolist(),
+        "slot_tokens": np.asarray(load.slot_tokens).tolist(),  # [n_moe, slots] totals, for EPLB
+    }
+
+
 def _as_batch(prompt_ids) -> tuple[list[np.ndarray], bool]:
     """A prompt (list of ids), a batch of prompts (list of lists, ragged) or a [B, L] array."""
     if isinstance(prompt_ids, (np.ndarray, jax.Array)):
@@ -177,7 +219,7 @@ def _round_up(n: int, multiple: int) -> int:
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
              budget: int = 16, topk: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
-             chunk_size: int = 64, kv_dtype=None) -> GenerateResult:
+             chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
@@ -185,7 +227,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
     emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
     Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
-    acceptance, tokens/s.
+    acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
+    (default: the target's mesh size) — the imbalance an expert-parallel layout would see.
     """
     cfg = target.cfg
     prompts, single = _as_batch(prompt_ids)
@@ -231,12 +274,18 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"prompt + max_new_tokens ({padded + max_new_tokens}) is far beyond the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
 
+    mesh = getattr(target, "mesh", None)
+    devices = expert_devices or (mesh.size if mesh is not None else 1)
+    moe_layers = [layer.mlp for layer in target.layers if layer.is_moe]
+    slots = moe_layers[0].num_slots if moe_layers else 0
+    if slots % devices:
+        raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
     spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
                       budget=budget if use_drafter else 0, topk=topk, temperature=float(temperature),
-                      top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl)
+                      top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
+                      expert_devices=devices)
     key = jax.random.key(seed)
     cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
-    mesh = getattr(target, "mesh", None)
     if mesh is not None:  # a sharded target: the pool and the drafter live whole on every device
         cache = replicate(cache, mesh)
         if drafter is not None:
@@ -257,7 +306,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     out = jnp.full((batch, max_new_tokens + width), -1, jnp.int32).at[:, 0].set(first)
     active = ~np.isin(first_np, stop) & (max_new_tokens > 1)
     state = LoopState(cache, dcache, first, out, jnp.ones((batch,), jnp.int32), jnp.asarray(active),
-                      jnp.zeros((), jnp.int32), key, jnp.zeros((width,), jnp.int32), jnp.asarray(stop, jnp.int32))
+                      jnp.zeros((), jnp.int32), key, jnp.zeros((width,), jnp.int32), jnp.asarray(stop, jnp.int32),
+                      ExpertLoad.zeros(len(moe_layers), slots, devices))
 
     # Compile ahead (cached by jax for later calls with the same shapes) so tokens/s times decoding only.
     t1 = time.perf_counter()
@@ -290,5 +340,6 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
         "budget": num_nodes - 1,  # tree nodes besides the root
         "num_nodes": num_nodes,
+        "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
     }
     return GenerateResult(tokens=tokens, stats=stats)
