@@ -55,13 +55,22 @@ def _check_logits(tree: Tree, target_logits) -> None:
 
 
 def _walk(tree: Tree, choose) -> Acceptance:
-    """The acceptance walk. choose(node [B]) -> the target's token at that node, [B] int32."""
+    """The acceptance walk. choose(node [B]) -> the target's token at that node, [B] int32.
+
+    At most D + 1 picks (at most D accepted nodes, then the bonus), one per loop iteration; the loop
+    stops early once every sequence has its bonus, since each pick reads a [B, V] row of logits (and
+    sampling filters it): typical acceptance lengths are far below D.
+    """
     batch = tree.tokens.shape[0]
     max_depth = tree.max_depth
     rows = jnp.arange(batch)
 
-    def step(s, carry):
-        node, done, path, emitted, num_accepted, bonus = carry
+    def not_finished(carry):
+        s, _, done = carry[:3]
+        return (s <= max_depth) & ~jnp.all(done)
+
+    def step(carry):
+        s, node, done, path, emitted, num_accepted, bonus = carry
         token = choose(node)
         child_match = (tree.parents == node[:, None]) & tree.valid & (tree.tokens == token[:, None])
         found = child_match.any(axis=1) & ~done
@@ -70,24 +79,30 @@ def _walk(tree: Tree, choose) -> Acceptance:
         # path has one spare column so that step s = D (where nothing can be found) stays in range.
         path = path.at[rows, s + 1].set(jnp.where(found, child, -1))
         bonus = jnp.where(done | found, bonus, token)
-        return (jnp.where(found, child, node), done | ~found, path, emitted,
+        return (s + 1, jnp.where(found, child, node), done | ~found, path, emitted,
                 num_accepted + found.astype(jnp.int32), bonus)
 
-    init = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+    init = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
             jnp.full((batch, max_depth + 2), -1, jnp.int32).at[:, 0].set(0),
             jnp.full((batch, max_depth + 1), -1, jnp.int32), jnp.zeros((batch,), jnp.int32),
             jnp.full((batch,), -1, jnp.int32))
-    # D + 1 picks: at most D accepted nodes (the tree is at most D deep), then the bonus.
-    node, _, path, emitted, num_accepted, bonus = jax.lax.fori_loop(0, max_depth + 1, step, init)
+    _, node, _, path, emitted, num_accepted, bonus = jax.lax.while_loop(not_finished, step, init)
     return Acceptance(path=path[:, :max_depth + 1], num_accepted=num_accepted, bonus=bonus, emitted=emitted,
                       num_emitted=num_accepted + 1, last_node=node)
 
 
 def accept_greedy(tree: Tree, target_logits) -> Acceptance:
-    """Greedy verification: follow the target's argmax (ties: the lowest token id) down the tree."""
+    """Greedy verification: follow the target's argmax (ties: the lowest token id) down the tree.
+
+    Only the visited rows are reduced (<= D + 1 of T), not the whole [B, T, V] logits.
+    """
     _check_logits(tree, target_logits)
-    choices = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, T], one pass over the logits
-    return _walk(tree, lambda node: jnp.take_along_axis(choices, node[:, None], axis=1)[:, 0])
+
+    def choose(node):
+        row = jnp.take_along_axis(target_logits, node[:, None, None], axis=1)[:, 0]  # [B, V]
+        return jnp.argmax(row, axis=-1).astype(jnp.int32)
+
+    return _walk(tree, choose)
 
 
 def _is_static_number(x) -> bool:

@@ -198,8 +198,10 @@ def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int) -
     if d + 1 <= D); stop after `budget` pops. Node order in the output = pop order; with the heap keyed
     on (-score, rank path) that is the order in this module's docstring.
 
-    On device the same nodes are found level by level instead of with `budget` sequential pops (a
-    512-iteration loop costs milliseconds of launch latency on a GPU); see `_ddtree_one`.
+    On device the same nodes are found level by level, with D sorts instead of `budget` sequential
+    pops; see `_ddtree_one`. (Measured on an H200, D = 15, K = 8: 1.1 ms at budget 512 and 0.7 ms at
+    budget 64, against 12.5 ms and 1.8 ms for a lax.fori_loop replaying the heap: each pop is a few
+    tiny kernels. On CPU the loop is the faster of the two.)
     """
     batch, depth, topk = _check_draft(top_logprobs, top_tokens, root_token, start_pos)
     budget = _static_int(budget, "budget")
