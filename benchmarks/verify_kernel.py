@@ -1,6 +1,6 @@
 """Verify-attention kernel sweep on one GPU, with the ceilings measured in the same run.
 
-    python benchmarks/verify_kernel.py [--quick] [--commit SHA] [--out benchmarks/results/verify_kernel_h200]
+    python benchmarks/verify_kernel.py [--plan full|budget|quick] [--commit SHA] [--out benchmarks/results/verify_kernel_h200]
 
 Rows: L in {4k, 16k, 64k, 128k, 200k} x T in {1, 9, 16, 33, 64, 128, 257} x H = 8 x B in {1, 8}, contiguous
 and scattered slot tables (kv_lens = L for every sequence). Columns: time per call, KV GB/s, TFLOP/s, the
@@ -50,13 +50,16 @@ MAX_LAYERS = 21                 # calls per timed program <= layers - 1: no two 
 REF_MAX_SCORES = 1 << 28        # skip the XLA reference above 2^28 scores (1 GiB of float32 per temporary)
 
 
-def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7) -> float:
-    """Seconds per call: slope between programs of k1 and k2 calls (medians of `reps` runs)."""
+def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7, warm_s: float = 0.1) -> float:
+    """Seconds per call: slope between programs of k1 and k2 calls (medians of `reps` runs), each timed
+    after `warm_s` seconds of back-to-back runs (the SM clock ramps up after the idle compile time)."""
     medians = []
     for k in (k1, k2):
         fn = make_fn(k)
-        jax.block_until_ready(fn(*args))  # compile + warm up
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))  # compile
+        t_end = time.perf_counter() + warm_s
+        while time.perf_counter() < t_end:
+            jax.block_until_ready(fn(*args))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -125,41 +128,66 @@ def reference_op(*a):
     return verify_attention(*a, softmax_scale=SCALE, impl="reference")
 
 
-def sweep(ceilings, quick: bool):
+def sweep(ceilings, plan, on_row=lambda rows: None):
+    """plan: list of (B, L, scattered, [T...], [T with an XLA reference...]); on_row(rows) after each row."""
     rows = []
-    ls = LS[:3] if quick else LS
-    ts = [1, 16, 64] if quick else TS
-    for batch in BS:
-        for length in ls:
-            kv_pool = make_pool(jax.random.PRNGKey(length), batch, length)
-            num_layers = kv_pool.shape[0]
-            for scattered in (False, True):
-                for num_queries in ts:
-                    args = make_inputs(jax.random.PRNGKey(length + num_queries), kv_pool, batch, num_queries, length,
-                                       scattered)
-                    kv_bytes = batch * length * ROW_BYTES
-                    flops = 2 * batch * num_queries * H * length * (WIDTH + LATENT)
-                    roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
-                    # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
-                    k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
-                    k2 = min(k2, num_layers - 1)
-                    k1 = min(k1, k2 // 3)
-                    t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
-                    t_ref = None
-                    if scattered and batch * num_queries * H * length <= REF_MAX_SCORES:
-                        t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
-                    splits = vffi.choose_num_splits(batch, num_queries, H, length, vffi.sm_count())
-                    row = dict(B=batch, L=length, T=num_queries, H=H, slots="scattered" if scattered else "contiguous",
-                               num_splits=splits, us=t_kernel * 1e6, gbps=kv_bytes / t_kernel / 1e9,
-                               tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
-                               bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
-                               xla_us=None if t_ref is None else t_ref * 1e6,
-                               speedup=None if t_ref is None else t_ref / t_kernel)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    del args
-            del kv_pool
+    pools = {}
+    for batch, length, scattered, ts, ref_ts in plan:
+        if (batch, length) not in pools:
+            pools.clear()  # one pool at a time on the device
+            pools[(batch, length)] = make_pool(jax.random.PRNGKey(length), batch, length)
+        kv_pool = pools[(batch, length)]
+        num_layers = kv_pool.shape[0]
+        for num_queries in ts:
+            args = make_inputs(jax.random.PRNGKey(length + num_queries), kv_pool, batch, num_queries, length,
+                               scattered)
+            kv_bytes = batch * length * ROW_BYTES
+            flops = 2 * batch * num_queries * H * length * (WIDTH + LATENT)
+            roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
+            # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
+            k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
+            k2 = min(k2, num_layers - 1)
+            k1 = min(k1, k2 // 3)
+            t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
+            t_ref = None
+            if num_queries in ref_ts and batch * num_queries * H * length <= REF_MAX_SCORES:
+                t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
+            splits = vffi.choose_num_splits(batch, num_queries, H, length, vffi.sm_count())
+            row = dict(B=batch, L=length, T=num_queries, H=H, slots="scattered" if scattered else "contiguous",
+                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, H), us=t_kernel * 1e6,
+                       gbps=kv_bytes / t_kernel / 1e9,
+                       tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
+                       bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
+                       xla_us=None if t_ref is None else t_ref * 1e6,
+                       speedup=None if t_ref is None else t_ref / t_kernel)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            on_row(rows)
+            del args
     return rows
+
+
+def full_plan():
+    """The issue's sweep: every (B, L, slots, T), the XLA reference on scattered slots."""
+    return [(b, length, scattered, TS, TS if scattered else [])
+            for b in BS for length in LS for scattered in (False, True)]
+
+
+def budget_plan():
+    """What fits a few device minutes: B = 1 scattered over every (L, T); contiguous slots at T in {1, 16};
+    B = 8 at two lengths; the XLA reference for T in {1, 16} (B = 1) and a few more."""
+    plan = []
+    for length in LS:
+        plan.append((1, length, True, TS, [1, 16, 64] if length <= 65536 else [1, 16]))
+        plan.append((1, length, False, [1, 16], []))
+    for length in (16384, 65536):
+        plan.append((8, length, True, [1, 16, 64], [1, 16]))
+    return plan
+
+
+def quick_plan():
+    return [(b, length, scattered, [1, 16, 64], [1, 16] if scattered else [])
+            for b in BS for length in LS[:3] for scattered in (False, True)]
 
 
 def while_loop_figure(cases):
@@ -206,16 +234,17 @@ def write_results(path, meta, ceilings, rows, loop_rows):
         json.dump(dict(meta=meta, ceilings=ceilings, rows=rows, while_loop=loop_rows), f, indent=1)
     lines = [f"# Verify-attention kernel on {meta['device']}", "",
              f"Date {meta['date']}, commit `{meta['commit']}`, jax {meta['jax']}, H = {H}, kv_lens = L, "
-             f"split count automatic ({meta['sm_count']} SMs). Generated by `benchmarks/verify_kernel.py`.", "",
+             f"split count automatic ({meta['sm_count']} SMs), plan `{meta['plan']}`. "
+             "Generated by `benchmarks/verify_kernel.py`.", "",
              f"Ceilings measured in the same run: copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
              f"XLA bf16 dot {ceilings['xla_dot_tflops']:.0f} TFLOP/s, mma.sync m16n8k16 bf16 "
              f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s.", "",
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
              "XLA = the pure-JAX reference (gather + einsum), scattered slots only, skipped above 2^28 scores.", "",
-             "| B | L | T | slots | splits | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
+             "| B | L | T | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['slots']} | {r['num_splits']} | {r['us']:.1f} | "
+        lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
                      f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} |")
     if loop_rows:
@@ -230,7 +259,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few rows only")
+    parser.add_argument("--plan", choices=["full", "budget", "quick"], default="full",
+                        help="full: the issue's whole sweep; budget: B=1 over all (L, T) plus a few rows; quick: smoke")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
     parser.add_argument("--while-loop-only", action="store_true", help=argparse.SUPPRESS)
@@ -247,10 +277,11 @@ def main():
         timespec="minutes"), commit=args.commit, jax=jax.__version__, sm_count=vffi.sm_count())
     ceilings = measure_ceilings(ext)
     print(json.dumps(ceilings), flush=True)
-    rows = sweep(ceilings, args.quick)
 
-    # The command-buffer figure runs in a child: XLA_FLAGS are read once, at backend start.
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip())
+    # The command-buffer figure runs in a child: XLA_FLAGS are read once, at backend start. It goes first
+    # (it is short) and without preallocation, since this process already holds most of the memory.
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     child = subprocess.run([sys.executable, __file__, "--while-loop-only"], env=env, capture_output=True, text=True)
     loop_rows = []
     for line in child.stdout.splitlines():
@@ -258,7 +289,11 @@ def main():
             loop_rows = json.loads(line[len("WHILE_LOOP_JSON "):])
     if not loop_rows:
         print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
-    write_results(args.out, meta, ceilings, rows, loop_rows)
+
+    plan = {"full": full_plan, "budget": budget_plan, "quick": quick_plan}[args.plan]()
+    meta["plan"] = args.plan
+    # Results are rewritten after every row, so a run cut short still leaves its table.
+    sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows))
     print(open(args.out + ".md").read())
 
 

@@ -42,11 +42,10 @@ namespace {
 constexpr int kLatent = 512;
 constexpr int kRope = 64;
 constexpr int kWidth = kLatent + kRope;     // 576
-constexpr int kRows = 16;                   // query rows per block
+constexpr int kRows = 16;                   // query rows per row group (one m16 MMA tile)
 constexpr int kTile = 16;                   // KV positions per pipeline stage
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 5;                  // 4 tiles in flight while one is computed
+constexpr int kWarps = 4;                   // warps per row group
+constexpr int kLoaders = kWarps * 32;       // the first row group's threads issue the copies
 constexpr int kRowBytes = kWidth * 2 + 16;  // 1168: padded shared-memory row
 constexpr int kKSlice = kWidth / kWarps;    // 144 dims of Q·Kᵀ per warp
 constexpr int kKSteps = kKSlice / 16;       // 9 MMA k-steps
@@ -54,12 +53,22 @@ constexpr int kOutCols = kLatent / kWarps;  // 128 output dims per warp
 constexpr int kOutBlocks = kOutCols / 8;    // 16 n8 blocks
 constexpr int kScoreStride = kTile + 8;     // floats per partial-score row (+8: conflict-free float2 stores)
 constexpr int kChunksPerRow = kWidth * 2 / 16;             // 72 16-byte chunks per latent row
-constexpr int kThreadsPerRow = kThreads / kTile;           // 8 threads copy one row
+constexpr int kThreadsPerRow = kLoaders / kTile;          // 8 threads copy one row
 constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
-constexpr int kKvBytes = kStages * kTile * kRowBytes;
-constexpr int kScoreBytes = kWarps * kRows * kScoreStride * 4;
-constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 B
-static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+
+// A block has kGroups row groups of 4 warps (16 query rows each) that share every KV tile: one group
+// (2 blocks per SM) for decode-sized row counts, two (32 rows, 1 block per SM) otherwise, which halves
+// how often each KV tile is read from L2 when T*H is large.
+template <int kGroups>
+struct Config {
+  static constexpr int kThreads = kGroups * kWarps * 32;
+  static constexpr int kStages = kGroups == 1 ? 5 : 4;  // tiles in flight while one is computed: 4 / 3
+  static constexpr int kMinBlocksPerSm = kGroups == 1 ? 2 : 1;
+  static constexpr int kKvBytes = kStages * kTile * kRowBytes;
+  static constexpr int kScoreBytes = kGroups * kWarps * kRows * kScoreStride * 4;
+  static constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 B / 87,040 B
+  static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+};
 static_assert(kChunksPerRow % kThreadsPerRow == 0 && kTile == 16, "copy layout / one k16 step of P·V per tile");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -143,16 +152,22 @@ __device__ __forceinline__ void load_kv_tile(const uint16_t* layer_rows, int64_t
   }
 }
 
-template <bool kDirect>
-__global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Params p) {
+template <bool kDirect, int kGroups>
+__global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kMinBlocksPerSm)
+verify_attention_kernel(const Params p) {
+  constexpr int kStages = Config<kGroups>::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
-  float* score_part = reinterpret_cast<float*>(smem + kKvBytes);  // [warp][row][kScoreStride]
   const uint32_t kv_smem = smem_addr(smem);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, qd = lane % 4;  // MMA fragment coordinates: row group, column pair
-  const int row_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-  const int row0 = row_tile * kRows;
+  const int lane = threadIdx.x % 32;
+  const int group = threadIdx.x / (kWarps * 32);       // which 16 query rows
+  const int warp = (threadIdx.x / 32) % kWarps;        // which dim slice / output columns within the group
+  const bool loader = threadIdx.x < kLoaders;
+  // [group][warp][row][kScoreStride]: this group's partial scores.
+  float* score_part = reinterpret_cast<float*>(smem + Config<kGroups>::kKvBytes) + group * kWarps * kRows * kScoreStride;
+  const int g = lane / 4, qd = lane % 4;  // MMA fragment coordinates: row in the m16 tile, column pair
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int row0 = (blockIdx.x * kGroups + group) * kRows;
 
   // This sequence's valid positions and this split's share of them (whole tiles).
   const int kv_len = p.kv_lens[b];
@@ -171,10 +186,10 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
   // group count in the loop's wait is the same for every block).
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (tile_begin + st < tile_end) load_kv_tile(layer_rows, tile_slot(p, slots, valid, tile_begin + st), kv_smem + st * kTile * kRowBytes);
+    if (loader && tile_begin + st < tile_end) load_kv_tile(layer_rows, tile_slot(p, slots, valid, tile_begin + st), kv_smem + st * kTile * kRowBytes);
     cp_async_commit();
   }
-  int64_t next_slot = tile_begin + kStages - 1 < tile_end ? tile_slot(p, slots, valid, tile_begin + kStages - 1) : -1;
+  int64_t next_slot = loader && tile_begin + kStages - 1 < tile_end ? tile_slot(p, slots, valid, tile_begin + kStages - 1) : -1;
 
   // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).
   uint32_t qf[kKSteps][4];
@@ -214,9 +229,9 @@ __global__ void __launch_bounds__(kThreads, 2) verify_attention_kernel(const Par
     // ... and everybody's; everybody is also done with tile - 1 (its stage is refilled next) and with the
     // partial scores of the previous tile.
     __syncthreads();
-    if (tile + kStages - 1 < tile_end) load_kv_tile(layer_rows, next_slot, kv_smem + ((k + kStages - 1) % kStages) * kTile * kRowBytes);
+    if (loader && tile + kStages - 1 < tile_end) load_kv_tile(layer_rows, next_slot, kv_smem + ((k + kStages - 1) % kStages) * kTile * kRowBytes);
     cp_async_commit();
-    next_slot = tile + kStages < tile_end ? tile_slot(p, slots, valid, tile + kStages) : -1;
+    next_slot = loader && tile + kStages < tile_end ? tile_slot(p, slots, valid, tile + kStages) : -1;
 
     // Partial scores over this warp's dims: 16 rows x 16 positions.  Even and odd k-steps go to separate
     // accumulators: two dependent chains of 5 and 4 MMAs instead of one of 9 (MMA latency dominates here).
@@ -421,21 +436,40 @@ constexpr int kMaxDevices = 64;
 std::once_flag smem_once[kMaxDevices];
 cudaError_t smem_status[kMaxDevices];
 
+template <bool kDirect, int kGroups>
+cudaError_t set_kernel_attributes() {
+  const void* fn = reinterpret_cast<const void*>(verify_attention_kernel<kDirect, kGroups>);
+  cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Config<kGroups>::kSmemBytes);
+  // The largest shared-memory carveout, so that two one-group blocks share a multiprocessor where it has room.
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  return err;
+}
+
 cudaError_t ensure_smem_limit(int device) {
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
   std::call_once(smem_once[device], [device] {
-    cudaError_t err = cudaFuncSetAttribute(verify_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err == cudaSuccess) {
-      err = cudaFuncSetAttribute(verify_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    }
-    // Ask for the largest shared-memory carveout so that two blocks share a multiprocessor where it has room.
-    for (const void* fn : {reinterpret_cast<const void*>(verify_attention_kernel<true>),
-                           reinterpret_cast<const void*>(verify_attention_kernel<false>)}) {
-      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    }
+    cudaError_t err = set_kernel_attributes<true, 1>();
+    if (err == cudaSuccess) err = set_kernel_attributes<false, 1>();
+    if (err == cudaSuccess) err = set_kernel_attributes<true, 2>();
+    if (err == cudaSuccess) err = set_kernel_attributes<false, 2>();
     smem_status[device] = err;
   });
   return smem_status[device];
+}
+
+template <int kGroups>
+void launch(const Params& p, int64_t batch, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kGroups * kRows;
+  const dim3 grid(static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
+                  static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
+  constexpr int threads = Config<kGroups>::kThreads, smem = Config<kGroups>::kSmemBytes;
+  if (p.num_splits == 1) {
+    verify_attention_kernel<true, kGroups><<<grid, threads, smem, stream>>>(p);
+  } else {
+    verify_attention_kernel<false, kGroups><<<grid, threads, smem, stream>>>(p);
+    merge_splits_kernel<<<dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(batch), kMergeQuarters),
+                          kMergeThreads, 0, stream>>>(p);
+  }
 }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
@@ -452,7 +486,8 @@ using LsePart = ffi::Buffer<ffi::F32, 1>;
 
 ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, Scalar32 layer,
                                Slots kv_slots, Lens kv_lens, Mask tree_mask, float softmax_scale, int64_t rope_dim,
-                               int64_t num_splits, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Lse> lse,
+                               int64_t num_splits, int64_t row_groups, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<Lse> lse,
                                ffi::Result<OutPart> out_part, ffi::Result<LsePart> lse_part) {
   const auto qd = q.dimensions();
   const auto pd = kv_pool.dimensions();
@@ -466,7 +501,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
-  if (num_splits < 1 || num_splits > kMaxSplits || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
       pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }
@@ -500,13 +535,10 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   p.scale_log2 = softmax_scale * kLog2e;
   if (rows == 0 || batch == 0) return ffi::Error::Success();
 
-  const dim3 grid(static_cast<unsigned>((rows + kRows - 1) / kRows), static_cast<unsigned>(num_splits),
-                  static_cast<unsigned>(batch));
-  if (num_splits == 1) {
-    verify_attention_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  if (row_groups == 1) {
+    launch<1>(p, batch, stream);
   } else {
-    verify_attention_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
-    merge_splits_kernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(batch), kMergeQuarters), kMergeThreads, 0, stream>>>(p);
+    launch<2>(p, batch, stream);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_error("kernel launch", err);
   return ffi::Error::Success();
@@ -526,6 +558,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, VerifyAttentionCuda,
                                   .Attr<float>("softmax_scale")
                                   .Attr<int64_t>("rope_dim")
                                   .Attr<int64_t>("num_splits")
+                                  .Attr<int64_t>("row_groups")
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<Lse>()             // lse
                                   .Ret<OutPart>()         // per-split out (scratch)

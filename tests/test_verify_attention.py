@@ -190,9 +190,10 @@ def test_ffi_validation_errors_are_clear():
 
 
 def test_split_heuristic_uses_static_shapes_only():
-    # Small batches of short rows get many splits; big row counts none; never more splits than tile pairs.
+    # Small batches of short rows get many splits; big row counts none; never fewer than 4 KV tiles a split.
+    assert vffi.choose_row_groups(1, 8) == 1 and vffi.choose_row_groups(2, 16) == 2
     assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == vffi.CUDA_MAX_SPLITS
     assert vffi.choose_num_splits(8, 257, 8, 65536, 132) == 1
-    assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8  # 32 row tiles x 8 splits = one wave of 264
-    assert vffi.choose_num_splits(1, 16, 8, 130, 132) == 2    # 9 KV tiles: two splits of four or five
+    assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8   # 16 blocks of 32 rows x 8 = one wave of 132
+    assert vffi.choose_num_splits(1, 16, 8, 130, 132) == 2     # 9 KV tiles: two splits of four or five
     assert vffi.choose_num_splits(1, 16, 8, 40, 132) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -35,9 +36,8 @@ TARGET = "kdtree_verify_attention"
 # The CUDA kernel's tiling (ffi/verify_attention.cu); the split heuristic below needs the same numbers.
 CUDA_LATENT_DIM = 512
 CUDA_ROPE_DIM = 64
-CUDA_ROWS_PER_BLOCK = 16
+CUDA_ROWS_PER_GROUP = 16  # a row group = 4 warps on one m16 tile of query rows
 CUDA_KV_TILE = 16
-CUDA_BLOCKS_PER_SM = 2  # 97 KiB of shared memory per block: two blocks fit an H200 multiprocessor
 CUDA_MAX_SPLITS = 256     # the heuristic's cap
 CUDA_SPLIT_LIMIT = 1024   # what the merge kernel accepts (kMaxSplits)
 CPU_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -73,13 +73,24 @@ def sm_count(device: int = 0) -> int:
     return 132
 
 
-def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int) -> int:
+def choose_row_groups(num_queries: int, num_heads: int) -> int:
+    """Row groups per block: 1 (16 rows, 2 blocks per SM) when T*H fits one MMA tile, else 2 (32 rows
+    sharing each KV tile: half the L2 traffic). KDTREE_VERIFY_ROW_GROUPS=1|2 overrides (for A/B runs)."""
+    forced = os.environ.get("KDTREE_VERIFY_ROW_GROUPS")
+    if forced in ("1", "2"):
+        return int(forced)
+    return 1 if num_queries * num_heads <= CUDA_ROWS_PER_GROUP else 2
+
+
+def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
+                      row_groups: int | None = None) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks (a second, partial
     wave would double the time), each split at least four KV tiles long (its work must outweigh its
     partial write and the merge)."""
-    row_tiles = math.ceil(num_queries * num_heads / CUDA_ROWS_PER_BLOCK)
-    blocks_without_split = row_tiles * batch
-    wanted = (CUDA_BLOCKS_PER_SM * num_sms) // blocks_without_split
+    row_groups = row_groups or choose_row_groups(num_queries, num_heads)
+    blocks_per_sm = 2 if row_groups == 1 else 1
+    row_tiles = math.ceil(num_queries * num_heads / (CUDA_ROWS_PER_GROUP * row_groups))
+    wanted = (blocks_per_sm * num_sms) // (row_tiles * batch)
     kv_tiles = math.ceil(max_len / CUDA_KV_TILE)
     return int(max(1, min(wanted, kv_tiles // 4, CUDA_MAX_SPLITS)))
 
@@ -118,8 +129,9 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
 
 def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits):
     batch, num_queries, num_heads, width = q.shape
+    row_groups = choose_row_groups(num_queries, num_heads)
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count())
+        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count(), row_groups)
     rows = num_queries * num_heads
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
@@ -130,7 +142,7 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
-                          num_splits=np.int64(num_splits))
+                          num_splits=np.int64(num_splits), row_groups=np.int64(row_groups))
     return out, lse
 
 
@@ -169,4 +181,4 @@ def _has_gpu() -> bool:
         return False
 
 
-__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "sm_count", "cuda_fast_path"]
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "choose_row_groups", "sm_count", "cuda_fast_path"]
