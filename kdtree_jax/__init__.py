@@ -3,6 +3,7 @@
 The public API (DESIGN.md, "Public API"); README, tests and benchmarks use these names.
 """
 
+from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint
 from kdtree_jax.config import ModelConfig, RopeScaling
 from kdtree_jax.convert_hf import load_hf
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
@@ -18,6 +19,8 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "load_hf",
+    "load_checkpoint",
+    "save_checkpoint",
     "init_model",
     "forward_logits",
     "prefill",

@@ -1,0 +1,274 @@
+"""Save / restore a target (+ drafter, + tokenizer) as a self-describing Orbax checkpoint directory.
+
+Layout of a checkpoint directory:
+
+    kdtree_checkpoint.json   format version, configs, dtypes, tokenizer kind and files, the pieces below
+    target/<piece>/          Orbax checkpoints (orbax.checkpoint.v1 `save`); each holds some of the
+    drafter/<piece>/         model's parameters as a nested dict keyed like nnx.state(model)
+    tokenizer/               copies of the tokenizer files (tokenizer.json, or tiktoken.model + config)
+
+`save_checkpoint` writes one piece per model. The HF converter writes one piece per parameter, so it
+never holds more than one parameter in memory (an Orbax save holds its whole tree). Restoring builds the
+abstract model with `nnx.eval_shape` (no allocation), attaches the requested sharding to every abstract
+array and lets Orbax read each piece straight into those shardings: no host copy of the whole model and
+no restore-then-reshard. The metadata file is written last: a directory without it is incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from orbax.checkpoint import v1 as ocp
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.drafter import Drafter, DrafterConfig
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax import tokenizer as tokenizer_lib
+
+METADATA_FILE = "kdtree_checkpoint.json"
+FORMAT = "kdtree-jax checkpoint"
+FORMAT_VERSION = 1
+
+ShardingFn = Callable[[nnx.Module], Any]
+
+
+# Paths and trees ------------------------------------------------------------------------------------
+def _key(path: tuple) -> tuple:
+    """Orbax trees are keyed by strings; NNX paths hold ints for list entries (layers)."""
+    return tuple(str(p) for p in path)
+
+
+def _nest(flat: dict) -> dict:
+    """{('layers', '0', 'w'): x} -> {'layers': {'0': {'w': x}}}."""
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _flatten(tree, prefix=()) -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, prefix + (str(k),)))
+        return out
+    return {prefix: tree}
+
+
+def _leaf_paths(tree) -> dict:
+    """{string path: leaf} of a pytree such as nnx.state(module) or a sharding tree shaped like it.
+
+    NNX Variables are pytree nodes holding their value under the attribute 'value'; that level is dropped
+    so the path of a parameter is the same in a State, in a pure dict and in our Orbax pieces.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
+    out = {}
+    for path, leaf in leaves:
+        keys = []
+        for k in path:
+            if isinstance(k, jax.tree_util.GetAttrKey) and k.name in ("value", "raw_value"):
+                continue
+            keys.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+        out[tuple(keys)] = leaf
+    return out
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+# Writing ---------------------------------------------------------------------------------------------
+class CheckpointWriter:
+    """Writes a checkpoint directory piece by piece; `finish` writes the metadata that makes it valid."""
+
+    def __init__(self, path: str, target_cfg: ModelConfig, dtype, drafter_cfg: Optional[DrafterConfig] = None,
+                 drafter_dtype=None):
+        self.path = os.path.abspath(os.fspath(path))
+        if os.path.exists(self.path) and (not os.path.isdir(self.path) or os.listdir(self.path)):
+            raise ValueError(f"checkpoint path {self.path} exists and is not an empty directory; choose a new one")
+        os.makedirs(self.path, exist_ok=True)
+        self.target_cfg, self.dtype = target_cfg, dtype
+        self.drafter_cfg, self.drafter_dtype = drafter_cfg, drafter_dtype if drafter_dtype is not None else dtype
+        self.pieces: dict[str, list[str]] = {"target": [], "drafter": []}
+
+    def _write(self, model: str, name: str, flat: dict) -> None:
+        rel = f"{model}/{name}"
+        ocp.save(os.path.join(self.path, rel), _nest({_key(p): v for p, v in flat.items()}))
+        self.pieces[model].append(rel)
+
+    def write_target_piece(self, flat: dict, name: Optional[str] = None) -> None:
+        """Write parameters {nnx path: array} of the target as one piece (named after its first path)."""
+        self._write("target", name or ".".join(_key(next(iter(flat)))), flat)
+
+    def write_drafter_piece(self, flat: dict, name: Optional[str] = None) -> None:
+        if self.drafter_cfg is None:
+            raise ValueError("this writer was made without a drafter_cfg")
+        self._write("drafter", name or ".".join(_key(next(iter(flat)))), flat)
+
+    def finish(self, tokenizer=None, extra_metadata: Optional[dict] = None) -> None:
+        tok = _copy_tokenizer(tokenizer, os.path.join(self.path, "tokenizer"))
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "target": {"config": self.target_cfg.to_dict(), "dtype": _dtype_name(self.dtype),
+                       "pieces": self.pieces["target"]},
+            "drafter": None if self.drafter_cfg is None else {
+                "config": self.drafter_cfg.to_dict(), "dtype": _dtype_name(self.drafter_dtype),
+                "pieces": self.pieces["drafter"]},
+            "tokenizer": tok,
+            "extra": extra_metadata or {},
+        }
+        with open(os.path.join(self.path, METADATA_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+
+
+def _copy_tokenizer(tokenizer, dest: str) -> dict:
+    """Copy the tokenizer's files into `dest`; returns {'kind', 'files'} for the metadata.
+
+    `tokenizer`: None (byte tokenizer), a directory, a list of files, or a loaded tokenizer object.
+    """
+    if tokenizer is None or isinstance(tokenizer, tokenizer_lib.ByteTokenizer):
+        return {"kind": "byte", "files": []}
+    if isinstance(tokenizer, (str, os.PathLike)) and os.path.isdir(tokenizer):
+        files = [os.path.join(tokenizer, f) for f in tokenizer_lib.TOKENIZER_FILES
+                 if os.path.exists(os.path.join(tokenizer, f))]
+        if not files:
+            raise ValueError(f"tokenizer directory {tokenizer} holds none of {tokenizer_lib.TOKENIZER_FILES}")
+    elif isinstance(tokenizer, (list, tuple)):
+        files = [os.fspath(f) for f in tokenizer]
+    elif hasattr(tokenizer, "files"):
+        files = list(tokenizer.files)
+    else:
+        raise ValueError(f"tokenizer_dir_or_files must be a directory, a list of files, a tokenizer or None; "
+                         f"got {tokenizer!r}")
+    for f in files:
+        if not os.path.isfile(f):
+            raise ValueError(f"tokenizer file {f} does not exist")
+    os.makedirs(dest, exist_ok=True)
+    for f in files:
+        shutil.copy(f, os.path.join(dest, os.path.basename(f)))
+    names = [os.path.basename(f) for f in files]
+    kind = tokenizer_lib.tokenizer_kind(names)
+    if kind == "byte":
+        raise ValueError(f"tokenizer files {names} hold neither tokenizer.json nor tiktoken.model")
+    return {"kind": kind, "files": names}
+
+
+def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None, tokenizer_dir_or_files=None, *,
+                    extra_metadata: Optional[dict] = None) -> None:
+    """Write `target` (and `drafter`, and the tokenizer's files) as a checkpoint directory at `path`.
+
+    `path` must not exist or be an empty directory. Arrays may be sharded; Orbax writes each shard.
+    `tokenizer_dir_or_files`: a directory holding tokenizer.json or tiktoken.model (+ tokenizer_config.json),
+    a list of such files, a loaded tokenizer, or None (the byte tokenizer).
+    """
+    if not isinstance(target, Transformer):
+        raise ValueError(f"target must be a kdtree_jax Transformer; got {type(target).__name__}")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise ValueError(f"drafter must be a kdtree_jax Drafter or None; got {type(drafter).__name__}")
+    writer = CheckpointWriter(path, target.cfg, target.dtype, drafter.cfg if drafter is not None else None,
+                              drafter.dtype if drafter is not None else None)
+    writer.write_target_piece(_leaf_paths(nnx.state(target)), name="params")
+    if drafter is not None:
+        writer.write_drafter_piece(_leaf_paths(nnx.state(drafter)), name="params")
+    writer.finish(tokenizer_dir_or_files, extra_metadata)
+
+
+# Reading ---------------------------------------------------------------------------------------------
+def read_metadata(path) -> dict:
+    """The checkpoint directory's metadata (configs, dtypes, tokenizer, pieces), validated."""
+    file = os.path.join(os.fspath(path), METADATA_FILE)
+    if not os.path.exists(file):
+        raise ValueError(f"{path} is not a kdtree-jax checkpoint (no {METADATA_FILE}; an interrupted save or "
+                         "conversion leaves none)")
+    with open(file) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{file}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
+                         f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
+    return meta
+
+
+def _shardings_by_path(shardings, abstract_module, flat_abstract: dict) -> dict:
+    """Map the caller's sharding pytree (or a callable making it) onto our parameter paths."""
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return {p: device for p in flat_abstract}
+    tree = shardings(abstract_module) if callable(shardings) else shardings
+    if tree is None:
+        return _shardings_by_path(None, abstract_module, flat_abstract)
+    if isinstance(tree, jax.sharding.Sharding):
+        return {p: tree for p in flat_abstract}
+    by_path = _leaf_paths(tree)
+    missing = [".".join(p) for p in flat_abstract if p not in by_path]
+    if missing:
+        raise ValueError(f"shardings: no sharding for {len(missing)} parameter(s), e.g. {missing[:4]}; the tree must "
+                         "match nnx.state(module)")
+    bad = [".".join(p) for p in flat_abstract if not isinstance(by_path[p], jax.sharding.Sharding)]
+    if bad:
+        raise ValueError(f"shardings: leaves must be jax.sharding.Sharding; not so for {bad[:4]}")
+    return {p: by_path[p] for p in flat_abstract}
+
+
+def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[str], shardings, what: str):
+    abstract = nnx.eval_shape(ctor)
+    graphdef, state = nnx.split(abstract)
+    flat = _leaf_paths(state)  # path -> ShapeDtypeStruct
+    sharding = _shardings_by_path(shardings, abstract, flat)
+    restored: dict = {}
+    for piece in pieces:
+        piece_dir = os.path.join(path, piece)
+        stored = _flatten(ocp.metadata(piece_dir).metadata)
+        unknown = [".".join(p) for p in stored if p not in flat]
+        if unknown:
+            raise ValueError(f"{what} piece {piece}: parameter(s) {unknown[:4]} are not in the model built from "
+                             "the checkpoint's config")
+        wrong = [f"{'.'.join(p)}: stored {tuple(m.shape)}, model {tuple(flat[p].shape)}"
+                 for p, m in stored.items() if tuple(m.shape) != tuple(flat[p].shape)]
+        if wrong:
+            raise ValueError(f"{what} piece {piece}: shape mismatch {wrong[:4]}")
+        want = {p: jax.ShapeDtypeStruct(flat[p].shape, flat[p].dtype, sharding=sharding[p]) for p in stored}
+        restored.update(_flatten(ocp.load(piece_dir, _nest(want))))
+    missing = [".".join(p) for p in flat if p not in restored]
+    if missing:
+        raise ValueError(f"{what}: checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
+    # Put the arrays into the abstract state's Variables, in the state's own (int-keyed) structure.
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    order = list(_leaf_paths(state).keys())
+    state = jax.tree_util.tree_unflatten(treedef, [restored[p] for p in order])
+    return nnx.merge(graphdef, state)
+
+
+def load_checkpoint(path, *, dtype=None, shardings=None):
+    """(target, drafter or None, tokenizer) from a checkpoint directory.
+
+    dtype: parameter dtype of the restored models (None: as saved; otherwise Orbax casts while reading).
+    shardings: None (default device), or a callable (abstract_module) -> pytree of jax.sharding.Sharding
+    matching nnx.state(module) (or one Sharding for everything, or None for the default device). It is
+    called for the target and for the drafter. Each array is read straight into its sharding.
+    """
+    path = os.path.abspath(os.fspath(path))
+    meta = read_metadata(path)
+    cfg = ModelConfig.from_dict(meta["target"]["config"])
+    t_dtype = jnp.dtype(dtype if dtype is not None else meta["target"]["dtype"])
+    target = _restore_module(path, lambda: Transformer(cfg, t_dtype, rngs=nnx.Rngs(0)), meta["target"]["pieces"],
+                             shardings, "target")
+    drafter = None
+    if meta.get("drafter"):
+        dcfg = DrafterConfig.from_dict(meta["drafter"]["config"])
+        d_dtype = jnp.dtype(dtype if dtype is not None else meta["drafter"]["dtype"])
+        drafter = _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)),
+                                  meta["drafter"]["pieces"], shardings, "drafter")
+    tok = meta.get("tokenizer") or {"kind": "byte"}
+    tokenizer = tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
+    return target, drafter, tokenizer
