@@ -1,0 +1,282 @@
+"""Sharded K2 verify steps on every visible GPU: correctness first, then timings and expert load.
+
+    python benchmarks/multi_gpu.py [--layers 4] [--contexts 4096,16384,65536] [--nodes 9,33]
+    python benchmarks/multi_gpu.py --smoke          # tiny widths, for CPU (forced devices) and CI
+
+1. Correctness: a small model (8 heads, 16 experts) sharded tp and ep over all devices gives the logits
+   of the unsharded model (float32), and the same greedy speculative output.
+2. K2's real widths, the first `--layers` layers (1 dense + MoE), random bf16 weights created directly
+   sharded on the devices (never on the host), in the tp and ep layouts. The latent pool is filled
+   with random rows at scattered slots (a fast fill: the verify cost does not depend on the values).
+   Per context L and tree size T: the verify step (one forward of T tokens over L cached positions,
+   median of timed runs inside one jitted loop), the attention alone (the per-device verify op of
+   every layer), the routed+shared MoE alone, and the all-reduces alone (the same count and shapes).
+   Expert load per step from the router (tokens and active experts per device), and the imbalance
+   an EPLB placement planned from that load would leave.
+Writes results (JSON + markdown) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+if "--smoke" in sys.argv:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import kdtree_jax
+from kdtree_jax import eplb, kv_pool
+from kdtree_jax.config import MESH_AXIS
+from kdtree_jax.model.drafter import DrafterConfig, init_drafter
+from kdtree_jax.model.mla import AttentionBatch
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.sharding import attach_mesh, make_mesh, parameter_shardings, shard_model
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def check_correctness(n: int) -> dict:
+    cfg = kdtree_jax.ModelConfig.preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=4,
+                                                         topk_group=2)
+    model = kdtree_jax.init_model(cfg, seed=3)
+    drafter = init_drafter(cfg, DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=4)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+    prompts = [np.random.default_rng(1).integers(0, cfg.vocab_size, 9).tolist(), [5, 6, 7]]
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(kdtree_jax.forward_logits(model, tokens))
+        ref_out = kdtree_jax.generate(model, drafter, prompts, max_new_tokens=12, budget=6).tokens
+        out = {}
+        for layout in ("tp", "ep"):
+            sm = shard_model(model, make_mesh(n), layout)
+            logits = np.asarray(kdtree_jax.forward_logits(sm, tokens))
+            same = kdtree_jax.generate(sm, drafter, prompts, max_new_tokens=12, budget=6).tokens == ref_out
+            out[layout] = {"max_rel_err_logits": float(np.abs(logits - ref).max() / np.abs(ref).max()),
+                           "greedy_speculative_equal": bool(same)}
+    return out
+
+
+def sharded_random_model(cfg, mesh, layout: str):
+    """Random bf16 weights created on the devices in their final sharding."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    shardings = parameter_shardings(abstract, mesh, layout)
+
+    @jax.jit
+    def init():
+        return nnx.state(Transformer(cfg, jnp.bfloat16, rngs=nnx.Rngs(0)))
+
+    state = jax.jit(init.__wrapped__ if hasattr(init, "__wrapped__") else init, out_shardings=shardings)()
+    model = nnx.merge(graphdef, state)
+    attach_mesh(model, mesh, layout)
+    return model
+
+
+def filled_pool(cfg, mesh, context: int, nodes: int, key):
+    """A replicated pool holding `context` random rows at scattered slots, room for `nodes` more."""
+    slots = context + nodes
+    rep = NamedSharding(mesh, P())
+
+    @jax.jit
+    def make(key):
+        k1, k2 = jax.random.split(key)
+        pages = jax.random.normal(k1, (cfg.num_hidden_layers, slots, cfg.cache_dim), jnp.bfloat16)
+        table = jax.random.permutation(k2, slots).astype(jnp.int32)[None, :]
+        return pages, table
+
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else _null():
+        pages, table = jax.jit(make, out_shardings=(rep, rep))(key)
+    return pages, table
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def timed(fn, *args, reps: int = 5):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), out
+
+
+def time_step(model, pages, table, context: int, nodes: int, iters: int, impl: str):
+    """Median seconds of one verify forward, from `iters` forwards inside one jitted loop."""
+    cfg = model.cfg
+    rep_batch = 1
+    kv_lens = jnp.full((rep_batch,), context + nodes, jnp.int32)
+    write = table[:, context:context + nodes]
+    batch = AttentionBatch(table, kv_lens, causal_mask(rep_batch, nodes), write)
+    positions = (context + jnp.arange(nodes, dtype=jnp.int32))[None]
+
+    @jax.jit
+    def loop(model, pages, tokens):
+        def body(i, carry):
+            pages, tokens, acc, counts = carry
+            out = model(tokens, positions, pages, batch, impl=impl)
+            nxt = jnp.argmax(out.logits, -1).astype(jnp.int32)  # the next input depends on this output
+            return out.kv_pages, nxt, acc + out.logits[0, 0, 0], counts + out.expert_counts
+        n_moe = cfg.num_moe_layers
+        init = (pages, tokens, jnp.zeros((), jnp.float32), jnp.zeros((n_moe, cfg.n_routed_experts), jnp.int32))
+        return jax.lax.fori_loop(0, iters, body, init)
+
+    tokens = jax.random.randint(jax.random.key(1), (1, nodes), 0, cfg.vocab_size, jnp.int32)
+    seconds, out = timed(loop, model, pages, tokens, reps=3)
+    return seconds / iters, out[0], np.asarray(out[3])
+
+
+def time_parts(model, pages, table, context: int, nodes: int, iters: int, impl: str):
+    """Attention alone (every layer's per-device verify op), MoE alone, all-reduces alone."""
+    cfg, mesh = model.cfg, model.mesh
+    kv_lens = jnp.full((1,), context + nodes, jnp.int32)
+    batch = AttentionBatch(table, kv_lens, causal_mask(1, nodes), table[:, context:context + nodes])
+    q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
+    q = jax.device_put(q, NamedSharding(mesh, P(None, None, MESH_AXIS, None)))
+    attn = model.layers[0].self_attn
+
+    @jax.jit
+    def attention_only(q, pages):
+        def body(i, q):
+            for layer in range(cfg.num_hidden_layers):
+                out = attn.attend(q, pages, layer, batch, impl)
+                q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
+            return q
+        return jax.lax.fori_loop(0, iters, body, q)
+
+    moe_layers = [l.mlp for l in model.layers if l.is_moe]
+    x = jax.random.normal(jax.random.key(3), (1, nodes, cfg.hidden_size), jnp.bfloat16)
+
+    @jax.jit
+    def moe_only(x):
+        def body(i, x):
+            for moe in moe_layers:
+                out, _ = moe(x)
+                x = x + out * 1e-3
+            return x
+        return jax.lax.fori_loop(0, iters, body, x)
+
+    n_allreduce = 2 * cfg.num_hidden_layers
+    partial_sums = jax.device_put(jnp.ones((mesh.size, nodes, cfg.hidden_size), jnp.bfloat16),
+                                  NamedSharding(mesh, P(MESH_AXIS)))
+
+    @jax.jit
+    def allreduce_only(v):
+        def per_device(v):
+            def body(i, v):
+                for _ in range(n_allreduce):
+                    v = jax.lax.psum(v, MESH_AXIS) * (1.0 / mesh.size)
+                return v
+            return jax.lax.fori_loop(0, iters, body, v)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=P(MESH_AXIS), out_specs=P(MESH_AXIS),
+                             check_vma=False)(v)
+
+    t_attn, _ = timed(attention_only, q, pages, reps=3)
+    t_moe, _ = timed(moe_only, x, reps=3)
+    t_ar, _ = timed(allreduce_only, partial_sums, reps=3)
+    return {"attention_s": t_attn / iters, "moe_s": t_moe / iters, "allreduce_s": t_ar / iters,
+            "allreduces_per_step": n_allreduce}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4, help="K2 layers: 1 dense + the rest MoE")
+    p.add_argument("--contexts", default="4096,16384,65536")
+    p.add_argument("--nodes", default="9,33", help="tree sizes T")
+    p.add_argument("--iters", type=int, default=10, help="forwards per timed loop")
+    p.add_argument("--impl", default="auto")
+    p.add_argument("--parts-nodes", default="9", help="tree sizes at which attention/MoE/all-reduce are timed alone")
+    p.add_argument("--reference-contexts", default="4096",
+                   help="contexts at which the step is also timed with the XLA reference attention")
+    p.add_argument("--smoke", action="store_true", help="tiny widths on forced CPU devices")
+    p.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
+    args = p.parse_args(argv)
+
+    n = len(jax.devices())
+    device = f"{n}x {jax.devices()[0].device_kind}"
+    log(f"devices: {device}")
+    result = {"meta": {"date": datetime.date.today().isoformat(), "device": device, "devices": n,
+                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip(), "jax": jax.__version__}}
+    result["correctness"] = check_correctness(n)
+    log("correctness", result["correctness"])
+
+    cfg = kdtree_jax.ModelConfig.preset("kimi-k2").replace(num_hidden_layers=args.layers)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.smoke:
+        cfg = kdtree_jax.ModelConfig.preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=4,
+                                                             topk_group=2, num_hidden_layers=args.layers)
+        contexts = [64, 128]
+    mesh = make_mesh(n)
+    rows = []
+    for layout in ("tp", "ep"):
+        t0 = time.perf_counter()
+        model = sharded_random_model(cfg, mesh, layout)
+        jax.block_until_ready(nnx.state(model))
+        log(f"{layout}: model ready in {time.perf_counter() - t0:.1f} s")
+        for context in contexts:
+            for nodes in [int(t) for t in args.nodes.split(",")]:
+                pages, table = filled_pool(cfg, mesh, context, nodes, jax.random.key(context + nodes))
+                step, pages, counts = time_step(model, pages, table, context, nodes, args.iters, args.impl)
+                parts = {"attention_s": float("nan"), "moe_s": float("nan"), "allreduce_s": float("nan"),
+                         "allreduces_per_step": 2 * cfg.num_hidden_layers}
+                if str(nodes) in args.parts_nodes.split(","):
+                    parts = time_parts(model, pages, table, context, nodes, args.iters, args.impl)
+                ref_step = None
+                if args.impl != "reference" and (str(context) in args.reference_contexts.split(",") or args.smoke):
+                    ref_step, pages, _ = time_step(model, pages, table, context, nodes, args.iters, "reference")
+                per_dev = counts.reshape(counts.shape[0], n, -1)
+                dev_tokens = per_dev.sum(-1) / args.iters
+                dev_active = (per_dev > 0).sum(-1) / args.iters  # over the whole loop: an upper bound per step
+                plan = eplb.plan_placement(counts, num_devices=n, redundant_per_device=1)
+                row = {"layout": layout, "context": context, "nodes": nodes, "step_ms": step * 1e3,
+                       "reference_attention_step_ms": None if ref_step is None else ref_step * 1e3,
+                       "attention_ms": parts["attention_s"] * 1e3, "moe_ms": parts["moe_s"] * 1e3,
+                       "allreduce_ms": parts["allreduce_s"] * 1e3, "allreduces_per_step": parts["allreduces_per_step"],
+                       "tokens_per_device_per_step": dev_tokens.mean(0).round(2).tolist(),
+                       "max_over_mean_device_tokens": float(eplb.imbalance(counts, n).mean()),
+                       "eplb_planned_max_over_mean": float(eplb.imbalance(eplb.placed_load(counts, plan), n).mean())}
+                rows.append(row)
+                log(json.dumps(row))
+                _dump(args, result, rows, cfg, n)  # after every row: a run cut short still leaves its data
+                del pages, table
+        del model
+    print(json.dumps(_dump(args, result, rows, cfg, n)))
+
+
+def _dump(args, result, rows, cfg, n):
+    result["rows"] = rows
+    result["config"] = {"layers": cfg.num_hidden_layers, "moe_layers": cfg.num_moe_layers, "iters": args.iters,
+                        "impl": args.impl, "note": "tokens/active experts per device use the ep grouping "
+                        "(device d holds expert slots [d*E/n, (d+1)*E/n)) in both layouts"}
+    os.makedirs(args.out, exist_ok=True)
+    name = "multi_gpu_smoke" if args.smoke else f"multi_gpu_{n}x"
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
