@@ -36,6 +36,7 @@ import dataclasses
 import glob
 import json
 import math
+import mmap
 import os
 import re
 import struct
@@ -113,7 +114,6 @@ class SafetensorsDir:
                 if key in self.entries:
                     raise ValueError(f"tensor {key!r} appears twice: in {self.entries[key].file} and {f}")
                 self.entries[key] = entry
-        self._maps: dict[str, np.memmap] = {}
 
     @staticmethod
     def _normalise(key: str) -> str:
@@ -136,9 +136,14 @@ class SafetensorsDir:
 
     def get(self, key: str) -> np.ndarray:
         e = self.entries[key]
-        if e.file not in self._maps:
-            self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
-        return self._maps[e.file][e.start:e.end].view(e.dtype).reshape(e.shape)
+        if e.end == e.start:  # mmap cannot map zero bytes
+            return np.empty(e.shape, e.dtype)
+        # A fresh mapping of just this tensor's bytes: it is unmapped (and its pages leave our resident
+        # memory) as soon as the caller drops the array, so reading a whole checkpoint never keeps it all.
+        page = mmap.ALLOCATIONGRANULARITY
+        offset = e.start - e.start % page
+        raw = np.memmap(e.file, dtype=np.uint8, mode="r", offset=offset, shape=(e.end - offset,))
+        return raw[e.start - offset:].view(e.dtype).reshape(e.shape)
 
 
 # Quantization formats ------------------------------------------------------------------------------

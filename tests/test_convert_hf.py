@@ -12,10 +12,12 @@ import math
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import kdtree_jax
@@ -182,6 +184,9 @@ def test_converted_logits_match(tmp_path, reference, fmt, prefix, shards, loose)
     convert_hf.convert_checkpoint(hf, out, dtype=jnp.float32, progress=False, piece_bytes=0 if prefix else 1 << 30)
     target, drafter, _ = kdtree_jax.load_checkpoint(out)
     assert drafter is None
+    with open(os.path.join(out, "kdtree_checkpoint.json")) as f:
+        pieces = json.load(f)["target"]["pieces"]
+    assert len(pieces) == (len(jax.tree.leaves(nnx.state(target))) if prefix else 1)
     logits = np.asarray(kdtree_jax.forward_logits(target, ids))
     assert _rel_err(logits, logits_exact) < 1e-5
     assert _mean_rel_err(logits, logits_ref) < loose
