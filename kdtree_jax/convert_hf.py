@@ -182,6 +182,25 @@ class Quantization:
                          "(supported: 'fp8' block, 'compressed-tensors' pack-quantized INT4)")
 
 
+def _fp8_to_float32(weight: np.ndarray) -> np.ndarray:
+    """FP8 -> float32 through a 256-entry table: 4-5x faster than ml_dtypes' element-wise cast."""
+    table = np.arange(256, dtype=np.uint8).view(weight.dtype).astype(np.float32)
+    return np.take(table, weight.view(np.uint8))
+
+
+def _scale_blocks(x: np.ndarray, scales: np.ndarray, block) -> np.ndarray:
+    """x [out, in] float32 times one scale per (block[0] x block[1]) block, edge blocks partial; in place
+    when the shape is a whole number of blocks."""
+    out, inn = x.shape
+    bo, bi = block
+    pad_o, pad_i = -out % bo, -inn % bi
+    if pad_o or pad_i:
+        x = np.pad(x, ((0, pad_o), (0, pad_i)))
+    blocks = x.reshape(scales.shape[0], bo, scales.shape[1], bi)
+    blocks *= scales.astype(np.float32)[:, None, :, None]
+    return blocks.reshape(out + pad_o, inn + pad_i)[:out, :inn]
+
+
 def dequantize_fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block=(128, 128)) -> np.ndarray:
     """FP8 [out, in] with one float32 scale per block (edge blocks partial) -> float32 [out, in]."""
     out, inn = weight.shape
@@ -190,14 +209,22 @@ def dequantize_fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block=(128, 
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"FP8 scale shape {tuple(scale_inv.shape)} does not fit weight {weight.shape} "
                          f"with {bo}x{bi} blocks (expected {expected})")
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:out, :inn]
-    return weight.astype(np.float32) * scale
+    return _scale_blocks(_fp8_to_float32(weight), scale_inv, block)
 
 
 def unpack_int4(packed: np.ndarray, in_features: int) -> np.ndarray:
-    """int32 [out, ceil(in/8)] -> int8 [out, in] in [-8, 7] (compressed-tensors' pack-quantized layout)."""
-    nibbles = (packed.view(np.uint32)[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
-    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features].astype(np.int8) - 8)
+    """int32 [out, ceil(in/8)] -> int8 [out, in] in [-8, 7] (compressed-tensors' pack-quantized layout).
+
+    Read as little-endian bytes, byte j of a row holds columns 2j (low nibble) and 2j+1 (high nibble):
+    the same order as "8 nibbles per int32, low first", at a quarter of the memory traffic.
+    """
+    b = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(packed.shape[0], -1)
+    nibbles = np.empty(b.shape + (2,), np.int8)
+    np.bitwise_and(b, 0xF, out=nibbles[..., 0], casting="unsafe")
+    np.right_shift(b, 4, out=nibbles[..., 1], casting="unsafe")
+    q = nibbles.reshape(b.shape[0], -1)[:, :in_features]
+    q -= 8  # stored unsigned with an offset of 8
+    return q
 
 
 def dequantize_int4_group(packed: np.ndarray, scale: np.ndarray, shape, group_size: Optional[int] = None) -> np.ndarray:
@@ -209,8 +236,8 @@ def dequantize_int4_group(packed: np.ndarray, scale: np.ndarray, shape, group_si
         raise ValueError(f"INT4 tensors do not fit weight_shape {(out, inn)} with group {group_size}: "
                          f"weight_packed {packed.shape} (expected {(out, math.ceil(inn / 8))}), "
                          f"weight_scale {scale.shape} (expected {(out, math.ceil(inn / group_size))})")
-    q = unpack_int4(packed, inn)
-    return q.astype(np.float32) * np.repeat(scale.astype(np.float32), group_size, axis=1)[:, :inn]
+    q = unpack_int4(packed, inn).astype(np.float32)
+    return _scale_blocks(q, scale, (1, group_size))
 
 
 class HFWeights:
