@@ -197,3 +197,22 @@ def test_split_heuristic_uses_static_shapes_only():
     assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8   # 16 blocks of 32 rows x 8 = one wave of 132
     assert vffi.choose_num_splits(1, 16, 8, 130, 132) == 2     # 9 KV tiles: two splits of four or five
     assert vffi.choose_num_splits(1, 16, 8, 40, 132) == 1
+
+
+def test_donated_pool_is_updated_in_place_not_copied():
+    """Writing a step's KV rows into the donated pool and calling the op copies nothing of the pool."""
+    num_layers, num_slots, width = 3, 50_000, 40
+    pool = jnp.ones((num_layers, num_slots, width), jnp.float32)
+    q, _, _, kv_slots, kv_lens, tree_mask = make_case(13, 1, 4, 2, 64, latent=32, rope=8, dtype=jnp.float32,
+                                                      num_slots=num_slots, lens=[64])
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(pool, layer, new_rows):
+        pool = pool.at[layer, kv_slots[0, -4:]].set(new_rows)
+        out, _ = verify_attention(q, pool, layer, kv_slots, kv_lens, tree_mask, softmax_scale=0.2, rope_dim=8,
+                                  impl="ffi")
+        return pool, out
+
+    stats = step.lower(pool, jnp.int32(1), jnp.ones((4, width))).compile().memory_analysis()
+    assert stats.alias_size_in_bytes >= pool.nbytes
+    assert stats.temp_size_in_bytes < pool.nbytes // 100, stats
