@@ -41,6 +41,7 @@ import os
 import re
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 import jax.numpy as jnp
@@ -349,14 +350,18 @@ def hf_to_param(path: tuple, tensors: list, cfg: ModelConfig, dtype=None) -> np.
 def convert_param(weights: HFWeights, path: tuple, shape: tuple, dtype, cfg: ModelConfig) -> np.ndarray:
     """One parameter in our layout and `dtype`, read (and dequantized) one HF tensor at a time.
 
-    Stacked experts are filled expert by expert into the output, so the peak is the output plus one
-    expert's float32 copy.
+    Stacked experts are filled expert by expert into the output by a few threads (numpy releases the GIL
+    while it dequantizes), so the peak is the output plus a few experts' float32 copies.
     """
     keys = hf_keys_for(path, cfg)
     if len(path) > 1 and path[-2] == "experts":
         out = np.empty(shape, np.dtype(dtype))
-        for e, key in enumerate(keys):
-            out[e] = weights.get(key).T
+
+        def fill(e: int) -> None:  # each task writes its own slice: no result is held back
+            out[e] = weights.get(keys[e]).T
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(fill, range(len(keys))))
         return out
     return hf_to_param(path, [weights.get(keys[0])], cfg, dtype)
 
