@@ -242,10 +242,10 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
     missing = [".".join(p) for p in flat if p not in restored]
     if missing:
         raise ValueError(f"{what}: checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
-    # Put the arrays into the abstract state's Variables, in the state's own (int-keyed) structure.
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    order = list(_leaf_paths(state).keys())
-    state = jax.tree_util.tree_unflatten(treedef, [restored[p] for p in order])
+    # Put the arrays into the abstract state's Variables, in the state's own (int-keyed) structure:
+    # _leaf_paths lists the leaves in tree_flatten's order.
+    treedef = jax.tree_util.tree_structure(state)
+    state = jax.tree_util.tree_unflatten(treedef, [restored[p] for p in flat])
     return nnx.merge(graphdef, state)
 
 

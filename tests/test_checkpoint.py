@@ -74,7 +74,7 @@ def test_round_trip_is_bit_exact(saved):
     assert meta["target"]["dtype"] == "bfloat16" and meta["tokenizer"] == {"kind": "hf", "files": ["tokenizer.json"]}
 
 
-def test_restore_into_mesh_shardings_and_dtype(saved):
+def test_restore_into_mesh_shardings_and_dtype(saved, tmp_path):
     path, target, drafter, _ = saved
     mesh = jax.make_mesh((8,), ("x",))
 
@@ -100,6 +100,11 @@ def test_restore_into_mesh_shardings_and_dtype(saved):
     assert target2.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(target2.layers[1].mlp.experts.up_proj),
                                   np.asarray(target.layers[1].mlp.experts.up_proj.astype(jnp.float32)))
+    # A sharded model saves as it is (each shard written once) and comes back equal.
+    kdtree_jax.save_checkpoint(str(tmp_path / "resaved"), target2, drafter2)
+    target3, drafter3, _ = kdtree_jax.load_checkpoint(str(tmp_path / "resaved"))
+    _assert_same(target2, target3)
+    _assert_same(drafter2, drafter3)
 
 
 def test_clear_errors(saved, tmp_path):
