@@ -92,10 +92,12 @@ class CheckpointWriter:
     """Writes a checkpoint directory piece by piece; `finish` writes the metadata that makes it valid."""
 
     def __init__(self, path: str, target_cfg: ModelConfig, dtype, drafter_cfg: Optional[DrafterConfig] = None,
-                 drafter_dtype=None):
+                 drafter_dtype=None, tokenizer=None):
         self.path = os.path.abspath(os.fspath(path))
         if os.path.exists(self.path) and (not os.path.isdir(self.path) or os.listdir(self.path)):
             raise ValueError(f"checkpoint path {self.path} exists and is not an empty directory; choose a new one")
+        # Checked before anything is written; copied by finish().
+        self.tokenizer_kind, self.tokenizer_files = _tokenizer_files(tokenizer)
         os.makedirs(self.path, exist_ok=True)
         self.target_cfg, self.dtype = target_cfg, dtype
         self.drafter_cfg, self.drafter_dtype = drafter_cfg, drafter_dtype if drafter_dtype is not None else dtype
@@ -115,8 +117,12 @@ class CheckpointWriter:
             raise ValueError("this writer was made without a drafter_cfg")
         self._write("drafter", name or ".".join(_key(next(iter(flat)))), flat)
 
-    def finish(self, tokenizer=None, extra_metadata: Optional[dict] = None) -> None:
-        tok = _copy_tokenizer(tokenizer, os.path.join(self.path, "tokenizer"))
+    def finish(self, extra_metadata: Optional[dict] = None) -> None:
+        if self.tokenizer_files:
+            os.makedirs(os.path.join(self.path, "tokenizer"))
+        for f in self.tokenizer_files:
+            shutil.copy(f, os.path.join(self.path, "tokenizer", os.path.basename(f)))
+        tok = {"kind": self.tokenizer_kind, "files": [os.path.basename(f) for f in self.tokenizer_files]}
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -132,13 +138,11 @@ class CheckpointWriter:
             json.dump(meta, f, indent=2)
 
 
-def _copy_tokenizer(tokenizer, dest: str) -> dict:
-    """Copy the tokenizer's files into `dest`; returns {'kind', 'files'} for the metadata.
-
-    `tokenizer`: None (byte tokenizer), a directory, a list of files, or a loaded tokenizer object.
-    """
+def _tokenizer_files(tokenizer) -> tuple[str, list[str]]:
+    """(kind, files) of a tokenizer given as None (byte tokenizer), a directory, a list of files, or a loaded
+    tokenizer object; raises ValueError if the files are missing or are no tokenizer we read."""
     if tokenizer is None or isinstance(tokenizer, tokenizer_lib.ByteTokenizer):
-        return {"kind": "byte", "files": []}
+        return "byte", []
     if isinstance(tokenizer, (str, os.PathLike)) and os.path.isdir(tokenizer):
         files = [os.path.join(tokenizer, f) for f in tokenizer_lib.TOKENIZER_FILES
                  if os.path.exists(os.path.join(tokenizer, f))]
@@ -154,14 +158,10 @@ def _copy_tokenizer(tokenizer, dest: str) -> dict:
     for f in files:
         if not os.path.isfile(f):
             raise ValueError(f"tokenizer file {f} does not exist")
-    os.makedirs(dest, exist_ok=True)
-    for f in files:
-        shutil.copy(f, os.path.join(dest, os.path.basename(f)))
-    names = [os.path.basename(f) for f in files]
-    kind = tokenizer_lib.tokenizer_kind(names)
+    kind = tokenizer_lib.tokenizer_kind(files)
     if kind == "byte":
-        raise ValueError(f"tokenizer files {names} hold neither tokenizer.json nor tiktoken.model")
-    return {"kind": kind, "files": names}
+        raise ValueError(f"tokenizer files {files} hold neither tokenizer.json nor tiktoken.model")
+    return kind, files
 
 
 def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None, tokenizer_dir_or_files=None, *,
@@ -177,11 +177,11 @@ def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None
     if drafter is not None and not isinstance(drafter, Drafter):
         raise ValueError(f"drafter must be a kdtree_jax Drafter or None; got {type(drafter).__name__}")
     writer = CheckpointWriter(path, target.cfg, target.dtype, drafter.cfg if drafter is not None else None,
-                              drafter.dtype if drafter is not None else None)
+                              drafter.dtype if drafter is not None else None, tokenizer_dir_or_files)
     writer.write_target_piece(_leaf_paths(nnx.state(target)), name="params")
     if drafter is not None:
         writer.write_drafter_piece(_leaf_paths(nnx.state(drafter)), name="params")
-    writer.finish(tokenizer_dir_or_files, extra_metadata)
+    writer.finish(extra_metadata)
 
 
 # Reading ---------------------------------------------------------------------------------------------

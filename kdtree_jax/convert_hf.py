@@ -52,6 +52,7 @@ from flax import nnx
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import deinterleave_permutation
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.tokenizer import TOKENIZER_FILES, tokenizer_kind
 
 # Wrappers (Kimi K2.5 / K2.6) nest the language model under a prefix.
 KEY_PREFIXES = ("language_model.",)
@@ -447,8 +448,6 @@ def load_hf(path: str, dtype=jnp.bfloat16) -> tuple[ModelConfig, Transformer]:
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
-
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32,
            "f16": jnp.float16, "float16": jnp.float16}
 
@@ -478,7 +477,12 @@ def convert_checkpoint(hf_dir: str, out_dir: str, *, dtype=jnp.bfloat16, num_lay
     validate(weights, flat, cfg, hf_dir)
 
     tokenizer_files = [os.path.join(hf_dir, f) for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_dir, f))]
-    writer = checkpoint.CheckpointWriter(out_dir, cfg, dtype)
+    if tokenizer_kind(tokenizer_files) == "byte":  # neither tokenizer.json nor tiktoken.model: none we read
+        if tokenizer_files:
+            print(f"note: {hf_dir} has no tokenizer.json or tiktoken.model; the checkpoint gets the byte tokenizer",
+                  file=sys.stderr)
+        tokenizer_files = []
+    writer = checkpoint.CheckpointWriter(out_dir, cfg, dtype, tokenizer=tokenizer_files or None)
     total = sum(math.prod(var.shape) * np.dtype(var.dtype).itemsize for _, var in flat)
     with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress, file=sys.stderr) as bar:
         pending, pending_bytes = {}, 0
@@ -492,8 +496,7 @@ def convert_checkpoint(hf_dir: str, out_dir: str, *, dtype=jnp.bfloat16, num_lay
                 pending, pending_bytes = {}, 0
         if pending:
             writer.write_target_piece(pending)
-    writer.finish(tokenizer=tokenizer_files or None,
-                  extra_metadata={"converted_from": os.path.abspath(hf_dir),
+    writer.finish(extra_metadata={"converted_from": os.path.abspath(hf_dir),
                                   "quantization": dataclasses.asdict(weights.quant)})
     return cfg
 

@@ -118,6 +118,7 @@ def test_clear_errors(saved, tmp_path):
         kdtree_jax.load_checkpoint(path, shardings=lambda m: {"embed_tokens": {"embedding": NamedSharding(mesh, P())}})
     with pytest.raises(ValueError, match="tokenizer file"):
         kdtree_jax.save_checkpoint(str(tmp_path / "new"), target, tokenizer_dir_or_files=[str(tmp_path / "nope.json")])
+    assert not os.path.exists(tmp_path / "new")  # checked before anything is written
 
 
 def test_generate_cli_runs_on_a_saved_pair(saved, capsys):

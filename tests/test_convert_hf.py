@@ -155,6 +155,16 @@ def write_float32_hf(path, tensors):
         json.dump(config, f)
 
 
+def write_word_tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 512}, f)
+
+
 @pytest.fixture(scope="module")
 def reference():
     ref = np.load(os.path.join(FIXTURE, "reference.npz"))
@@ -174,6 +184,8 @@ def test_converted_logits_match(tmp_path, reference, fmt, prefix, shards, loose)
     extra = {"vision_tower.patch_embed.proj.weight": np.ones((4, 4), np.float32),
              "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)} if prefix else None
     dequantized = write_hf(hf, fmt, prefix=prefix, shards=shards, extra=extra)
+    if fmt == "bf16":
+        write_word_tokenizer(hf)
     exact = str(tmp_path / "exact")
     write_float32_hf(exact, dequantized)
     _, exact_model = kdtree_jax.load_hf(exact, dtype=jnp.float32)
@@ -182,8 +194,10 @@ def test_converted_logits_match(tmp_path, reference, fmt, prefix, shards, loose)
     out = str(tmp_path / "orbax")
     # One Orbax piece per parameter in one case, everything in one piece in the others.
     convert_hf.convert_checkpoint(hf, out, dtype=jnp.float32, progress=False, piece_bytes=0 if prefix else 1 << 30)
-    target, drafter, _ = kdtree_jax.load_checkpoint(out)
+    target, drafter, tokenizer = kdtree_jax.load_checkpoint(out)
     assert drafter is None
+    # The HF directory's tokenizer files travel with the checkpoint (the bf16 case has a tokenizer.json).
+    assert type(tokenizer).__name__ == ("HFTokenizer" if fmt == "bf16" else "ByteTokenizer")
     with open(os.path.join(out, "kdtree_checkpoint.json")) as f:
         pieces = json.load(f)["target"]["pieces"]
     assert len(pieces) == (len(jax.tree.leaves(nnx.state(target))) if prefix else 1)
