@@ -149,8 +149,9 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
     iters = 8
 
+    # Modules and caches are jit arguments, never closed over (a closure bakes them in as constants).
     @jax.jit
-    def attention_only(q, pages):
+    def attention_only(q, pages, target):
         def body(i, q):
             for layer, l in enumerate(target.layers):
                 out = l.self_attn.attend(q, pages, layer, batch, impl)
@@ -161,7 +162,7 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
     x = jax.random.normal(jax.random.key(3), (1, nodes, cfg.hidden_size), jnp.bfloat16)
 
     @jax.jit
-    def moe_only(x):
+    def moe_only(x, target):
         def body(i, x):
             for l in target.layers:
                 if l.is_moe:
@@ -171,9 +172,9 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
         return jax.lax.fori_loop(0, iters, body, x)
 
     @jax.jit
-    def drafter_only(bonus):
+    def drafter_only(bonus, target, drafter, dcache, start):
         def body(i, bonus):
-            lp = drafter(target, dcache, bonus, cache.seq_lens)
+            lp = drafter(target, dcache, bonus, start)
             return jnp.argmax(lp[:, 0], -1).astype(jnp.int32)
         return jax.lax.fori_loop(0, iters, body, bonus)
 
@@ -182,7 +183,7 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
     logits = jax.random.normal(jax.random.key(5), (1, nodes, cfg.vocab_size), jnp.float32)
 
     @jax.jit
-    def tree_accept_commit(cache, bonus):
+    def tree_accept_commit(cache, bonus, top_lp, top_tok, logits):
         def body(i, carry):
             cache, bonus = carry
             t = trees.build_ddtree(top_lp, top_tok, bonus, cache.seq_lens, nodes - 1)
@@ -194,10 +195,10 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
             return cache, acc.bonus
         return jax.lax.fori_loop(0, iters, body, (cache, bonus))[1]
 
-    t_attn = timed(attention_only, q, cache.pages) / iters
-    t_moe = timed(moe_only, x) / iters
-    t_draft = timed(drafter_only, jnp.array([1], jnp.int32)) / iters
-    t_tree = timed(tree_accept_commit, cache, jnp.array([1], jnp.int32)) / iters
+    t_attn = timed(attention_only, q, cache.pages, target) / iters
+    t_moe = timed(moe_only, x, target) / iters
+    t_draft = timed(drafter_only, jnp.array([1], jnp.int32), target, drafter, dcache, cache.seq_lens) / iters
+    t_tree = timed(tree_accept_commit, cache, jnp.array([1], jnp.int32), top_lp, top_tok, logits) / iters
 
     kv_bytes = cfg.num_hidden_layers * (context + nodes) * cfg.cache_dim * 2
     expert_bytes_each = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2

@@ -155,24 +155,22 @@ def time_parts(model, pages, table, context: int, nodes: int, iters: int, impl: 
     batch = AttentionBatch(table, kv_lens, causal_mask(1, nodes), table[:, context:context + nodes])
     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
     q = jax.device_put(q, NamedSharding(mesh, P(None, None, MESH_AXIS, None)))
-    attn = model.layers[0].self_attn
-
+    # Modules are jit arguments, never closed over: a closure would bake the weights in as constants.
     @jax.jit
-    def attention_only(q, pages):
+    def attention_only(q, pages, model):
         def body(i, q):
             for layer in range(cfg.num_hidden_layers):
-                out = attn.attend(q, pages, layer, batch, impl)
+                out = model.layers[layer].self_attn.attend(q, pages, layer, batch, impl)
                 q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
             return q
         return jax.lax.fori_loop(0, iters, body, q)
 
-    moe_layers = [l.mlp for l in model.layers if l.is_moe]
     x = jax.random.normal(jax.random.key(3), (1, nodes, cfg.hidden_size), jnp.bfloat16)
 
     @jax.jit
-    def moe_only(x):
+    def moe_only(x, model):
         def body(i, x):
-            for moe in moe_layers:
+            for moe in [l.mlp for l in model.layers if l.is_moe]:
                 out, _ = moe(x)
                 x = x + out * 1e-3
             return x
@@ -193,8 +191,8 @@ def time_parts(model, pages, table, context: int, nodes: int, iters: int, impl: 
         return jax.shard_map(per_device, mesh=mesh, in_specs=P(MESH_AXIS), out_specs=P(MESH_AXIS),
                              check_vma=False)(v)
 
-    t_attn, _ = timed(attention_only, q, pages, reps=3)
-    t_moe, _ = timed(moe_only, x, reps=3)
+    t_attn, _ = timed(attention_only, q, pages, model, reps=3)
+    t_moe, _ = timed(moe_only, x, model, reps=3)
     t_ar, _ = timed(allreduce_only, partial_sums, reps=3)
     return {"attention_s": t_attn / iters, "moe_s": t_moe / iters, "allreduce_s": t_ar / iters,
             "allreduces_per_step": n_allreduce}
