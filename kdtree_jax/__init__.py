@@ -5,12 +5,11 @@ The public API (DESIGN.md, "Public API"); README, tests and benchmarks use these
 
 from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint
 from kdtree_jax.config import ModelConfig, RopeScaling
-from kdtree_jax.convert_hf import load_hf
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
 from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import verify_attention
-from kdtree_jax.sharding import make_mesh, shard_model
+from kdtree_jax.sharding import load_sharded, make_mesh, shard_model
 # `kdtree_jax.generate` is this function; importing the CLI submodule of the same name rebinds it to
 # that module, which is callable with the same arguments (see generate.py).
 from kdtree_jax.spec.engine import GenerateResult, generate
@@ -35,4 +34,15 @@ __all__ = [
     "GenerateResult",
     "make_mesh",
     "shard_model",
+    "load_sharded",
 ]
+
+
+def __getattr__(name):
+    # Imported on first use so that `python -m kdtree_jax.convert_hf` does not find its own module
+    # already imported by the package (runpy warns about that).
+    if name == "load_hf":
+        from kdtree_jax.convert_hf import load_hf
+
+        return load_hf
+    raise AttributeError(f"module 'kdtree_jax' has no attribute {name!r}")

@@ -115,6 +115,31 @@ def attach_mesh(model: Transformer, mesh: Optional[Mesh], layout: Optional[str])
             module.mesh, module.layout = mesh, layout
 
 
+def checkpoint_shardings(mesh: Mesh, layout: str = "tp"):
+    """The `shardings` callable of `checkpoint.load_checkpoint`: the target's parameters by `layout`, the
+    drafter's replicated (see the module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+
+    def shardings(abstract_module):
+        if isinstance(abstract_module, Transformer):
+            check_divisible(abstract_module, mesh, layout)
+            return parameter_shardings(abstract_module, mesh, layout)
+        return NamedSharding(mesh, P())
+
+    return shardings
+
+
+def load_sharded(path: str, mesh: Mesh, layout: str = "tp", *, dtype=None):
+    """(target, drafter, tokenizer) from an Orbax checkpoint, each array read straight into its place on
+    the mesh (no host copy of the model, no reshard), ready to run sharded."""
+    from kdtree_jax.checkpoint import load_checkpoint
+
+    target, drafter, tokenizer = load_checkpoint(path, dtype=dtype, shardings=checkpoint_shardings(mesh, layout))
+    attach_mesh(target, mesh, layout)
+    return target, drafter, tokenizer
+
+
 def replicate(tree, mesh: Mesh):
     """Place every array of a pytree (the KV cache, the drafter) whole on every device of the mesh."""
     return jax.device_put(tree, NamedSharding(mesh, P()))

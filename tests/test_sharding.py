@@ -120,3 +120,19 @@ def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
     for line in gathered:  # whatever is gathered must be neither a parameter nor the pool
         shape = tuple(int(d) for d in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if d)
         assert shape not in param_shapes and shape != tuple(cache.pages.shape), line
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_restore_from_orbax_straight_into_a_layout(model, drafter, tokens, unsharded_logits, tmp_path, layout):
+    from kdtree_jax.sharding import load_sharded
+
+    path = tmp_path / f"ckpt_{layout}"
+    kdtree_jax.save_checkpoint(str(path), model, drafter)
+    mesh = make_mesh(8)
+    target, restored_drafter, _ = load_sharded(str(path), mesh, layout)
+    experts = target.layers[1].mlp.experts.gate_proj[...]
+    assert experts.sharding.spec == (P("model", None, None) if layout == "ep" else P(None, None, "model"))
+    assert target.layers[1].self_attn.q_b_proj.kernel[...].sharding.spec == P(None, "model")
+    assert restored_drafter.fc.kernel[...].sharding.is_fully_replicated
+    logits = np.asarray(kdtree_jax.forward_logits(target, tokens))
+    assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
