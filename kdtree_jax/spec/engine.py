@@ -98,7 +98,7 @@ class GenerateResult:
 
 def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig) -> trees.Tree:
     start = state.cache.seq_lens
-    if spec.budget == 0 and spec.tree == "ddtree" or drafter is None:
+    if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
         return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
     logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
     top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
@@ -270,9 +270,6 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     # Room for the prompt, every new token and one verify tree past the end; bucketed so similar
     # requests share a compiled loop.
     max_len = _round_up(padded + max_new_tokens + num_nodes + depth + 1, 64)
-    if max_len > cfg.max_position_embeddings * 64:
-        raise ValueError(f"prompt + max_new_tokens ({padded + max_new_tokens}) is far beyond the model's "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
 
     mesh = getattr(target, "mesh", None)
     devices = expert_devices or (mesh.size if mesh is not None else 1)
