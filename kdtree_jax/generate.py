@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--checkpoint", default=None,
-                   help="model directory: an HF checkpoint (config.json + safetensors; target only, decoded "
-                        "autoregressively). Default: the embedded pair in checkpoints/default if present, "
-                        "else a random-init tiny pair (noise, for smoke tests)")
+                   help="model directory: a kdtree_jax checkpoint (Orbax: target, drafter, tokenizer; made by "
+                        "save_checkpoint, `python -m kdtree_jax.convert_hf` or `python -m kdtree_jax.train`) or an HF "
+                        "checkpoint (config.json + safetensors; target only, decoded autoregressively). Default: the "
+                        "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--budget", type=int, default=16,
                    help="DDTree nodes per step besides the root (0: plain autoregressive decoding)")
@@ -77,10 +78,11 @@ def load_models(checkpoint: str | None):
     if os.path.exists(os.path.join(checkpoint, "config.json")):
         cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
         return target, None, load_tokenizer(checkpoint), f"HF checkpoint {checkpoint} (no drafter: autoregressive)"
-    if hasattr(kdtree_jax, "load_checkpoint"):
+    try:
         target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint)
-        return target, drafter, tokenizer, f"checkpoint {checkpoint}"
-    raise SystemExit(f"{checkpoint} has no config.json and Orbax checkpoints are not supported yet")
+    except ValueError as e:
+        raise SystemExit(f"--checkpoint {checkpoint!r}: {e}")
+    return target, drafter, tokenizer, f"checkpoint {checkpoint}"
 
 
 def main(argv=None) -> int:
