@@ -1,0 +1,357 @@
+"""Speculative decoding of the default pair: autoregressive vs chain (DFlash) vs DDTree budgets.
+
+    python benchmarks/spec_decode.py                                   # checkpoints/default, all budgets
+    python benchmarks/spec_decode.py --prompts 16 --max-new-tokens 64  # a smaller run
+    python benchmarks/spec_decode.py --smoke                           # random tiny pair, CPU, seconds
+
+Prompts: the held-out files of the corpus (kdtree_jax/corpus.py, split "eval"), tokenized with the
+checkpoint's tokenizer; prompt i is the window of --prompt-len tokens that ends where file i (round
+robin) is cut, at a fraction (0.5 + i * 0.618...) mod 1 of its length (deterministic, varied offsets).
+
+For each temperature (greedy and T = 0.7 by default) and each decoder — autoregressive (a root-only
+tree through the same jitted loop), chain (the drafter's top-1 at every depth), DDTree at each
+--budgets value (best-first tree of `budget` nodes over the drafter's top---topk per depth) — every
+prompt is decoded for --max-new-tokens tokens in batches of --batch (default 1: latency, the case
+speculative decoding is for). The engine compiles the loop ahead of time, so timings are decode only:
+one warm-up call first (discarded), then tokens/s = sum of decoded tokens / sum of decode seconds over
+all batches (the first token of each sequence comes from the prefill and is not counted), and the
+median over batches. tau (tokens per target forward, bonus included) and the per-depth acceptance
+(P(at least d drafted tokens accepted)) are averaged over sequence steps. At T = 0 every speculative
+output is compared with the autoregressive one (greedy decoding is lossless; numerics of a tree-shaped
+verify pass may still flip a near-tie).
+
+Writes <out>/spec_decode_<device>.{json,md} (--smoke: spec_decode_smoke_<device>.*), with the device
+kind, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import kdtree_jax  # noqa: E402
+from kdtree_jax import corpus  # noqa: E402
+from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
+from kdtree_jax.spec import tree as trees  # noqa: E402
+from kdtree_jax.spec.engine import generate  # noqa: E402
+from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
+
+DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "default")
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results")
+GOLDEN = 0.6180339887498949
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# Shared with tree_shapes.py ---------------------------------------------------------------------------
+def smoke_pair():
+    """The random-init tiny pair of --smoke: tiny target (2 layers: 1 dense + 1 MoE), 1-layer drafter of
+    block size 4, byte tokenizer (ids < 256 fit the tiny vocab of 512)."""
+    cfg = kdtree_jax.ModelConfig.preset("tiny").replace(num_hidden_layers=2)
+    target = kdtree_jax.init_model(cfg, seed=0)
+    drafter = kdtree_jax.init_drafter(cfg, DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=1)
+    return target, drafter, ByteTokenizer()
+
+
+def load_pair(args):
+    """(target, drafter, tokenizer, description) for --smoke or --checkpoint."""
+    if args.smoke:
+        target, drafter, tokenizer = smoke_pair()
+        return target, drafter, tokenizer, "random-init tiny pair (smoke)"
+    if not os.path.exists(os.path.join(args.checkpoint, "kdtree_checkpoint.json")):
+        raise SystemExit(f"no checkpoint at {args.checkpoint} (kdtree_checkpoint.json missing); "
+                         "train one (python -m kdtree_jax.train) or pass --checkpoint / --smoke")
+    target, drafter, tokenizer = kdtree_jax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+    if drafter is None:
+        raise SystemExit(f"the checkpoint at {args.checkpoint} has no drafter")
+    return target, drafter, tokenizer, os.path.relpath(os.path.abspath(args.checkpoint), ROOT)
+
+
+def heldout_prompts(tokenizer, count: int, length: int, start: int = 0):
+    """Prompts `start .. start + count - 1`: prompt i is the `length` tokens before the cut of held-out
+    file i (round robin over the files long enough) at fraction (0.5 + i * golden) mod 1 of the file.
+    Returns (prompts as int32 arrays, descriptions "file@token")."""
+    docs = corpus.documents("eval")
+    encoded = [(d.name, np.asarray(tokenizer.encode(d.text), np.int32)) for d in docs]
+    usable = [(n, ids) for n, ids in encoded if len(ids) > length + 1]
+    if not usable:
+        raise ValueError(f"no held-out file is longer than --prompt-len {length} tokens")
+    prompts, where = [], []
+    for i in range(start, start + count):
+        name, ids = usable[i % len(usable)]
+        frac = (0.5 + i * GOLDEN) % 1.0
+        cut = length + int(frac * (len(ids) - length))
+        prompts.append(ids[cut - length:cut])
+        where.append(f"{name}@{cut}")
+    return prompts, where
+
+
+def batches(items: list, size: int) -> list:
+    """Consecutive batches of `size` (the last one may be shorter)."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def device_kind() -> str:
+    return str(jax.devices()[0].device_kind)
+
+
+def device_slug(kind: str | None = None) -> str:
+    """'cpu', 'h200', ... for file names."""
+    kind = (kind or device_kind()).lower().replace("nvidia", "").strip()
+    return re.sub(r"[^a-z0-9]+", "_", kind).strip("_") or "unknown"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def base_meta(args, target, drafter, pair: str) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "device": device_kind(),
+        "backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "pair": pair,
+        "target_dtype": str(target.dtype),
+        "target": {k: getattr(target.cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                         "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")},
+        "drafter": drafter.cfg.to_dict(),
+        "block_size": drafter.cfg.block_size,
+        "command": " ".join([os.path.basename(sys.argv[0])] + list(args.argv)),
+    }
+
+
+def enable_compilation_cache(cache_dir: str):
+    """Persistent XLA compilation cache (shapes are static: a rerun of the same sweep compiles nothing)."""
+    if not cache_dir:
+        return
+    cache_dir = os.path.expanduser(cache_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def aggregate(results: list, batch_sizes: list) -> dict:
+    """Pools the engine's stats over the batches of one configuration."""
+    steps = np.array([r.stats["sequence_steps"] for r in results], np.float64)
+    total_steps = steps.sum()
+    decoded = np.array([r.stats["new_tokens"] - b for r, b in zip(results, batch_sizes)], np.float64)
+    seconds = np.array([r.stats["decode_seconds"] for r in results], np.float64)
+    depth = len(results[0].stats["acceptance_by_depth"])
+    acc = np.zeros(depth)
+    tau = 0.0
+    if total_steps:
+        tau = float(sum(r.stats["tau"] * s for r, s in zip(results, steps) if s) / total_steps)
+        for r, s in zip(results, steps):
+            if s:
+                acc += np.asarray(r.stats["acceptance_by_depth"]) * s
+        acc /= total_steps
+    return {
+        "tau": tau if total_steps else float("nan"),
+        "acceptance_by_depth": acc.round(5).tolist(),
+        "tokens_per_second": float(decoded.sum() / seconds.sum()) if seconds.sum() > 0 else float("nan"),
+        "tokens_per_second_median": float(np.median(decoded / np.maximum(seconds, 1e-12))),
+        "target_forwards": int(sum(r.stats["steps"] for r in results)),
+        "sequence_steps": int(total_steps),
+        "new_tokens": int(sum(r.stats["new_tokens"] for r in results)),
+        "decode_seconds": float(seconds.sum()),
+        "prefill_seconds": float(sum(r.stats["prefill_seconds"] for r in results)),
+        "num_nodes": int(results[0].stats["num_nodes"]),
+    }
+
+
+def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperature, top_k, top_p, seed,
+               max_new_tokens, impl, warmup: bool = True):
+    """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, budget=budget, topk=topk, temperature=temperature, top_k=top_k,
+                  top_p=top_p, impl=impl, tree=tree)
+    use = None if tree == "ar" else drafter
+    if tree == "ar":
+        kwargs.update(tree="ddtree", budget=0)
+    t0 = time.perf_counter()
+    first = generate(target, use, prompt_batches[0], seed=seed, **kwargs)  # compiles (or hits the cache)
+    compile_seconds = first.stats["compile_seconds"]
+    results = [] if warmup else [first]
+    for i, pb in enumerate(prompt_batches):
+        if i == 0 and not warmup:
+            continue
+        results.append(generate(target, use, pb, seed=seed + i, **kwargs))
+    stats = aggregate(results, [len(pb) for pb in prompt_batches])
+    stats["compile_seconds"] = compile_seconds
+    stats["wall_seconds"] = time.perf_counter() - t0
+    return stats, [t for r in results for t in r.tokens]
+
+
+# This benchmark --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="pair to measure (default: checkpoints/default)")
+    p.add_argument("--dtype", default=None, help="load the checkpoint in this dtype (default: as saved)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together (1: latency)")
+    p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
+    p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
+    p.add_argument("--temperatures", default="0,0.7", help="0 = greedy; > 0 = exact sampling of the target")
+    p.add_argument("--top-k", type=int, default=0, help="target sampling filter at T > 0 (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="target sampling filter at T > 0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--impl", default="auto", help="verify-attention implementation")
+    p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
+    p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
+                   help="persistent XLA compilation cache ('' to disable)")
+    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
+    p.add_argument("--smoke", action="store_true",
+                   help="random tiny pair on CPU, 2 prompts x 8 tokens, budgets 4,8 (runs in well under a minute)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.smoke:
+        given = {a.split("=")[0] for a in argv}
+        for flag, value in (("--prompts", 2), ("--prompt-len", 24), ("--max-new-tokens", 8), ("--budgets", "4,8")):
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
+    out_dir = args.out or (tempfile.mkdtemp(prefix="spec_decode_smoke_") if args.smoke else DEFAULT_OUT)
+    enable_compilation_cache(args.cache_dir)
+
+    t_all = time.perf_counter()
+    target, drafter, tokenizer, pair = load_pair(args)
+    depth = drafter.cfg.depth
+    budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
+    temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
+    limit = trees.max_ddtree_budget(depth, args.topk)
+    bad = [b for b in budgets if not 1 <= b <= limit]
+    if bad:
+        raise ValueError(f"--budgets must be in [1, {limit}] for block_size {drafter.cfg.block_size} and "
+                         f"--topk {args.topk}; got {bad}")
+    if args.batch < 1 or args.prompts < 1:
+        raise ValueError(f"--batch and --prompts must be >= 1; got {args.batch}, {args.prompts}")
+    prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    prompt_batches = batches([p.tolist() for p in prompts], args.batch)
+
+    decoders = [("autoregressive", "ar", 0)]
+    if not args.no_chain:
+        decoders.append(("chain", "chain", 0))
+    decoders += [(f"DDTree {b}", "ddtree", b) for b in budgets]
+    meta = base_meta(args, target, drafter, pair)
+    meta.update({"prompts": len(prompts), "prompt_len": args.prompt_len, "prompt_cuts": where,
+                 "max_new_tokens": args.max_new_tokens, "batch": args.batch, "topk": args.topk,
+                 "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
+                 "seed": args.seed, "impl": args.impl, "depth": depth})
+    log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+        f"batch {args.batch}, block size {drafter.cfg.block_size}")
+
+    rows = []
+    for temperature in temperatures:
+        ar_tokens, ar_tps = None, None
+        for name, tree, budget in decoders:
+            stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
+                                       temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                       max_new_tokens=args.max_new_tokens, impl=args.impl)
+            if tree == "ar":
+                ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
+            row = {"decoder": name, "tree": tree, "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
+                   "temperature": temperature, **stats,
+                   "speedup_vs_ar": stats["tokens_per_second"] / ar_tps if ar_tps else float("nan"),
+                   "mismatches_vs_ar": (sum(a != b for a, b in zip(ar_tokens, tokens))
+                                        if temperature == 0 and ar_tokens is not None else None)}
+            rows.append(row)
+            log(f"T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  tau {stats['tau']:.3f}  "
+                f"{stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
+                f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s)")
+    meta["seconds"] = time.perf_counter() - t_all
+
+    name = f"spec_decode_{'smoke_' if args.smoke else ''}{device_slug()}"
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"meta": meta, "rows": rows}
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(_clean(result), f, indent=1, allow_nan=False)
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write(render(result))
+    log(f"wrote {os.path.join(out_dir, name)}.{{json,md}} ({meta['seconds']:.0f} s)")
+    return 0
+
+
+def _clean(obj):
+    """NaN -> None so the JSON is strict."""
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _fmt(x, spec=".2f"):
+    return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
+
+
+def render(result: dict) -> str:
+    m, rows = result["meta"], result["rows"]
+    shown = min(m["depth"], 8)
+    lines = [f"# Speculative decoding: autoregressive vs chain vs DDTree ({m['device']})", "",
+             f"{m['date']}, commit {m['commit']}, jax {m['jax']} ({m['backend']}, {m['cpu_count']} CPU cores visible). "
+             f"Pair: {m['pair']} (target {m['target_dtype']}, {m['target']['num_hidden_layers']} layers, "
+             f"hidden {m['target']['hidden_size']}; drafter block size {m['block_size']}, "
+             f"{m['drafter']['num_layers']} layers).", "",
+             f"{m['prompts']} held-out prompts of {m['prompt_len']} tokens, {m['max_new_tokens']} new tokens each, "
+             f"batch {m['batch']}; DDTree top-K {m['topk']}; sampling filters top-k {m['top_k']}, top-p {m['top_p']}. "
+             f"tok/s: decode only (compile excluded, one warm-up call discarded), summed over batches. "
+             f"tau: tokens per target forward (bonus included). acc@d: P(>= d drafted tokens accepted in a step).",
+             "", f"Command: `{m['command']}` ({m['seconds'] / 60:.1f} min).", ""]
+    for temperature in m["temperatures"]:
+        sub = [r for r in rows if r["temperature"] == temperature]
+        label = "greedy" if temperature == 0 else f"T = {temperature:g}"
+        lines += [f"## {label}", "",
+                  "| decoder | nodes | tau | tok/s | speed-up vs AR | " +
+                  " | ".join(f"acc@{d}" for d in range(1, shown + 1)) +
+                  (" | outputs ≠ AR |" if temperature == 0 else " |"),
+                  "|---|---|---|---|---|" + "---|" * shown + ("---|" if temperature == 0 else "")]
+        for r in sub:
+            acc = r["acceptance_by_depth"] + [None] * shown
+            cells = [r["decoder"], str(r["num_nodes"]), _fmt(r["tau"], ".3f"), _fmt(r["tokens_per_second"], ".1f"),
+                     _fmt(r["speedup_vs_ar"], ".2f") + "×"] + [_fmt(a, ".3f") for a in acc[:shown]]
+            if temperature == 0:
+                cells.append("–" if r["mismatches_vs_ar"] is None else f"{r['mismatches_vs_ar']}/{m['prompts']}")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
