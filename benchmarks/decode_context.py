@@ -35,6 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from components import attention_loop, median_seconds, moe_loop  # noqa: E402
+
 import kdtree_jax
 from kdtree_jax import kv_pool
 from kdtree_jax.model.drafter import Drafter, DrafterConfig
@@ -81,16 +84,6 @@ def copy_bandwidth() -> float:
         jax.block_until_ready(f(x))
         times.append(time.perf_counter() - t)
     return 2 * x.nbytes / float(np.median(times))
-
-
-def timed(fn, *args, reps=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def filled_state(target, drafter, context: int, nodes: int, steps: int, key):
@@ -149,28 +142,9 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
     iters = 8
 
-    # Modules and caches are jit arguments, never closed over (a closure bakes them in as constants).
-    @jax.jit
-    def attention_only(q, pages, target):
-        def body(i, q):
-            for layer, l in enumerate(target.layers):
-                out = l.self_attn.attend(q, pages, layer, batch, impl)
-                q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
-            return q
-        return jax.lax.fori_loop(0, iters, body, q)
-
     x = jax.random.normal(jax.random.key(3), (1, nodes, cfg.hidden_size), jnp.bfloat16)
 
-    @jax.jit
-    def moe_only(x, target):
-        def body(i, x):
-            for l in target.layers:
-                if l.is_moe:
-                    out, _ = l.mlp(x)
-                    x = x + out * 1e-3
-            return x
-        return jax.lax.fori_loop(0, iters, body, x)
-
+    # Modules and caches are jit arguments, never closed over (a closure bakes them in as constants).
     @jax.jit
     def drafter_only(bonus, target, drafter, dcache, start):
         def body(i, bonus):
@@ -195,10 +169,10 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
             return cache, acc.bonus
         return jax.lax.fori_loop(0, iters, body, (cache, bonus))[1]
 
-    t_attn = timed(attention_only, q, cache.pages, target) / iters
-    t_moe = timed(moe_only, x, target) / iters
-    t_draft = timed(drafter_only, jnp.array([1], jnp.int32), target, drafter, dcache, cache.seq_lens) / iters
-    t_tree = timed(tree_accept_commit, cache, jnp.array([1], jnp.int32), top_lp, top_tok, logits) / iters
+    t_attn = median_seconds(attention_loop(batch, impl, iters), q, cache.pages, target)[0] / iters
+    t_moe = median_seconds(moe_loop(iters), x, target)[0] / iters
+    t_draft = median_seconds(drafter_only, jnp.array([1], jnp.int32), target, drafter, dcache, cache.seq_lens)[0] / iters
+    t_tree = median_seconds(tree_accept_commit, cache, jnp.array([1], jnp.int32), top_lp, top_tok, logits)[0] / iters
 
     kv_bytes = cfg.num_hidden_layers * (context + nodes) * cfg.cache_dim * 2
     expert_bytes_each = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2

@@ -35,6 +35,9 @@ if "--smoke" in sys.argv:
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from components import attention_loop, median_seconds, moe_loop  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kdtree_jax
@@ -112,17 +115,6 @@ class _null:
         return False
 
 
-def timed(fn, *args, reps: int = 5):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)), out
-
-
 def time_step(model, pages, table, context: int, nodes: int, iters: int, impl: str):
     """Median seconds of one verify forward, from `iters` forwards inside one jitted loop."""
     cfg = model.cfg
@@ -144,7 +136,7 @@ def time_step(model, pages, table, context: int, nodes: int, iters: int, impl: s
         return jax.lax.fori_loop(0, iters, body, init)
 
     tokens = jax.random.randint(jax.random.key(1), (1, nodes), 0, cfg.vocab_size, jnp.int32)
-    seconds, out = timed(loop, model, pages, tokens, reps=3)
+    seconds, out = median_seconds(loop, model, pages, tokens, reps=3)
     return seconds / iters, out[0], np.asarray(out[3])
 
 
@@ -155,26 +147,7 @@ def time_parts(model, pages, table, context: int, nodes: int, iters: int, impl: 
     batch = AttentionBatch(table, kv_lens, causal_mask(1, nodes), table[:, context:context + nodes])
     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
     q = jax.device_put(q, NamedSharding(mesh, P(None, None, MESH_AXIS, None)))
-    # Modules are jit arguments, never closed over: a closure would bake the weights in as constants.
-    @jax.jit
-    def attention_only(q, pages, model):
-        def body(i, q):
-            for layer in range(cfg.num_hidden_layers):
-                out = model.layers[layer].self_attn.attend(q, pages, layer, batch, impl)
-                q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
-            return q
-        return jax.lax.fori_loop(0, iters, body, q)
-
     x = jax.random.normal(jax.random.key(3), (1, nodes, cfg.hidden_size), jnp.bfloat16)
-
-    @jax.jit
-    def moe_only(x, model):
-        def body(i, x):
-            for moe in [l.mlp for l in model.layers if l.is_moe]:
-                out, _ = moe(x)
-                x = x + out * 1e-3
-            return x
-        return jax.lax.fori_loop(0, iters, body, x)
 
     n_allreduce = 2 * cfg.num_hidden_layers
     partial_sums = jax.device_put(jnp.ones((mesh.size, nodes, cfg.hidden_size), jnp.bfloat16),
@@ -191,9 +164,9 @@ def time_parts(model, pages, table, context: int, nodes: int, iters: int, impl: 
         return jax.shard_map(per_device, mesh=mesh, in_specs=P(MESH_AXIS), out_specs=P(MESH_AXIS),
                              check_vma=False)(v)
 
-    t_attn, _ = timed(attention_only, q, pages, model, reps=3)
-    t_moe, _ = timed(moe_only, x, model, reps=3)
-    t_ar, _ = timed(allreduce_only, partial_sums, reps=3)
+    t_attn, _ = median_seconds(attention_loop(batch, impl, iters), q, pages, model, reps=3)
+    t_moe, _ = median_seconds(moe_loop(iters), x, model, reps=3)
+    t_ar, _ = median_seconds(allreduce_only, partial_sums, reps=3)
     return {"attention_s": t_attn / iters, "moe_s": t_moe / iters, "allreduce_s": t_ar / iters,
             "allreduces_per_step": n_allreduce}
 

@@ -1,0 +1,57 @@
+"""Timing helpers shared by the benchmark scripts: medians of jitted calls, and jitted loops that run
+one component of the verify step alone (attention of every layer, the MoE layers).
+
+Modules are always jit *arguments* here, never closed over: a closure bakes the weights into the
+program as constants (tens of GB for K2 layers).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def median_seconds(fn, *args, reps: int = 5):
+    """(median wall seconds of fn(*args) after one warm-up call, the warm-up's output)."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), out
+
+
+def attention_loop(batch, impl: str, iters: int):
+    """jit(q, pages, model): `iters` rounds of every layer's verify-attention op (each round's q depends
+    on the last output, so nothing is hoisted)."""
+
+    @jax.jit
+    def run(q, pages, model):
+        def body(i, q):
+            for layer, block in enumerate(model.layers):
+                out = block.self_attn.attend(q, pages, layer, batch, impl)
+                q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
+            return q
+        return jax.lax.fori_loop(0, iters, body, q)
+
+    return run
+
+
+def moe_loop(iters: int):
+    """jit(x, model): `iters` rounds of every MoE layer (routing, routed and shared experts)."""
+
+    @jax.jit
+    def run(x, model):
+        def body(i, x):
+            for block in model.layers:
+                if block.is_moe:
+                    out, _ = block.mlp(x)
+                    x = x + out * 1e-3
+            return x
+        return jax.lax.fori_loop(0, iters, body, x)
+
+    return run
