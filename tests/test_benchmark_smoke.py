@@ -1,0 +1,135 @@
+"""The benchmark scripts' --smoke modes, in-process: they run on the random tiny pair and write results
+that parse, with the expected columns. (Correctness only: nothing here looks at a timing.)
+
+spec_decode runs with --batch 2 so that its greedy autoregressive / chain / DDTree loops have the shapes
+tree_shapes uses (all prompts in one batch): the second script then finds them compiled already.
+"""
+
+import csv
+import itertools
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
+
+import spec_decode  # noqa: E402
+import tree_shapes  # noqa: E402
+
+NO_CACHE = ["--cache-dir", ""]  # no persistent compilation cache from inside the test session
+
+
+def _one(path, pattern):
+    found = sorted(path.glob(pattern))
+    assert len(found) == 1, (pattern, [p.name for p in path.iterdir()])
+    return found[0]
+
+
+def test_spec_decode_smoke(tmp_path):
+    assert spec_decode.main(["--smoke", "--out", str(tmp_path), "--batch", "2"] + NO_CACHE) == 0
+    data = json.loads(_one(tmp_path, "spec_decode_smoke_*.json").read_text())
+    assert _one(tmp_path, "spec_decode_smoke_*.md").read_text().startswith("# Speculative decoding")
+    meta, rows = data["meta"], data["rows"]
+    for key in ("date", "commit", "device", "backend", "prompts", "max_new_tokens", "batch", "topk", "block_size"):
+        assert key in meta
+    assert meta["prompts"] == 2 and meta["max_new_tokens"] == 8 and meta["budgets"] == [4, 8]
+    assert {(r["decoder"], r["temperature"]) for r in rows} == {
+        (d, t) for d in ("autoregressive", "chain", "DDTree 4", "DDTree 8") for t in (0.0, 0.7)}
+    depth = meta["block_size"] - 1
+    for r in rows:
+        for key in ("tau", "tokens_per_second", "speedup_vs_ar", "acceptance_by_depth", "num_nodes",
+                    "target_forwards", "compile_seconds", "decode_seconds", "new_tokens"):
+            assert key in r, key
+        assert 1.0 <= r["tau"] <= depth + 1
+        assert r["new_tokens"] == 2 * 8
+        assert len(r["acceptance_by_depth"]) == (0 if r["tree"] == "ar" else depth)
+        if r["temperature"] == 0:
+            assert r["mismatches_vs_ar"] == 0  # greedy speculative decoding is lossless
+    assert [r["num_nodes"] for r in rows if r["temperature"] == 0] == [1, depth + 1, 5, 9]
+
+
+def test_tree_shapes_smoke(tmp_path):
+    assert tree_shapes.main(["--smoke", "--out", str(tmp_path)] + NO_CACHE) == 0
+    data = json.loads(_one(tmp_path, "tree_shapes_smoke_*.json").read_text())
+    with open(_one(tmp_path, "tree_shapes_smoke_*.csv"), newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == tree_shapes.CSV_COLUMNS
+        table = list(reader)
+    for name in ("tau", "tokens_per_second", "acceptance"):
+        png = _one(tmp_path, f"tree_shapes_smoke_*_{name}.png")
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "Independence assumption" in _one(tmp_path, "tree_shapes_smoke_*.md").read_text()
+
+    kinds = [r["kind"] for r in table]
+    assert kinds[:2] == ["autoregressive", "chain"] and kinds.count("ddtree") == 2 and "static" in kinds
+    assert len(table) == len(data["rows"])
+    for r in table:
+        assert 1.0 <= float(r["tau"]) <= 4.0
+        assert float(r["tokens_per_second"]) > 0
+    assert {r["shape"] for r in table if r["kind"] == "static"} >= {"(2,1,1)"}
+    depth = data["meta"]["block_size"] - 1
+    p = np.asarray(data["measurement"]["p"])
+    assert p.shape == (depth, data["measurement"]["kmax"])
+    assert np.all(p >= 0) and np.all(p.sum(1) <= 1 + 1e-6)
+    assert [d["budget"] for d in data["dp"]] == [4, 8]
+    for d in data["dp"]:
+        assert tree_shapes.shape_nodes(d["shape"]) <= d["budget"]
+        assert set(d["ddtree"]) == {"4"}
+
+
+def _brute_force(p, budget, kmax):
+    best = 0.0
+    for length in range(1, p.shape[0] + 1):
+        for shape in itertools.product(range(1, kmax + 1), repeat=length):
+            if tree_shapes.shape_nodes(shape) <= budget:
+                best = max(best, tree_shapes.predicted_tau_independent(p, shape) - 1)
+    return best
+
+
+def test_optimal_shape_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    depth, kmax = 4, 3
+    for trial in range(5):
+        raw = np.sort(rng.dirichlet(np.ones(kmax + 1) * 0.7, size=depth)[:, :kmax], axis=1)[:, ::-1]
+        for budget in (1, 3, 6, 12, 20):
+            shape, value = tree_shapes.optimal_shape(raw, budget, kmax)
+            assert tree_shapes.shape_nodes(shape) <= budget
+            assert value == pytest.approx(tree_shapes.predicted_tau_independent(raw, shape) - 1)
+            assert value == pytest.approx(_brute_force(raw, budget, kmax))
+
+
+def test_predictions_agree_for_independent_ranks():
+    """With ranks drawn independently per depth, the joint prediction approaches the independent one."""
+    rng = np.random.default_rng(1)
+    p = np.array([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]])
+    full = np.concatenate([p, 1 - p.sum(1, keepdims=True)], axis=1)
+    ranks = np.stack([rng.choice(4, size=20000, p=full[d]) for d in range(3)], axis=1)
+    assert np.allclose(tree_shapes.rank_probs(ranks, 3), p, atol=0.02)
+    for shape in [(1, 1, 1), (2, 1), (3, 2, 1)]:
+        assert tree_shapes.predicted_tau_joint(ranks, shape) == pytest.approx(
+            tree_shapes.predicted_tau_independent(p, shape), abs=0.02)
+
+
+def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
+    import decode_context
+
+    decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "reference", "--out", str(tmp_path / "dc")])
+    data = json.loads((tmp_path / "dc.json").read_text())
+    assert data["rows"] and all("error" not in r for r in data["rows"])
+    assert {"step_ms", "attention_ms", "tau"} <= set(data["rows"][0])
+    assert (tmp_path / "dc.md").exists()
+
+
+@pytest.mark.slow  # 63-74 s on this 2-core machine (the brief's bar for a plain smoke test is 40 s)
+def test_multi_gpu_smoke(tmp_path):
+    import multi_gpu
+
+    multi_gpu.main(["--smoke", "--layers", "2", "--iters", "1", "--contexts", "64", "--nodes", "9", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "multi_gpu_smoke.json").read_text())
+    assert data["rows"] and {"layout", "context", "nodes", "step_ms"} <= set(data["rows"][0])
+    assert all(v["greedy_speculative_equal"] for v in data["correctness"].values())
