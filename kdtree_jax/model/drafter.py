@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import MLP, RMSNorm, apply_rope, linear
+from kdtree_jax.config import ModelConfig, RopeScaling
+from kdtree_jax.model.layers import MLP, RMSNorm, apply_rope, linear, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,11 @@ class DrafterConfig:
     target_layer_ids: Optional[tuple[int, ...]] = None  # None: evenly spaced over the target's layers
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # DFlash checkpoints (Qwen3-style layers): per-head RMSNorm of q and k before rope, yarn rope, and the
+    # MASK input embedded from the target's vocabulary instead of a learned vector.
+    qk_norm: bool = False
+    rope_scaling: Optional[RopeScaling] = None
+    mask_token_id: Optional[int] = None
 
     def __post_init__(self):
         problems = []
@@ -75,6 +80,8 @@ class DrafterConfig:
         d = dict(d)
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
 
@@ -86,11 +93,12 @@ class DrafterCache(NamedTuple):
     lens: jnp.ndarray  # [B] int32: context positions filled
 
 
-def rope_tables(head_dim: int, theta: float, positions):
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_tables(cfg: DrafterConfig, positions):
+    """cos, sin [..., 1, head_dim] (broadcast over heads), rotate-half layout, yarn when configured."""
+    inv_freq, attention_factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
+    return (jnp.cos(angles) * attention_factor)[..., None, :], (jnp.sin(angles) * attention_factor)[..., None, :]
 
 
 class DrafterAttention(nnx.Module):
@@ -100,16 +108,27 @@ class DrafterAttention(nnx.Module):
         self.k_proj = linear(rngs, hidden, cfg.num_kv_heads * cfg.head_dim, dtype)
         self.v_proj = linear(rngs, hidden, cfg.num_kv_heads * cfg.head_dim, dtype)
         self.o_proj = linear(rngs, cfg.num_heads * cfg.head_dim, hidden, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, rngs, axis=None)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, rngs, axis=None)
+        else:
+            self.q_norm = self.k_norm = None
 
     def keys_values(self, x, cos, sin):
         shape = x.shape[:-1] + (self.cfg.num_kv_heads, self.cfg.head_dim)
-        return apply_rope(self.k_proj(x).reshape(shape), cos, sin), self.v_proj(x).reshape(shape)
+        k = self.k_proj(x).reshape(shape)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), self.v_proj(x).reshape(shape)
 
     def __call__(self, x, cos, sin, ctx_k, ctx_v, ctx_lens):
         """x [B, S, hidden] (the block) attends to ctx positions [0, ctx_lens) and to the whole block."""
         cfg = self.cfg
         b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim), cos, sin)
+        q = self.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
         k = jnp.concatenate([ctx_k, k_blk], axis=1)  # [B, L + S, Hkv, Dh]
         v = jnp.concatenate([ctx_v, v_blk], axis=1)
@@ -143,13 +162,18 @@ class Drafter(nnx.Module):
         hidden = target_cfg.hidden_size
         self.fc = linear(rngs, len(self.target_layer_ids) * hidden, hidden, dtype)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
-        self.mask_embedding = nnx.Param(jax.random.normal(rngs.params(), (hidden,), jnp.float32).astype(dtype))
+        if cfg.mask_token_id is None:
+            self.mask_embedding = nnx.Param(jax.random.normal(rngs.params(), (hidden,), jnp.float32).astype(dtype))
+        elif not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
+            raise ValueError(f"mask_token_id ({cfg.mask_token_id}) must be in [0, vocab_size={target_cfg.vocab_size})")
+        else:
+            self.mask_embedding = None
         self.layers = nnx.List([DrafterLayer(hidden, cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, rngs)
 
     @property
     def dtype(self):
-        return self.mask_embedding.dtype
+        return self.fc.kernel.dtype
 
     def init_cache(self, batch: int, max_len: int) -> DrafterCache:
         cfg = self.cfg
@@ -166,7 +190,7 @@ class Drafter(nnx.Module):
         feats = self.context_features(target_hidden)
         b, n, _ = feats.shape
         positions = cache.lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+        cos, sin = rope_tables(self.cfg, positions)
         # Padding goes past the end of the table, where the scatter drops it.
         dest = jnp.where(jnp.arange(n)[None, :] < num_new[:, None], positions, cache.k.shape[2])
         rows = jnp.arange(b)[:, None]
@@ -186,10 +210,14 @@ class Drafter(nnx.Module):
         b = bonus.shape[0]
         block = self.cfg.block_size
         first = target.embed(bonus[:, None]).astype(self.dtype)
-        masks = jnp.broadcast_to(self.mask_embedding[...], (b, block - 1, first.shape[-1]))
+        if self.mask_embedding is None:
+            mask_vec = target.embed(jnp.asarray(self.cfg.mask_token_id, jnp.int32)).astype(self.dtype)
+        else:
+            mask_vec = self.mask_embedding[...]
+        masks = jnp.broadcast_to(mask_vec, (b, block - 1, first.shape[-1]))
         x = jnp.concatenate([first, masks], axis=1)
         positions = start_pos[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+        cos, sin = rope_tables(self.cfg, positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lens)
         logits = target.lm_logits(self.norm(x[:, 1:]))
