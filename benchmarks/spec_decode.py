@@ -334,6 +334,11 @@ def render(result: dict) -> str:
              f"tok/s: decode only (compile excluded, one warm-up call discarded), summed over batches. "
              f"tau: tokens per target forward (bonus included). acc@d: P(>= d drafted tokens accepted in a step).",
              "", f"Command: `{m['command']}` ({m['seconds'] / 60:.1f} min).", ""]
+    if m["backend"] == "cpu":
+        lines += ["On a CPU a verify pass costs nearly in proportion to its tree nodes (compute-bound: there is no "
+                  "memory-bound regime where T nodes cost little more than one), so speed-ups below 1× are the "
+                  "expected outcome at large budgets here; τ and the acceptance rates carry over to an accelerator, "
+                  "tok/s does not.", ""]
     for temperature in m["temperatures"]:
         sub = [r for r in rows if r["temperature"] == temperature]
         label = "greedy" if temperature == 0 else f"T = {temperature:g}"

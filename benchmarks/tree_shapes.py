@@ -95,7 +95,7 @@ def shape_str(shape) -> str:
 
 def auto_shapes(depth: int, max_nodes: int, kmax: int) -> list[tuple]:
     """Wide near the root, a chain below: the family most static-tree papers search over."""
-    heads = [(2,), (4,), (8,), (2, 2), (4, 2), (2, 2, 2), (4, 4), (4, 2, 2), (2, 2, 2, 2), (8, 2, 2), (8, 4, 2)]
+    heads = [(2,), (4,), (2, 2), (4, 2), (2, 2, 2), (8, 2, 2)]
     out = []
     for head in heads:
         if len(head) > depth or max(head) > kmax:
@@ -495,7 +495,9 @@ def make_plots(base: str, result: dict) -> list[str]:
             ax.plot([r["nodes"] for r in dp], [r[key] for r in dp], "D--", c="tab:red", label="DP-optimal static")
             if key == "tau":
                 ax.plot([r["nodes"] for r in dp], [r["predicted_tau_independent"] for r in dp], ":", c="tab:red",
-                        label="DP prediction (independent)")
+                        label="DP shape, predicted (independent)")
+                ax.plot([r["nodes"] for r in dp], [r["predicted_tau_replay"] for r in dp], "-.", c="tab:red", alpha=0.6,
+                        label="DP shape, predicted (replay)")
         for kind, marker in (("chain", "^"), ("autoregressive", "x")):
             r = next((r for r in rows if r["kind"] == kind), None)
             if r and r[key] is not None:
