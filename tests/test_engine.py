@@ -162,3 +162,10 @@ def test_generate_validates_arguments(target, drafter):
         generate(target, drafter, [1, 2], tree="bush")
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(target, drafter, [1, 2], max_new_tokens=0)
+
+
+def test_target_without_moe_layers():
+    cfg = TINY.replace(num_hidden_layers=1, first_k_dense_replace=1)
+    dense = kdtree_jax.init_model(cfg, seed=1)
+    res = generate(dense, None, [[1, 2, 3]], max_new_tokens=4, budget=0)
+    assert len(res.tokens[0]) == 4 and res.stats["expert_load"] == {}

@@ -68,6 +68,8 @@ class ExpertLoad(NamedTuple):
 
     def add(self, counts) -> "ExpertLoad":
         num_moe, devices = self.device_tokens.shape
+        if num_moe == 0:  # a target without MoE layers
+            return self
         per_device = counts.reshape(num_moe, devices, -1)
         tokens = per_device.sum(-1)
         mean = jnp.maximum(tokens.mean(-1), 1e-9)
