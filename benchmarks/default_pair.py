@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--skip-loss", action="store_true")
+    p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) configuration")
     p.add_argument("--samples", type=int, default=2, help="decoded samples to include in the report")
     args = p.parse_args(argv)
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         meta = json.load(f)
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    configs = [("autoregressive", "ar", 0), ("chain (DFlash)", "chain", drafter.cfg.depth)]
+    configs = [("autoregressive", "ar", 0)] + ([] if args.no_chain else [("chain (DFlash)", "chain", drafter.cfg.depth)])
     configs += [(f"DDTree budget {b}", "ddtree", b) for b in budgets]
 
     result = {

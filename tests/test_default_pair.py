@@ -33,6 +33,16 @@ def pair():
     return load_checkpoint(DEFAULT)
 
 
+@pytest.fixture(scope="module")
+def pair_f32():
+    """The shipped bf16 weights, upcast exactly. Greedy equality is checked in float32: in bf16 the verify
+    pass (T tree nodes) and the autoregressive step (T = 1) round differently, and this small model has
+    enough near-tied top-2 logits that a sequence diverges now and then (benchmarks/results/default_pair.md)."""
+    from kdtree_jax import load_checkpoint
+
+    return load_checkpoint(DEFAULT, dtype="float32")
+
+
 @needs_default
 def test_checkpoint_loads_and_fits(pair):
     target, drafter, tokenizer = pair
@@ -55,10 +65,10 @@ def test_tokenizer_round_trips_heldout_files(pair):
 
 
 @needs_default
-def test_greedy_speculative_equals_autoregressive(pair):
+def test_greedy_speculative_equals_autoregressive(pair_f32):
     from kdtree_jax.spec.engine import generate
 
-    target, drafter, tokenizer = pair
+    target, drafter, tokenizer = pair_f32
     docs = corpus.documents("eval")[:5]
     prompts = []
     for i, d in enumerate(docs):
