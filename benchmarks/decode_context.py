@@ -131,7 +131,6 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
     steps_run = int(final.step)
     step_s = float(np.median(times[1:])) / steps_run
     counts = np.asarray(final.expert_load.slot_tokens)  # [n_moe, E] tokens over the steps
-    active_per_step = (counts > 0).sum(-1) / 1.0  # distinct experts over all steps (upper bound per step)
 
     # Components alone -----------------------------------------------------------------------------
     # The timed loops donated their states; components get inputs of their own.

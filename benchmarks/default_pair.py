@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
 
 def render(r: dict) -> str:
-    lines = [f"# The embedded default pair: held-out quality, tau and speed",
+    lines = ["# The embedded default pair: held-out quality, tau and speed",
              "",
              f"{r['date']}, commit {r['commit']}, checkpoint `{r['checkpoint']}` ({r['dtype']}), {r['device']}.",
              f"Regenerate: `python benchmarks/default_pair.py` ({r['seconds'] / 60:.0f} min on this machine).",
@@ -203,7 +203,6 @@ def render(r: dict) -> str:
                   f"Next-token loss **{h['loss']:.3f}** nats, perplexity **{h['perplexity']:.1f}**, over {h['tokens']:,} "
                   f"predicted tokens ({h['windows']} of {h['all_windows']} non-overlapping windows of {h['seq_len']} "
                   f"tokens; the split has {h['split_tokens']:,} tokens).", ""]
-    ar = next((c for c in r["configs"] if c["tree"] == "ar"), None)
     chain = next((c for c in r["configs"] if c["tree"] == "chain"), None)
     lines += ["## Mean accepted length tau (greedy)", "",
               f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['max_new_tokens']} new tokens each, "

@@ -41,7 +41,7 @@ from components import attention_loop, median_seconds, moe_loop  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kdtree_jax
-from kdtree_jax import eplb, kv_pool
+from kdtree_jax import eplb
 from kdtree_jax.config import MESH_AXIS
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.model.mla import AttentionBatch
@@ -227,6 +227,7 @@ def main(argv=None):
                        "attention_ms": parts["attention_s"] * 1e3, "moe_ms": parts["moe_s"] * 1e3,
                        "allreduce_ms": parts["allreduce_s"] * 1e3, "allreduces_per_step": parts["allreduces_per_step"],
                        "tokens_per_device_per_step": dev_tokens.mean(0).round(2).tolist(),
+                       "active_experts_per_device_per_step_upper_bound": dev_active.mean(0).round(2).tolist(),
                        "max_over_mean_device_tokens": float(eplb.imbalance(counts, n).mean()),
                        "eplb_planned_max_over_mean": float(eplb.imbalance(eplb.placed_load(counts, plan), n).mean())}
                 rows.append(row)

@@ -40,7 +40,6 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -111,11 +111,15 @@ def attention_batch(cache: KVCache, slots, tree_mask) -> AttentionBatch:
                           tree_mask=tree_mask, write_slots=slots)
 
 
-def begin_chunk(cache: KVCache, num_tokens: int):
-    """Allocate and place slots for a causal chunk of `num_tokens` per sequence: (cache, slots, batch)."""
+def begin_chunk(cache: KVCache, num_tokens: int, tree_mask=None):
+    """Allocate and place slots for `num_tokens` new tokens per sequence: (cache, slots, batch).
+
+    tree_mask: the tokens' visibility among themselves (a draft tree's); None is causal (a prompt chunk).
+    """
     cache, slots = allocate(cache, num_tokens)
     cache = place(cache, slots)
-    return cache, slots, attention_batch(cache, slots, causal_mask(cache.batch, num_tokens))
+    mask = causal_mask(cache.batch, num_tokens) if tree_mask is None else tree_mask
+    return cache, slots, attention_batch(cache, slots, mask)
 
 
 def end_chunk(cache: KVCache, slots, num_valid) -> KVCache:

@@ -22,7 +22,6 @@ latency is on the critical path, while its outputs (tree tokens) are needed on e
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 import jax

@@ -1,7 +1,6 @@
 """The block drafter: cached context == recomputed context, and it really reads the context."""
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 

@@ -4,8 +4,6 @@ Speculative greedy output must equal autoregressive greedy output token for toke
 proposes; the drafter only changes how many tokens a step yields (tau). Oracle drafters pin tau down.
 """
 
-import itertools
-
 import numpy as np
 import jax
 import jax.numpy as jnp

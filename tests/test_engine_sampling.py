@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
@@ -64,5 +63,4 @@ def test_first_three_tokens_match_autoregressive_distribution():
         stat += (rest_obs - rest_exp) ** 2 / rest_exp
         cells += 1
     p_value = _chi_square_p_value(stat, cells - 1)
-    print(f"chi-square {stat:.1f} dof {cells - 1} p {p_value:.3f} taus {taus}")
     assert p_value > 1e-3, f"chi-square {stat:.1f} on {cells - 1} dof, p = {p_value:.2e}"

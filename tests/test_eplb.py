@@ -1,7 +1,6 @@
 """Expert-load statistics and the EPLB placement: better balance, same logits."""
 
 import numpy as np
-import jax
 import pytest
 
 import kdtree_jax

@@ -2,7 +2,6 @@
 prefill/decode/slot-layout invariances. Fresh random weights and inputs, float32."""
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax.ops import verify_attention, verify_attention_reference
+from kdtree_jax.ops import verify_attention
 from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import ancestor_mask, causal_mask, pack_mask_bits
 

@@ -81,7 +81,6 @@ class MLA(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, *, impl: str = "auto"):
         """x [B, T, hidden] -> (out [B, T, hidden], kv_pages with this layer's T rows written)."""
-        cfg = self.cfg
         rows = self.latent_rows(x, cos, sin).astype(kv_pages.dtype)
         # In place when kv_pages is donated: one row per new token, no copy of the pool.
         kv_pages = kv_pages.at[layer, batch.write_slots].set(rows, mode="drop")

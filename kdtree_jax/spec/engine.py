@@ -114,9 +114,7 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
 def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig) -> LoopState:
     tree = _draft_tree(drafter, target, state, spec)
     num_nodes = tree.num_nodes
-    cache, slots = kv_pool.allocate(state.cache, num_nodes)
-    cache = kv_pool.place(cache, slots)
-    batch = kv_pool.attention_batch(cache, slots, tree.mask)
+    cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
     hidden_layers = () if drafter is None else drafter.target_layer_ids
     # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
     fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
@@ -248,7 +246,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"temperature must be >= 0; got {temperature}")
     if isinstance(tree, str) and tree not in ("ddtree", "chain"):
         raise ValueError(f"tree must be 'ddtree', 'chain' or a tuple of branching factors; got {tree!r}")
-    stop = validate_tokens(np.asarray(list(stop_ids) or [-1]), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
+    stop = validate_tokens(np.asarray(list(stop_ids)), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
     if drafter is not None and drafter.cfg.depth < 1:
         raise ValueError("the drafter's block_size must be >= 2")
     use_drafter = drafter is not None and not (tree == "ddtree" and budget == 0)
@@ -258,7 +256,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         if budget > limit:
             raise ValueError(f"budget must be <= {limit} for block_size {drafter.cfg.block_size} and topk {topk}")
     num_nodes = (budget + 1 if tree == "ddtree" else depth + 1 if tree == "chain"
-                 else 1 + sum(int(np.prod(tree[:i + 1])) for i in range(len(tree))))
+                 else trees.static_tree_structure(tuple(tree))[0].shape[0])
     if not use_drafter:
         num_nodes = 1
 
