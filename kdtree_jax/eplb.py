@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdtree_jax.model.moe import MoE, ExpertMap
 from kdtree_jax.model.transformer import Transformer
@@ -98,14 +99,23 @@ def placed_load(expert_load, placement: Placement) -> np.ndarray:
     return np.take_along_axis(per_copy, placement.slot_expert.astype(np.int64), axis=1)
 
 
-def apply_placement(model: Transformer, placement: Placement) -> Transformer:
-    """A copy of the (unsharded) target whose MoE layers hold experts in the placement's slots."""
-    if getattr(model, "mesh", None) is not None:
-        raise ValueError("apply_placement takes an unsharded model; shard the placed model afterwards")
-    graphdef, state = nnx.split(model)
-    # New Variable objects (the tree map rebuilds them) around the same arrays: replacing a value in
-    # the copy leaves the original model untouched, and nothing is copied until it is replaced.
-    placed = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+def apply_placement(model: Transformer, placement: Placement, *, copy: bool = True) -> Transformer:
+    """A copy of the target whose MoE layers hold experts in the placement's slots.
+
+    copy=False re-places `model` itself and returns it: each layer's old expert weights are freed as
+    their placed copies are made, so memory never holds the experts twice.
+
+    A sharded model stays sharded: each expert weight is gathered into its slots on the devices, in
+    the weight's own sharding, so no device ever holds more than its share (K2's experts are ~34 GB
+    a layer). The slots must still divide over the mesh (`plan_placement` guarantees it for ep).
+    """
+    if copy:
+        graphdef, state = nnx.split(model)
+        # New Variable objects (the tree map rebuilds them) around the same arrays: replacing a value in
+        # the copy leaves the original model untouched, and nothing is copied until it is replaced.
+        placed = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    else:
+        placed = model
     moe_layers = [layer.mlp for layer in placed.layers if layer.is_moe]
     if len(moe_layers) != placement.slot_expert.shape[0]:
         raise ValueError(f"placement has {placement.slot_expert.shape[0]} layers; the model has {len(moe_layers)} MoE layers")
@@ -117,9 +127,15 @@ def apply_placement(model: Transformer, placement: Placement) -> Transformer:
 def _place_layer(moe: MoE, placement: Placement, i: int) -> None:
     if moe.replicas is not None:
         raise ValueError("this model already has a placement; apply one to the original model")
-    take = jnp.asarray(placement.slot_expert[i])
+    take = np.asarray(placement.slot_expert[i])
     for name in ("gate_proj", "up_proj", "down_proj"):
         var = getattr(moe.experts, name)
-        var.set_value(var[...][take]) if hasattr(var, "set_value") else setattr(var, "value", var[...][take])
-    moe.replicas = ExpertMap(jnp.asarray(placement.replicas[i]))
-    moe.num_replicas = ExpertMap(jnp.asarray(placement.num_replicas[i]))
+        value = var[...]
+        sharding = value.sharding if moe.mesh is not None else None
+        placed = jax.jit(lambda w: w[take], out_shardings=sharding)(value)
+        var.set_value(placed) if hasattr(var, "set_value") else setattr(var, "value", placed)
+    replicas, num_replicas = jnp.asarray(placement.replicas[i]), jnp.asarray(placement.num_replicas[i])
+    if moe.mesh is not None:  # small tables, replicated next to the replicated router
+        replicas, num_replicas = jax.device_put((replicas, num_replicas), NamedSharding(moe.mesh, P()))
+    moe.replicas = ExpertMap(replicas)
+    moe.num_replicas = ExpertMap(num_replicas)

@@ -45,6 +45,12 @@ def test_placed_model_gives_the_same_logits_and_balances_measured_load(model):
     np.testing.assert_allclose(np.asarray(kdtree_jax.forward_logits(placed, tokens)), ref, rtol=1e-5, atol=1e-5)
     sharded = shard_model(placed, make_mesh(8), "ep")
     np.testing.assert_allclose(np.asarray(kdtree_jax.forward_logits(sharded, tokens)), ref, rtol=1e-5, atol=1e-5)
+    # Placing an already sharded model keeps every expert weight on its devices, in its sharding.
+    placed_on_mesh = eplb.apply_placement(shard_model(model, make_mesh(8), "ep"), plan)
+    gate = placed_on_mesh.layers[1].mlp.experts.gate_proj[...]
+    assert gate.shape[0] == 8 * 3 and gate.sharding.spec[0] == "model"
+    assert len(gate.addressable_shards) == 8 and gate.addressable_shards[0].data.shape[0] == 3
+    np.testing.assert_allclose(np.asarray(kdtree_jax.forward_logits(placed_on_mesh, tokens)), ref, rtol=1e-5, atol=1e-5)
 
     again = kdtree_jax.generate(placed, drafter, prompts, max_new_tokens=16, budget=6, expert_devices=8)
     assert again.tokens == base.tokens
