@@ -2,6 +2,7 @@
 // and exposes the few host helpers the Python side and the benchmarks need.
 #include <nanobind/nanobind.h>
 
+#include "moe_experts.h"
 #include "verify_attention.h"
 
 namespace nb = nanobind;
@@ -20,6 +21,7 @@ NB_MODULE(_verify_attention_ext, m) {
 #if defined(KDTREE_WITH_CUDA)
   m.attr("with_cuda") = true;
   m.def("cuda_handler", []() { return encapsulate(kdtree_verify_attention_cuda); });
+  m.def("moe_experts_cuda_handler", []() { return encapsulate(kdtree_moe_experts_cuda); });
   m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
         "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");
   m.def("bench_mma_sync_tflops", &kdtree::bench_mma_sync_tflops, nb::arg("device") = 0,

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
+from kdtree_jax.ops.moe import grouped_expert_mlp
 
 
 def route(router_logits, bias, cfg: ModelConfig):
@@ -38,14 +39,15 @@ def route(router_logits, bias, cfg: ModelConfig):
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0):
+def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto"):
     """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
 
     gate/up [E_local, H, I], down [E_local, I, H] are experts expert_offset .. expert_offset + E_local
     (all of them unsharded; a slice of them under expert parallelism, whose caller sums the devices'
     results). The (token, expert) pairs are sorted by expert so that `ragged_dot` runs each expert over
     one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
-    experts held elsewhere sort last, past every group, where ragged_dot yields zeros.
+    experts held elsewhere sort last, past every group, where ragged_dot yields zeros. `impl` picks the
+    grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts.
     """
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
@@ -56,8 +58,7 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0):
     token_of_row = order // k
     rows = x2d[token_of_row]
     group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-    out_rows = jax.lax.ragged_dot(h, down, group_sizes)
+    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl)
     row_weight = jnp.where(here, weights, 0.0).reshape(-1)[order]
     out_rows = out_rows * row_weight[:, None].astype(out_rows.dtype)
     return jnp.zeros_like(x2d).at[token_of_row].add(out_rows)

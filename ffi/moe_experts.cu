@@ -1,0 +1,397 @@
+// CUDA handler of the grouped expert MLP (semantics: moe_experts.h).
+//
+// Why a kernel of our own.  At decode-sized token counts (a verify step of T = 9..64 tokens × top-8) each
+// active expert sees one or two rows, so the op is a grouped GEMV: its cost is reading the weights of the
+// experts that are actually used, once.  XLA's ragged_dot runs far from that floor there.  Here:
+//   kernel 1, grid (I-tiles, groups): hidden[r, tile] = silu(x_r·Wg[e][:, tile]) * (x_r·Wu[e][:, tile])
+//   kernel 2, grid (H-tiles, groups): out[r, tile]    = hidden_r·Wd[e][:, tile]
+// A group is one active expert with its rows.  The grid has a static number of group slots (the caller's
+// upper bound min(M, E)); slots past the device-side count of active groups exit at once, so inactive
+// experts' weights are never touched and nothing depends on a host-side copy of the routing.
+//
+// Inside a block (kWarps warps) a thread owns 8 consecutive output columns (one 16-byte weight load per
+// weight row) and one slice of the reduction dim: 8 reduction rows per step, slices interleaved by 8 rows so
+// that the kSlices slices of a block cover the reduction dim in contiguous strides.  The 8 threads of a
+// column group read one 128-byte line of a weight row; a warp reads 4 such lines.  Each step issues all its
+// 16-byte weight loads (16 in kernel 1: 8 rows of gate and of up) before any arithmetic, so every thread
+// keeps 256 bytes in flight; independent warps overlap one another's load latency with their FMAs.
+// Partial sums of the slices are reduced with warp shuffles, then across warps through shared memory.
+//
+// Rows are processed in chunks of up to kMaxRows (each chunk streams the expert's tile again, from L2 when
+// it is still there): the chunk size is picked per block from the device-side row count (1, 2 or 4
+// accumulator rows), so a group of one row does not pay for four.  At large row counts this CUDA-core
+// GEMV loses to a tensor-core GEMM; the Python side switches to ragged_dot above a static row threshold.
+//
+// Portable (sm_80 / sm_90 / sm_120: plain loads and FMAs, 8 KB of static shared memory); the handler only
+// launches (no host sync, no allocation), so it is safe inside CUDA graphs (kCmdBufferCompatible).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "moe_experts.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kWarps = 4;                       // 128 threads: several blocks per SM at ~150 registers
+constexpr int kThreads = kWarps * 32;
+constexpr int kColsPerThread = 8;               // one 16-byte load of bf16 weights
+constexpr int kColGroups = 8;                   // threads sharing one reduction row: 8 x 16 B = 128 B
+constexpr int kTileCols = kColGroups * kColsPerThread;  // 64 output columns per block
+constexpr int kSlicesPerWarp = 32 / kColGroups;         // 4
+constexpr int kSlices = kWarps * kSlicesPerWarp;        // 16 slices of the reduction dim per block
+constexpr int kStep = 8;                        // reduction rows per slice step
+constexpr int kMaxRows = 4;                     // accumulator rows per chunk
+
+struct Params {
+  const uint16_t* rows;   // [M, H] bf16 bits
+  const uint16_t* gate;   // [E, H, I]
+  const uint16_t* up;     // [E, H, I]
+  const uint16_t* down;   // [E, I, H]
+  const int32_t* groups;  // [3, G]
+  const int32_t* num_active;
+  uint16_t* out;          // [M, H]
+  float* hidden;          // [M, I]
+  int64_t M, H, I, E;
+  int G;
+};
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// 8 consecutive bf16 at p, of which the first `valid` exist.  kVec: one 16-byte load (the caller guarantees
+// `valid` is 0 or 8 and p is 16-byte aligned); else element by element, zeros past `valid`.
+template <bool kVec>
+__device__ __forceinline__ uint4 load_bf16x8(const uint16_t* p, int valid) {
+  if constexpr (kVec) {
+    if (valid <= 0) return make_uint4(0, 0, 0, 0);
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = 2 * i < valid ? __ldg(p + 2 * i) : 0u;
+    const uint32_t hi = 2 * i + 1 < valid ? __ldg(p + 2 * i + 1) : 0u;
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Element i (compile-time after unrolling) of 8 packed bf16.
+__device__ __forceinline__ float bf16_at(const uint4& raw, int i) {
+  const uint32_t w = i < 2 ? raw.x : i < 4 ? raw.y : i < 6 ? raw.z : raw.w;
+  return i & 1 ? bf16_hi(w) : bf16_lo(w);
+}
+
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = bf16_lo(w[i]);
+    v[2 * i + 1] = bf16_hi(w[i]);
+  }
+}
+
+// 8 consecutive floats of the hidden scratch (kVec: two 16-byte loads; rows of I floats with I % 8 == 0).
+template <bool kVec>
+__device__ __forceinline__ void load_f32x8(const float* p, int valid, float (&v)[8]) {
+  if constexpr (kVec) {
+    if (valid <= 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.f;
+      return;
+    }
+    const float4 a = *reinterpret_cast<const float4*>(p);  // written by kernel 1 of this call: no __ldg
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = i < valid ? p[i] : 0.f;
+}
+
+struct Group {
+  int64_t expert, start, count;
+};
+
+// The table entry of group slot g, clamped so that bad data can only shrink a group.
+__device__ __forceinline__ Group read_group(const Params& p, int g) {
+  Group grp{p.groups[g], p.groups[p.G + g], p.groups[2 * p.G + g]};
+  if (grp.expert < 0 || grp.expert >= p.E || grp.start < 0 || grp.start >= p.M || grp.count < 0) grp.count = 0;
+  if (grp.count > p.M - grp.start) grp.count = p.M - grp.start;
+  return grp;
+}
+
+__device__ __forceinline__ int active_groups(const Params& p) {
+  const int n = *p.num_active;
+  return n < 0 ? 0 : (n > p.G ? p.G : n);
+}
+
+// Sum a thread's [kRows][8] partials over the block's kSlices slices; the totals of output column
+// (r, c) end up in red[r][c] (shared memory, [kRows][kTileCols] per matrix, summed over warps by the caller).
+template <int kRows, int kMats>
+__device__ __forceinline__ void reduce_slices(float (&acc)[kMats][kRows][8],
+                                              float (*red)[kWarps][kMaxRows][kTileCols]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cg = lane & (kColGroups - 1);
+#pragma unroll
+  for (int m = 0; m < kMats; ++m)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v = acc[m][r][j];
+#pragma unroll
+        for (int off = kColGroups; off < 32; off <<= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane < kColGroups) red[m][warp][r][cg * 8 + j] = v;
+      }
+}
+
+// Kernel 1, one chunk of kRows rows (n of them real) of one group: hidden = silu(x·Wg) * (x·Wu) for the
+// block's 64 columns of the intermediate dim.
+template <bool kVec, int kRows>
+__device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile,
+                              float (*red)[kWarps][kMaxRows][kTileCols]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cg = lane & (kColGroups - 1);
+  const int slice = warp * kSlicesPerWarp + (lane >> 3);
+  const int64_t col = int64_t{tile} * kTileCols + cg * kColsPerThread;
+  const int col_valid = static_cast<int>(col < p.I ? (p.I - col < 8 ? p.I - col : 8) : 0);
+  const uint16_t* wg = p.gate + grp.expert * p.H * p.I + col;
+  const uint16_t* wu = p.up + grp.expert * p.H * p.I + col;
+  const uint16_t* x = p.rows + row0 * p.H;
+
+  float acc[2][kRows][8] = {};
+  for (int64_t h0 = int64_t{slice} * kStep; h0 < p.H; h0 += int64_t{kSlices} * kStep) {
+    // Issue every load of the step first: 16 weight lines + the rows' 8 inputs.
+    uint4 g_raw[kStep], u_raw[kStep], x_raw[kRows];
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) {
+      const int v = h0 + i < p.H ? col_valid : 0;
+      g_raw[i] = load_bf16x8<kVec>(wg + (h0 + i) * p.I, v);
+      u_raw[i] = load_bf16x8<kVec>(wu + (h0 + i) * p.I, v);
+    }
+    const int h_valid = static_cast<int>(p.H - h0 < 8 ? p.H - h0 : 8);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) x_raw[r] = load_bf16x8<kVec>(x + r * p.H + h0, r < n ? h_valid : 0);
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) {
+      float g[8], u[8];
+      unpack(g_raw[i], g);
+      unpack(u_raw[i], u);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float xi = bf16_at(x_raw[r], i);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[0][r][j] = fmaf(xi, g[j], acc[0][r][j]);
+          acc[1][r][j] = fmaf(xi, u[j], acc[1][r][j]);
+        }
+      }
+    }
+  }
+  reduce_slices<kRows, 2>(acc, red);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * kTileCols; idx += kThreads) {
+    const int r = idx / kTileCols, c = idx % kTileCols;
+    const int64_t out_col = int64_t{tile} * kTileCols + c;
+    if (r >= n || out_col >= p.I) continue;
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      g += red[0][w][r][c];
+      u += red[1][w][r][c];
+    }
+    p.hidden[(row0 + r) * p.I + out_col] = g / (1.f + __expf(-g)) * u;  // silu(g) * u
+  }
+  __syncthreads();  // `red` is reused by the next chunk
+}
+
+// kMinBlocks: 1 lets ptxas take ~168 registers (3 blocks per SM), 4 caps them at 128 (4 blocks, 16 warps
+// per SM: more loads in flight, a few bytes of spill); the Python side picks (KDTREE_MOE_BLOCKS_PER_SM).
+template <bool kVec, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p) {
+  __shared__ float red[2][kWarps][kMaxRows][kTileCols];
+  const int g = blockIdx.y;
+  if (g >= active_groups(p)) return;  // an unused group slot: exit before touching any weight
+  const Group grp = read_group(p, g);
+  for (int64_t c0 = 0; c0 < grp.count; c0 += kMaxRows) {
+    const int n = static_cast<int>(grp.count - c0 < kMaxRows ? grp.count - c0 : kMaxRows);
+    if (n == 1) {
+      gate_up_chunk<kVec, 1>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    } else if (n == 2) {
+      gate_up_chunk<kVec, 2>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    } else {
+      gate_up_chunk<kVec, 4>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    }
+  }
+}
+
+// Kernel 2, one chunk: out = hidden·Wd for the block's 64 columns of the hidden dim.
+template <bool kVec, int kRows>
+__device__ void down_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile,
+                           float (*red)[kWarps][kMaxRows][kTileCols]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cg = lane & (kColGroups - 1);
+  const int slice = warp * kSlicesPerWarp + (lane >> 3);
+  const int64_t col = int64_t{tile} * kTileCols + cg * kColsPerThread;
+  const int col_valid = static_cast<int>(col < p.H ? (p.H - col < 8 ? p.H - col : 8) : 0);
+  const uint16_t* wd = p.down + grp.expert * p.I * p.H + col;
+  const float* hid = p.hidden + row0 * p.I;
+
+  float acc[1][kRows][8] = {};
+  for (int64_t i0 = int64_t{slice} * kStep; i0 < p.I; i0 += int64_t{kSlices} * kStep) {
+    uint4 d_raw[kStep];
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) d_raw[i] = load_bf16x8<kVec>(wd + (i0 + i) * p.H, i0 + i < p.I ? col_valid : 0);
+    const int i_valid = static_cast<int>(p.I - i0 < 8 ? p.I - i0 : 8);
+    float hv[kRows][8];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * p.I + i0, r < n ? i_valid : 0, hv[r]);
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) {
+      float d[8];
+      unpack(d_raw[i], d);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[r][i], d[j], acc[0][r][j]);
+    }
+  }
+  reduce_slices<kRows, 1>(acc, red);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * kTileCols; idx += kThreads) {
+    const int r = idx / kTileCols, c = idx % kTileCols;
+    const int64_t out_col = int64_t{tile} * kTileCols + c;
+    if (r >= n || out_col >= p.H) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[0][w][r][c];
+    const __nv_bfloat16 b = __float2bfloat16_rn(s);
+    p.out[(row0 + r) * p.H + out_col] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+  __syncthreads();
+}
+
+template <bool kVec, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
+  __shared__ float red[1][kWarps][kMaxRows][kTileCols];
+  const int g = blockIdx.y;
+  const int active = active_groups(p);
+  if (g == 0) {
+    // Rows past the last group (pairs routed to experts held elsewhere) get zeros, as ragged_dot gives.
+    int64_t covered = 0;
+    if (active > 0) {
+      const Group last = read_group(p, active - 1);
+      covered = last.start + last.count;
+    }
+    const int64_t tile0 = int64_t{blockIdx.x} * kTileCols;
+    for (int64_t idx = threadIdx.x; idx < (p.M - covered) * kTileCols; idx += kThreads) {
+      const int64_t r = covered + idx / kTileCols, c = tile0 + idx % kTileCols;
+      if (c < p.H) p.out[r * p.H + c] = 0;
+    }
+  }
+  if (g >= active) return;
+  const Group grp = read_group(p, g);
+  for (int64_t c0 = 0; c0 < grp.count; c0 += kMaxRows) {
+    const int n = static_cast<int>(grp.count - c0 < kMaxRows ? grp.count - c0 : kMaxRows);
+    if (n == 1) {
+      down_chunk<kVec, 1>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    } else if (n == 2) {
+      down_chunk<kVec, 2>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    } else {
+      down_chunk<kVec, 4>(p, grp, grp.start + c0, n, blockIdx.x, red);
+    }
+  }
+}
+
+template <bool kVec, int kMinBlocks>
+void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t stream) {
+  if (p.G > 0 && p.I > 0) gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
+  // Always launched: it also writes the zeros of rows outside every group.
+  down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("moe_experts (CUDA): ") + what + ": " + cudaGetErrorString(err));
+}
+
+using Groups = ffi::Buffer<ffi::S32, 2>;
+using Scalar32 = ffi::Buffer<ffi::S32, 0>;
+using Hidden = ffi::Buffer<ffi::F32, 2>;
+
+ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                          ffi::AnyBuffer down, Groups groups, Scalar32 num_active,
+                          int64_t blocks_per_sm, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Hidden> hidden) {
+  for (const ffi::AnyBuffer* b : {&rows, &gate, &up, &down}) {
+    if (b->element_type() != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument("moe_experts (CUDA): rows, gate, up and down must be bfloat16");
+    }
+  }
+  if (out->element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("moe_experts (CUDA): out must be bfloat16");
+  }
+  const auto rd = rows.dimensions(), gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
+  const auto td = groups.dimensions(), od = out->dimensions(), hd = hidden->dimensions();
+  if (rd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || od.size() != 2) {
+    return ffi::Error::InvalidArgument("moe_experts (CUDA): rows/out must be 2-D, gate/up/down 3-D");
+  }
+  const int64_t M = rd[0], H = rd[1], E = gd[0], I = gd[2];
+  if (gd[1] != H || ud[0] != E || ud[1] != H || ud[2] != I || dd[0] != E || dd[1] != I || dd[2] != H ||
+      od[0] != M || od[1] != H || td[0] != 3 || td[1] > 65535 || hd[0] * hd[1] < M * I ||
+      (blocks_per_sm != 1 && blocks_per_sm != 4)) {
+    return ffi::Error::InvalidArgument("moe_experts (CUDA): inconsistent shapes (rows [M,H], gate/up [E,H,I], "
+                                       "down [E,I,H], groups [3,G<=65535], out [M,H], hidden >= M*I) or blocks_per_sm not 1/4");
+  }
+  if (M == 0 || H == 0) return ffi::Error::Success();
+
+  Params p{};
+  p.rows = static_cast<const uint16_t*>(rows.untyped_data());
+  p.gate = static_cast<const uint16_t*>(gate.untyped_data());
+  p.up = static_cast<const uint16_t*>(up.untyped_data());
+  p.down = static_cast<const uint16_t*>(down.untyped_data());
+  p.groups = groups.typed_data();
+  p.num_active = num_active.typed_data();
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  p.hidden = hidden->typed_data();
+  p.M = M;
+  p.H = H;
+  p.I = I;
+  p.E = E;
+  p.G = static_cast<int>(td[1]);
+  // 16-byte loads need every weight row and input row to start on a 16-byte boundary.
+  const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.rows) && aligned16(p.gate) && aligned16(p.up) &&
+                   aligned16(p.down) && aligned16(p.hidden);
+  const unsigned groups_y = static_cast<unsigned>(p.G > 0 ? p.G : 1);
+  const dim3 grid_gate_up(static_cast<unsigned>((I + kTileCols - 1) / kTileCols), groups_y);
+  const dim3 grid_down(static_cast<unsigned>((H + kTileCols - 1) / kTileCols), groups_y);
+  if (vec && blocks_per_sm == 4) {
+    launch<true, 4>(p, grid_gate_up, grid_down, stream);
+  } else if (vec) {
+    launch<true, 1>(p, grid_gate_up, grid_down, stream);
+  } else {
+    launch<false, 1>(p, grid_gate_up, grid_down, stream);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_error("kernel launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_experts_cuda, MoeExpertsCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // rows
+                                  .Arg<ffi::AnyBuffer>()  // gate
+                                  .Arg<ffi::AnyBuffer>()  // up
+                                  .Arg<ffi::AnyBuffer>()  // down
+                                  .Arg<Groups>()          // groups [3, G]
+                                  .Arg<Scalar32>()        // num_active
+                                  .Attr<int64_t>("blocks_per_sm")  // 1 or 4: register budget (see kernels)
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<Hidden>(),         // hidden (scratch)
+                              {ffi::Traits::kCmdBufferCompatible});

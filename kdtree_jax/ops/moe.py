@@ -1,0 +1,145 @@
+"""Grouped SwiGLU expert MLP: XLA's ragged_dot everywhere, a CUDA grouped GEMV on GPU at small row counts.
+
+`grouped_expert_mlp(rows, group_sizes, gate, up, down)` computes, for rows sorted by expert (group e is the
+next group_sizes[e] rows; rows past sum(group_sizes) belong to no group and give zeros),
+
+    out[r] = (silu(rows[r] @ gate[e]) * (rows[r] @ up[e])) @ down[e]
+
+which is what `routed_experts` (model/moe.py) runs after sorting its (token, expert) pairs.
+
+Why two implementations.  In a decode / verify step (T = 1..64 tokens × top-8) almost every active expert
+gets one or two rows, so the op is a grouped GEMV whose cost is reading the active experts' weights once.
+XLA's ragged_dot is several times off that floor there; the CUDA op (ffi/moe_experts.cu) reads each
+active expert's weights once per chunk of 4 rows and never touches inactive experts.  With many rows per
+expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above `CUDA_MAX_ROWS` rows.
+
+The CUDA op gets a table of the active groups (expert id, first row, row count) computed here from
+group_sizes, plus the count of active groups: all device data, so nothing syncs with the host and the call
+can sit inside `lax.while_loop` / CUDA graphs.  Its grid has min(M, E) static group slots (the most groups
+M rows can fill); slots past the active count exit at once.  `jax.lax.platform_dependent` picks the CUDA
+branch when the program is lowered for a GPU; on CPU the ragged_dot formulation runs, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # the CUDA op lives in the same nanobind extension as verify attention
+    from kdtree_jax import _verify_attention_ext as _ext
+except ImportError:  # pragma: no cover - exercised only without a build
+    _ext = None
+
+TARGET = "kdtree_moe_experts"
+IMPLS = ("auto", "xla", "cuda")
+# "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
+# Rows per active expert, not rows, decide the crossover; with random top-8 routing over hundreds of
+# experts, 512 rows (T = 64 x top-8) still leave ~1-2 rows per active expert.  See
+# benchmarks/results/moe_experts_h200.md.
+CUDA_MAX_ROWS = 512
+
+
+@functools.cache
+def _register() -> bool:
+    if _ext is None or not getattr(_ext, "with_cuda", False) or not hasattr(_ext, "moe_experts_cuda_handler"):
+        return False
+    jax.ffi.register_ffi_target(TARGET, _ext.moe_experts_cuda_handler(), platform="CUDA")
+    return True
+
+
+def cuda_built() -> bool:
+    """True when the extension holds the CUDA grouped-MLP handler (it is registered on first use)."""
+    return _register()
+
+
+def blocks_per_sm() -> int:
+    """Register budget of the CUDA kernels: 4 blocks per SM (128 registers) or 1 (~168 registers, 3 fit).
+    KDTREE_MOE_BLOCKS_PER_SM=1|4 overrides (for A/B runs)."""
+    forced = os.environ.get("KDTREE_MOE_BLOCKS_PER_SM")
+    return int(forced) if forced in ("1", "4") else 4
+
+
+def ragged_mlp(rows, group_sizes, gate, up, down):
+    """The XLA formulation (routed_experts' original three ragged_dots)."""
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
+    return jax.lax.ragged_dot(h, down, group_sizes)
+
+
+def group_table(group_sizes, num_rows: int):
+    """(groups [3, G] int32: expert id / first row / row count of each active expert in order,
+    num_active [] int32) with G = min(num_rows, E) static slots; unused slots hold count 0."""
+    num_experts = group_sizes.shape[0]
+    slots = max(1, min(num_rows, num_experts))
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    active = sizes > 0
+    (ids,) = jnp.nonzero(active, size=slots, fill_value=0)
+    ids = ids.astype(jnp.int32)
+    num_active = jnp.minimum(active.sum(), slots).astype(jnp.int32)
+    used = jnp.arange(slots) < num_active
+    groups = jnp.stack([ids, jnp.where(used, starts[ids], 0), jnp.where(used, sizes[ids], 0)])
+    return groups, num_active
+
+
+def _call_cuda(rows, group_sizes, gate, up, down):
+    num_rows, hidden = rows.shape
+    inter = gate.shape[2]
+    groups, num_active = group_table(group_sizes, num_rows)
+    out_types = (jax.ShapeDtypeStruct((num_rows, hidden), rows.dtype),
+                 jax.ShapeDtypeStruct((num_rows, inter), jnp.float32))  # SwiGLU activations (scratch)
+    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+    out, _ = call(rows, gate, up, down, groups, num_active, blocks_per_sm=np.int64(blocks_per_sm()))
+    return out
+
+
+def validate_args(rows, group_sizes, gate, up, down, impl: str) -> None:
+    """Static shape/dtype checks with errors that name the argument (no device work)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be [M, H]; got shape {rows.shape}")
+    hidden = rows.shape[1]
+    if gate.ndim != 3 or gate.shape[1] != hidden:
+        raise ValueError(f"gate must be [E, H={hidden}, I]; got shape {gate.shape}")
+    num_experts, _, inter = gate.shape
+    if up.shape != gate.shape:
+        raise ValueError(f"up must be [E, H, I] = {list(gate.shape)}; got shape {up.shape}")
+    if down.shape != (num_experts, inter, hidden):
+        raise ValueError(f"down must be [E, I, H] = {[num_experts, inter, hidden]}; got shape {down.shape}")
+    if group_sizes.shape != (num_experts,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be [E={num_experts}] integers; got {group_sizes.dtype} {group_sizes.shape}")
+    if num_experts > 65535:
+        raise ValueError(f"at most 65535 experts per device; got {num_experts}")
+    if impl == "cuda" and not all(a.dtype == jnp.bfloat16 for a in (rows, gate, up, down)):
+        raise ValueError("impl='cuda' takes bfloat16 rows, gate, up and down; got "
+                         f"{rows.dtype}, {gate.dtype}, {up.dtype}, {down.dtype}")
+
+
+def use_cuda(rows, gate, up, down, impl: str) -> bool:
+    """Whether the GPU branch runs the CUDA op (else ragged_dot on every platform)."""
+    if impl == "xla" or not cuda_built():
+        return False
+    if not all(a.dtype == jnp.bfloat16 for a in (rows, gate, up, down)):
+        return False
+    return impl == "cuda" or rows.shape[0] <= CUDA_MAX_ROWS
+
+
+def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto"):
+    """out [M, H] = per-row SwiGLU of its group's expert (see the module docstring).
+
+    rows [M, H]; group_sizes [E] (group e = the next group_sizes[e] rows, sum <= M); gate, up [E, H, I];
+    down [E, I, H].  impl: "xla" = ragged_dot everywhere; "cuda" = the CUDA op on GPU (bf16 only), ragged_dot
+    elsewhere; "auto" = "cuda" on GPU for bf16 with M <= CUDA_MAX_ROWS, else "xla".
+    """
+    validate_args(rows, group_sizes, gate, up, down, impl)
+    args = (rows, group_sizes, gate, up, down)
+    if not use_cuda(rows, gate, up, down, impl):
+        return ragged_mlp(*args)
+    return jax.lax.platform_dependent(*args, cuda=_call_cuda, default=ragged_mlp)
+
+
+__all__ = ["grouped_expert_mlp", "ragged_mlp", "group_table", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]

@@ -1,0 +1,180 @@
+"""The CUDA grouped expert MLP (ffi/moe_experts.cu) against a float32 reference (needs a GPU; marked `gpu`).
+
+The reference loops over rows in numpy (float64 from the same bf16 values), independent of ragged_dot.
+Sizes are random: odd and non-multiple-of-8 widths (the element-wise path), K2-like multiples of 8 (the
+16-byte path), 1..70 tokens × top-k, empty experts, every token on one expert (many 4-row chunks), and
+pairs of experts held elsewhere (rows past every group must come out 0). Before each call the allocator is
+handed NaN-filled blocks of the outputs' sizes, so a row the kernels fail to write shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.model.moe import routed_experts
+from kdtree_jax.ops import moe as moe_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not moe_ops.cuda_built(), reason="extension built without the CUDA MoE op"),
+]
+
+
+def poison_allocator(*shapes_and_dtypes):
+    blocks = [jnp.full(shape, jnp.nan, dtype) for shape, dtype in shapes_and_dtypes]
+    jax.block_until_ready(blocks)
+    for block in blocks:
+        block.delete()
+
+
+def make_weights(rng, num_experts, hidden, inter):
+    def bf16(shape, scale):
+        return jnp.asarray(rng.normal(0, scale, shape).astype(np.float32)).astype(jnp.bfloat16)
+    return (bf16((num_experts, hidden, inter), hidden ** -0.5), bf16((num_experts, hidden, inter), hidden ** -0.5),
+            bf16((num_experts, inter, hidden), inter ** -0.5))
+
+
+def reference_grouped(rows, group_sizes, gate, up, down):
+    rows, gate, up, down = (np.asarray(a.astype(jnp.float32), np.float64) for a in (rows, gate, up, down))
+    out = np.zeros_like(rows)
+    start = 0
+    for e, size in enumerate(np.asarray(group_sizes)):
+        x = rows[start:start + size]
+        g, u = x @ gate[e], x @ up[e]
+        out[start:start + size] = (g / (1 + np.exp(-g)) * u) @ down[e]
+        start += size
+    return out
+
+
+def reference_routed(x2d, indices, weights, gate, up, down, expert_offset=0):
+    """Per-token loop over the chosen experts held here (float64)."""
+    x, gate, up, down = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x2d, gate, up, down))
+    out = np.zeros_like(x)
+    for t, (chosen, w) in enumerate(zip(np.asarray(indices), np.asarray(weights))):
+        for e, we in zip(chosen, w):
+            e = e - expert_offset
+            if 0 <= e < gate.shape[0]:
+                g, u = x[t] @ gate[e], x[t] @ up[e]
+                out[t] += we * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+def assert_close(out, ref):
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    scale = max(np.abs(ref).max(), 1e-3)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-2 * scale)
+
+
+def random_routing(rng, num_tokens, top_k, num_experts, mode):
+    if mode == "one_expert":
+        indices = np.tile(rng.permutation(num_experts)[:top_k], (num_tokens, 1))
+    elif mode == "few_experts":  # most experts empty, some with many rows
+        pool = rng.permutation(num_experts)[:max(top_k, 3)]
+        indices = np.stack([rng.permutation(pool)[:top_k] for _ in range(num_tokens)])
+    else:
+        indices = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)])
+    weights = rng.uniform(0.1, 1.0, (num_tokens, top_k)).astype(np.float32)
+    return jnp.asarray(indices, jnp.int32), jnp.asarray(weights)
+
+
+# (tokens, top_k, experts, hidden, inter, routing)
+CASES = [
+    (1, 1, 4, 64, 64, "random"),
+    (1, 8, 16, 7168 // 8, 2048 // 8, "random"),    # K2 proportions, 16-byte path
+    (9, 8, 96, 512, 256, "random"),
+    (33, 8, 40, 256, 72, "random"),
+    (70, 8, 12, 128, 64, "few_experts"),
+    (70, 2, 8, 64, 128, "one_expert"),             # one group of 70 rows: 18 chunks
+    (5, 3, 7, 37, 21, "random"),                   # odd widths: element-wise path
+    (64, 4, 10, 100, 36, "few_experts"),           # widths % 8 == 4
+    (17, 2, 5, 8, 8, "one_expert"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("blocks_per_sm", ["1", "4"])
+def test_grouped_mlp_matches_reference(case, blocks_per_sm, monkeypatch):
+    monkeypatch.setenv("KDTREE_MOE_BLOCKS_PER_SM", blocks_per_sm)
+    tokens, top_k, experts, hidden, inter, mode = case
+    rng = np.random.default_rng(CASES.index(case))
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    indices, _ = random_routing(rng, tokens, top_k, experts, mode)
+    flat = np.asarray(indices).reshape(-1)
+    # A few pairs go to "non-local" experts: they sort last and belong to no group.
+    local = np.where(rng.uniform(size=flat.shape) < 0.15, experts, flat)
+    order = np.argsort(local, kind="stable")
+    group_sizes = jnp.asarray(np.bincount(local, minlength=experts + 1)[:experts], jnp.int32)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    rows = x[order // top_k]
+    fn = jax.jit(lambda *a: moe_ops.grouped_expert_mlp(*a, impl="cuda"))
+    poison_allocator(((rows.shape[0], hidden), jnp.bfloat16), ((rows.shape[0], inter), jnp.float32))
+    out = jax.block_until_ready(fn(rows, group_sizes, gate, up, down))
+    assert_close(out, reference_grouped(rows, group_sizes, gate, up, down))
+    # Deterministic: a second call is bit-identical.
+    np.testing.assert_array_equal(np.asarray(fn(rows, group_sizes, gate, up, down)), np.asarray(out))
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_routed_experts_device_slices(layout):
+    """Each device's share as shard_map hands it over (tp: a slice of every expert's intermediate dim;
+    ep: E/n whole experts with expert_offset), summed over 4 "devices", equals the full computation."""
+    rng = np.random.default_rng(7)
+    tokens, top_k, experts, hidden, inter, n = 9, 8, 32, 256, 96, 4
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    indices, weights = random_routing(rng, tokens, top_k, experts, "random")
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(routed_experts, static_argnames=("impl",))
+    total = np.zeros((tokens, hidden))
+    ref = np.zeros((tokens, hidden))
+    for d in range(n):
+        if layout == "tp":
+            s = slice(d * inter // n, (d + 1) * inter // n)
+            parts, offset = (gate[:, :, s], up[:, :, s], down[:, s, :]), 0
+        else:
+            s = slice(d * experts // n, (d + 1) * experts // n)
+            parts, offset = (gate[s], up[s], down[s]), d * experts // n
+        out = fn(x, indices, weights, *parts, expert_offset=offset, impl="cuda")
+        assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+        total += np.asarray(out.astype(jnp.float32))
+        ref += reference_routed(x, indices, weights, *parts, expert_offset=offset)
+    assert_close(jnp.asarray(total), ref)
+    full = reference_routed(x, indices, weights, gate, up, down)
+    np.testing.assert_allclose(ref, full, rtol=1e-9, atol=1e-9)
+
+
+def test_auto_uses_cuda_op_and_agrees_with_ragged_dot():
+    rng = np.random.default_rng(3)
+    gate, up, down = make_weights(rng, 24, 128, 64)
+    indices, weights = random_routing(rng, 9, 8, 24, "random")
+    x = jnp.asarray(rng.normal(0, 1, (9, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(routed_experts, static_argnames=("impl",))
+    hlo = fn.lower(x, indices, weights, gate, up, down, impl="auto").as_text()
+    assert moe_ops.TARGET in hlo
+    auto = fn(x, indices, weights, gate, up, down, impl="auto")
+    xla = fn(x, indices, weights, gate, up, down, impl="xla")
+    assert_close(auto, np.asarray(xla.astype(jnp.float32), np.float64))
+
+
+def test_inside_while_loop():
+    """Inside lax.fori_loop (XLA may capture the loop body in a CUDA graph): same result as plain calls
+    (up to the order of the bf16 scatter-add, which is not fixed on GPU)."""
+    rng = np.random.default_rng(5)
+    gate, up, down = make_weights(rng, 16, 256, 128)
+    indices, weights = random_routing(rng, 9, 8, 16, "random")
+    x = jnp.asarray(rng.normal(0, 1, (9, 256)).astype(np.float32)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def loop(x):
+        def body(i, x):
+            return x + routed_experts(x, indices, weights, gate, up, down, impl="cuda") * 1e-2
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    expected = x
+    step = jax.jit(lambda x: x + routed_experts(x, indices, weights, gate, up, down, impl="cuda") * 1e-2)
+    for _ in range(3):
+        expected = step(expected)
+    assert_close(loop(x), np.asarray(expected.astype(jnp.float32), np.float64))
