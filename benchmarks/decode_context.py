@@ -115,7 +115,10 @@ def filled_state(target, drafter, context: int, nodes: int, steps: int, key):
                             engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1))
 
 
-def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, bandwidth: float) -> dict:
+def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, bandwidth: float,
+            shared: dict) -> dict:
+    """One (L, T, impl) point. `shared` caches the parts whose cost does not depend on L or the attention
+    impl (MoE, drafter, tree + accept + commit): timed once per T, which keeps the compiles few."""
     cfg = target.cfg
     spec = engine.SpecConfig(budget=nodes - 1, topk=8, max_new_tokens=steps, impl=impl)
     state = filled_state(target, drafter, context, nodes, steps, jax.random.key(context))
@@ -169,9 +172,12 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
         return jax.lax.fori_loop(0, iters, body, (cache, bonus))[1]
 
     t_attn = median_seconds(attention_loop(batch, impl, iters), q, cache.pages, target)[0] / iters
-    t_moe = median_seconds(moe_loop(iters), x, target)[0] / iters
-    t_draft = median_seconds(drafter_only, jnp.array([1], jnp.int32), target, drafter, dcache, cache.seq_lens)[0] / iters
-    t_tree = median_seconds(tree_accept_commit, cache, jnp.array([1], jnp.int32), top_lp, top_tok, logits)[0] / iters
+    if nodes not in shared:
+        shared[nodes] = (
+            median_seconds(moe_loop(iters), x, target)[0] / iters,
+            median_seconds(drafter_only, jnp.array([1], jnp.int32), target, drafter, dcache, cache.seq_lens)[0] / iters,
+            median_seconds(tree_accept_commit, cache, jnp.array([1], jnp.int32), top_lp, top_tok, logits)[0] / iters)
+    t_moe, t_draft, t_tree = shared[nodes]
 
     kv_bytes = cfg.num_hidden_layers * (context + nodes) * cfg.cache_dim * 2
     expert_bytes_each = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
@@ -196,6 +202,8 @@ def measure(target, drafter, context: int, nodes: int, steps: int, impl: str, ba
         "floors": floors, "step_floor_ms": step_floor, "step_over_floor": step_s * 1e3 / step_floor,
         "moe_over_floor": t_moe * 1e3 / max(floors["moe_ms_low"], 1e-9),
         "distinct_experts_per_layer_over_run": float(np.mean([(c > 0).sum() for c in counts])),
+        # Per-layer costs scaled to K2's 61 layers (1 dense + 60 MoE); drafter and tree are per step.
+        "projected_61_layer_step_ms": ((step_s - t_draft - t_tree) / cfg.num_hidden_layers * 61 + t_draft + t_tree) * 1e3,
     }
 
 
@@ -206,6 +214,8 @@ def main(argv=None):
     p.add_argument("--nodes", default="9,33")
     p.add_argument("--steps", type=int, default=16, help="speculative steps per timed loop")
     p.add_argument("--impls", default="auto,reference")
+    p.add_argument("--reference-contexts", default="4096,65536",
+                   help="contexts at which impls other than 'auto' also run ('all': every context)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -219,14 +229,14 @@ def main(argv=None):
         cfg = kdtree_jax.ModelConfig.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
         dcfg = DrafterConfig(block_size=4, num_layers=1, head_dim=16)
         contexts = [64]
-    layers = args.layers or (2 if args.smoke else 0)
-    if not layers:
-        per_layer = 3 * cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size * 2 \
-            + max(contexts) * cfg.cache_dim * 2
-        stats = jax.devices()[0].memory_stats() or {}
-        budget = 0.7 * stats.get("bytes_limit", 100e9)
-        layers = int(max(2, min(61, budget // per_layer)))
+    per_layer = 3 * cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size * 2 \
+        + max(contexts) * cfg.cache_dim * 2
+    stats = jax.devices()[0].memory_stats() or {}
+    fit = int(max(2, min(61, 0.7 * stats.get("bytes_limit", 100e9) // per_layer)))
+    layers = args.layers or (2 if args.smoke else fit)
     cfg = cfg.replace(num_hidden_layers=layers)
+    # Every layer is its own code in the compiled step, so compile time grows with --layers; per-layer
+    # costs do not change with the count, and the 61-layer step is projected from them.
     log(f"{device}: {layers} layers of {cfg.hidden_size} wide, {cfg.n_routed_experts} experts")
     target = on_device(lambda: Transformer(cfg, jnp.bfloat16, rngs=nnx.Rngs(0)))
     drafter = on_device(lambda: Drafter(cfg, dcfg, jnp.bfloat16, rngs=nnx.Rngs(1)))
@@ -236,15 +246,19 @@ def main(argv=None):
     rows = []
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    "decode_context_smoke" if args.smoke else "decode_context_h200")
-    meta = {"date": datetime.date.today().isoformat(), "device": device, "layers": layers,
+    meta = {"date": datetime.date.today().isoformat(), "device": device, "layers": layers, "layers_that_fit": fit,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "copy_bandwidth_TBps": bandwidth / 1e12, "preset": "tiny (smoke)" if args.smoke else "kimi-k2-tp8-rank",
             "fill": "random latent rows written straight into the pool at scattered slots (values do not change the cost)"}
+    shared = {}
     for context in contexts:
         for nodes in [int(t) for t in args.nodes.split(",")]:
             for impl in args.impls.split(","):
+                if impl != "auto" and args.reference_contexts != "all" and not args.smoke \
+                        and str(context) not in args.reference_contexts.split(","):
+                    continue
                 try:
-                    row = measure(target, drafter, context, nodes, args.steps, impl, bandwidth)
+                    row = measure(target, drafter, context, nodes, args.steps, impl, bandwidth, shared)
                 except Exception as e:  # e.g. the reference attention running out of memory at 200k
                     row = {"context": context, "nodes": nodes, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]}
                 rows.append(row)
@@ -258,18 +272,19 @@ def main(argv=None):
 def write_markdown(path, meta, rows):
     lines = [f"# Decode steps at long context, {meta['preset']}, {meta['layers']} layers ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}; copy bandwidth {meta['copy_bandwidth_TBps']:.2f} TB/s. "
-             f"Pool fill: {meta['fill']}.", "",
-             "| L | T | attention | step ms | attention ms (share) | MoE ms (floor) | drafter ms | tree+accept+commit ms (share) | dense rest ms | step / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"Pool fill: {meta['fill']}. {meta['layers']} layers timed ({meta.get('layers_that_fit', '?')} would fit "
+             "in 70% of memory; compile time grows with the layer count, per-layer costs do not).", "",
+             "| L | T | attention | tau | step ms | attention ms (share) | MoE ms (floor) | drafter ms | tree+accept+commit ms (share) | dense rest ms | step / floor | 61 layers (projected) ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | {r['error']} |||||||")
+            lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | {r['error']} |||||||||")
             continue
         f = r["floors"]
-        lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | {r['step_ms']:.3f} | {r['attention_ms']:.3f} "
+        lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | {r['tau']:.2f} | {r['step_ms']:.3f} | {r['attention_ms']:.3f} "
                      f"({100 * r['attention_share']:.0f}%) | {r['moe_ms']:.3f} ({f['moe_ms_low']:.3f}–{f['moe_ms_high']:.3f}) | "
                      f"{r['drafter_ms']:.3f} | {r['tree_accept_commit_ms']:.3f} ({100 * r['tree_share']:.1f}%) | "
-                     f"{r['dense_rest_ms']:.3f} | {r['step_over_floor']:.2f} |")
+                     f"{r['dense_rest_ms']:.3f} | {r['step_over_floor']:.2f} | {r['projected_61_layer_step_ms']:.1f} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
