@@ -88,10 +88,10 @@ def make_pool(key, batch, length):
     return jax.random.normal(key, (num_layers, num_slots, WIDTH), jnp.bfloat16)
 
 
-def make_inputs(key, kv_pool, batch, num_queries, length, scattered: bool):
+def make_inputs(key, kv_pool, batch, num_queries, length, scattered: bool, heads: int = H):
     num_slots = batch * length
     k = jax.random.split(key, 2)
-    q = jax.random.normal(k[0], (batch, num_queries, H, WIDTH), jnp.bfloat16)
+    q = jax.random.normal(k[0], (batch, num_queries, heads, WIDTH), jnp.bfloat16)
     if scattered:
         kv_slots = jax.random.permutation(k[1], num_slots).astype(jnp.int32).reshape(batch, length)
     else:
@@ -128,10 +128,11 @@ def reference_op(*a):
 
 
 def sweep(ceilings, plan, on_row=lambda rows: None):
-    """plan: list of (B, L, scattered, [T...], [T with an XLA reference...]); on_row(rows) after each row."""
+    """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row."""
     rows = []
     pools = {}
-    for batch, length, scattered, ts, ref_ts in plan:
+    for batch, length, scattered, ts, ref_ts, *rest in plan:
+        heads = rest[0] if rest else H
         if (batch, length) not in pools:
             pools.clear()  # one pool at a time on the device
             pools[(batch, length)] = make_pool(jax.random.PRNGKey(length), batch, length)
@@ -139,9 +140,9 @@ def sweep(ceilings, plan, on_row=lambda rows: None):
         num_layers = kv_pool.shape[0]
         for num_queries in ts:
             args = make_inputs(jax.random.PRNGKey(length + num_queries), kv_pool, batch, num_queries, length,
-                               scattered)
+                               scattered, heads)
             kv_bytes = batch * length * ROW_BYTES
-            flops = 2 * batch * num_queries * H * length * (WIDTH + LATENT)
+            flops = 2 * batch * num_queries * heads * length * (WIDTH + LATENT)
             roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
             # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
             k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
@@ -149,11 +150,11 @@ def sweep(ceilings, plan, on_row=lambda rows: None):
             k1 = min(k1, k2 // 3)
             t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
             t_ref = None
-            if num_queries in ref_ts and batch * num_queries * H * length <= REF_MAX_SCORES:
+            if num_queries in ref_ts and batch * num_queries * heads * length <= REF_MAX_SCORES:
                 t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
-            splits = vffi.choose_num_splits(batch, num_queries, H, length, vffi.sm_count())
-            row = dict(B=batch, L=length, T=num_queries, H=H, slots="scattered" if scattered else "contiguous",
-                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, H), us=t_kernel * 1e6,
+            splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
+            row = dict(B=batch, L=length, T=num_queries, H=heads, slots="scattered" if scattered else "contiguous",
+                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, heads), us=t_kernel * 1e6,
                        gbps=kv_bytes / t_kernel / 1e9,
                        tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
                        bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
@@ -181,6 +182,14 @@ def budget_plan():
         plan.append((1, length, False, [1, 16], []))
     for length in (16384, 65536):
         plan.append((8, length, True, [1, 16, 64], [1, 16]))
+    return plan
+
+
+def key_plan():
+    """A one-minute check of the rows that matter most: B = 1 scattered at 4k and 64k over T in {1..64} (H = 8),
+    and the 4-way tensor-parallel K2 shapes (H = 16, T in {9, 33}); no XLA reference, no while-loop figure."""
+    plan = [(1, length, True, [1, 9, 16, 33, 64], []) for length in (4096, 65536)]
+    plan += [(1, length, True, [9, 33], [], 16) for length in (4096, 16384, 65536)]
     return plan
 
 
@@ -240,10 +249,10 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s.", "",
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
              "XLA = the pure-JAX reference (gather + einsum), scattered slots only, skipped above 2^28 scores.", "",
-             "| B | L | T | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | L | T | H | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
+        lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
                      f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} |")
     if loop_rows:
@@ -258,7 +267,7 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", choices=["full", "budget", "quick"], default="full",
+    parser.add_argument("--plan", choices=["full", "budget", "quick", "key"], default="full",
                         help="full: the issue's whole sweep; budget: B=1 over all (L, T) plus a few rows; quick: smoke")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
@@ -276,20 +285,24 @@ def main():
         timespec="minutes"), commit=args.commit, jax=jax.__version__, sm_count=vffi.sm_count())
     ceilings = measure_ceilings(ext)
     print(json.dumps(ceilings), flush=True)
+    loop_rows = []
+    if args.plan == "key":
+        sweep(ceilings, key_plan(), on_row=lambda rows: write_results(args.out, dict(meta, plan="key"), ceilings, rows, []))
+        print(open(args.out + ".md").read())
+        return
 
     # The command-buffer figure runs in a child: XLA_FLAGS are read once, at backend start. It goes first
     # (it is short) and without preallocation, since this process already holds most of the memory.
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     child = subprocess.run([sys.executable, __file__, "--while-loop-only"], env=env, capture_output=True, text=True)
-    loop_rows = []
     for line in child.stdout.splitlines():
         if line.startswith("WHILE_LOOP_JSON "):
             loop_rows = json.loads(line[len("WHILE_LOOP_JSON "):])
     if not loop_rows:
         print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
 
-    plan = {"full": full_plan, "budget": budget_plan, "quick": quick_plan}[args.plan]()
+    plan = {"full": full_plan, "budget": budget_plan, "quick": quick_plan, "key": key_plan}[args.plan]()
     meta["plan"] = args.plan
     # Results are rewritten after every row, so a run cut short still leaves its table.
     sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows))

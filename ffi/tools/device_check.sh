@@ -30,4 +30,5 @@ if ! grep -q " passed" "$OUT/gpu_tests.log" || grep -qE "failed|error" "$OUT/gpu
   export KDTREE_VERIFY_ROW_GROUPS=1
 fi
 [ "$PLAN" = tests ] && exit 0
+# the key plan (one minute) is the fast A/B check; budget/quick/full are the sweeps of the results file
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/verify_kernel.py --plan "$PLAN" --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" 2>&1 | grep -v "^{" | tail -70
