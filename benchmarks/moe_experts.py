@@ -111,7 +111,7 @@ def markdown(meta, rows):
              f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. routed_experts (sort, gather, grouped "
              f"SwiGLU, weighted scatter-add) per call, median of {meta['reps']} runs of a jitted fori_loop of "
              f"{meta['iters']} calls. Floor = bytes of the experts active on this device / 4.3 TB/s. "
-             f"`cuda bps4` / `bps1`: the CUDA op at 128 registers (4 blocks/SM) / ~168 registers; "
+             f"`cuda bps4` / `bps1`: the CUDA op at 128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM); "
              f"auto dispatch uses the CUDA op up to {meta['cuda_max_rows']} rows (pairs) per device. Last column: "
              f"largest |difference| of the loop's final x (≈ unit scale) between the CUDA op and ragged_dot.", "",
              "| layout | T | local pairs | active experts | floor µs | ragged_dot µs | cuda bps4 µs | cuda bps1 µs "

@@ -3,8 +3,13 @@
 // Why a kernel of our own.  At decode-sized token counts (a verify step of T = 9..64 tokens × top-8) each
 // active expert sees one or two rows, so the op is a grouped GEMV: its cost is reading the weights of the
 // experts that are actually used, once.  XLA's ragged_dot runs far from that floor there.  Here:
-//   kernel 1, grid (I-tiles, groups): hidden[r, tile] = silu(x_r·Wg[e][:, tile]) * (x_r·Wu[e][:, tile])
-//   kernel 2, grid (H-tiles, groups): out[r, tile]    = hidden_r·Wd[e][:, tile]
+//   kernel 1, grid (I-tiles, H-splits, groups): partial[s, r, 0|1, tile] = x_r[split s]·Wg|Wu[e][split s, tile]
+//   finish,   grid-stride over rows x I:          hidden[r, c] = silu(sum_s gate part) * (sum_s up part)
+//   kernel 2, grid (H-tiles, groups):             out[r, tile] = hidden_r·Wd[e][:, tile]
+// Kernel 1 splits the hidden (reduction) dim over blocks because it has few blocks otherwise: K2 at T = 9
+// under 4-way EP has ~18 active experts x 32 I-tiles = 576 blocks of 1.8 MB each, barely more than one
+// wave on an H200 (132 SMs x 4 blocks), so the second, nearly empty wave would cost as much as the first.
+// Blocks of ~256 KB (kernel 2's size too) make several waves and keep every SM streaming to the end.
 // A group is one active expert with its rows.  The grid has a static number of group slots (the caller's
 // upper bound min(M, E)); slots past the device-side count of active groups exit at once, so inactive
 // experts' weights are never touched and nothing depends on a host-side copy of the routing.
@@ -54,9 +59,12 @@ struct Params {
   const int32_t* groups;  // [3, G]
   const int32_t* num_active;
   uint16_t* out;          // [M, H]
+  float* partial;         // [splits, M, 2, I]: kernel 1's per-split gate / up sums
   float* hidden;          // [M, I]
   int64_t M, H, I, E;
   int G;
+  int splits;             // hidden-dim splits of kernel 1
+  int64_t split_rows;     // hidden rows per split (a multiple of kStep)
 };
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -69,15 +77,16 @@ __device__ __forceinline__ uint4 load_bf16x8(const uint16_t* p, int valid) {
   if constexpr (kVec) {
     if (valid <= 0) return make_uint4(0, 0, 0, 0);
     return __ldg(reinterpret_cast<const uint4*>(p));
-  }
-  uint32_t w[4];
+  } else {
+    uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = 2 * i < valid ? __ldg(p + 2 * i) : 0u;
-    const uint32_t hi = 2 * i + 1 < valid ? __ldg(p + 2 * i + 1) : 0u;
-    w[i] = lo | (hi << 16);
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t lo = 2 * i < valid ? __ldg(p + 2 * i) : 0u;
+      const uint32_t hi = 2 * i + 1 < valid ? __ldg(p + 2 * i + 1) : 0u;
+      w[i] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
-  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // Element i (compile-time after unrolling) of 8 packed bf16.
@@ -104,13 +113,13 @@ __device__ __forceinline__ void load_f32x8(const float* p, int valid, float (&v)
       for (int i = 0; i < 8; ++i) v[i] = 0.f;
       return;
     }
-    const float4 a = *reinterpret_cast<const float4*>(p);  // written by kernel 1 of this call: no __ldg
+    const float4 a = *reinterpret_cast<const float4*>(p);
     const float4 b = *reinterpret_cast<const float4*>(p + 4);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = i < valid ? p[i] : 0.f;
+    for (int i = 0; i < 8; ++i) v[i] = i < valid ? p[i] : 0.f;
+  }
 }
 
 struct Group {
@@ -128,6 +137,13 @@ __device__ __forceinline__ Group read_group(const Params& p, int g) {
 __device__ __forceinline__ int active_groups(const Params& p) {
   const int n = *p.num_active;
   return n < 0 ? 0 : (n > p.G ? p.G : n);
+}
+
+// Rows [0, covered) belong to groups (groups are consecutive from row 0); the rest belong to none.
+__device__ __forceinline__ int64_t covered_rows(const Params& p, int active) {
+  if (active <= 0) return 0;
+  const Group last = read_group(p, active - 1);
+  return last.start + last.count;
 }
 
 // Sum a thread's [kRows][8] partials over the block's kSlices slices; the totals of output column
@@ -149,11 +165,11 @@ __device__ __forceinline__ void reduce_slices(float (&acc)[kMats][kRows][8],
       }
 }
 
-// Kernel 1, one chunk of kRows rows (n of them real) of one group: hidden = silu(x·Wg) * (x·Wu) for the
-// block's 64 columns of the intermediate dim.
+// Kernel 1, one chunk of kRows rows (n of them real) of one group: the partial sums x·Wg and x·Wu over
+// hidden rows [h_begin, h_end) for the block's 64 columns of the intermediate dim.
 template <bool kVec, int kRows>
-__device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile,
-                              float (*red)[kWarps][kMaxRows][kTileCols]) {
+__device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile, int split,
+                              int64_t h_begin, int64_t h_end, float (*red)[kWarps][kMaxRows][kTileCols]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int cg = lane & (kColGroups - 1);
   const int slice = warp * kSlicesPerWarp + (lane >> 3);
@@ -164,16 +180,16 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
   const uint16_t* x = p.rows + row0 * p.H;
 
   float acc[2][kRows][8] = {};
-  for (int64_t h0 = int64_t{slice} * kStep; h0 < p.H; h0 += int64_t{kSlices} * kStep) {
+  for (int64_t h0 = h_begin + slice * kStep; h0 < h_end; h0 += int64_t{kSlices} * kStep) {
     // Issue every load of the step first: 16 weight lines + the rows' 8 inputs.
     uint4 g_raw[kStep], u_raw[kStep], x_raw[kRows];
 #pragma unroll
     for (int i = 0; i < kStep; ++i) {
-      const int v = h0 + i < p.H ? col_valid : 0;
+      const int v = h0 + i < h_end ? col_valid : 0;
       g_raw[i] = load_bf16x8<kVec>(wg + (h0 + i) * p.I, v);
       u_raw[i] = load_bf16x8<kVec>(wu + (h0 + i) * p.I, v);
     }
-    const int h_valid = static_cast<int>(p.H - h0 < 8 ? p.H - h0 : 8);
+    const int h_valid = static_cast<int>(h_end - h0 < 8 ? h_end - h0 : 8);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) x_raw[r] = load_bf16x8<kVec>(x + r * p.H + h0, r < n ? h_valid : 0);
 #pragma unroll
@@ -204,28 +220,48 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
       g += red[0][w][r][c];
       u += red[1][w][r][c];
     }
-    p.hidden[(row0 + r) * p.I + out_col] = g / (1.f + __expf(-g)) * u;  // silu(g) * u
+    float* part = p.partial + ((split * p.M + row0 + r) * 2) * p.I + out_col;
+    part[0] = g;
+    part[p.I] = u;
   }
   __syncthreads();  // `red` is reused by the next chunk
 }
 
-// kMinBlocks: 1 lets ptxas take ~168 registers (3 blocks per SM), 4 caps them at 128 (4 blocks, 16 warps
+// kMinBlocks: 1 lets ptxas take ~200 registers (2 blocks per SM), 4 caps them at 128 (4 blocks, 16 warps
 // per SM: more loads in flight, a few bytes of spill); the Python side picks (KDTREE_MOE_BLOCKS_PER_SM).
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p) {
   __shared__ float red[2][kWarps][kMaxRows][kTileCols];
-  const int g = blockIdx.y;
+  const int g = blockIdx.z, split = blockIdx.y;
   if (g >= active_groups(p)) return;  // an unused group slot: exit before touching any weight
   const Group grp = read_group(p, g);
+  const int64_t h_begin = split * p.split_rows;
+  const int64_t h_end = h_begin + p.split_rows < p.H ? h_begin + p.split_rows : p.H;
   for (int64_t c0 = 0; c0 < grp.count; c0 += kMaxRows) {
     const int n = static_cast<int>(grp.count - c0 < kMaxRows ? grp.count - c0 : kMaxRows);
     if (n == 1) {
-      gate_up_chunk<kVec, 1>(p, grp, grp.start + c0, n, blockIdx.x, red);
+      gate_up_chunk<kVec, 1>(p, grp, grp.start + c0, n, blockIdx.x, split, h_begin, h_end, red);
     } else if (n == 2) {
-      gate_up_chunk<kVec, 2>(p, grp, grp.start + c0, n, blockIdx.x, red);
+      gate_up_chunk<kVec, 2>(p, grp, grp.start + c0, n, blockIdx.x, split, h_begin, h_end, red);
     } else {
-      gate_up_chunk<kVec, 4>(p, grp, grp.start + c0, n, blockIdx.x, red);
+      gate_up_chunk<kVec, 4>(p, grp, grp.start + c0, n, blockIdx.x, split, h_begin, h_end, red);
     }
+  }
+}
+
+// hidden = silu(gate) * up of the rows in groups, each sum taken over the splits in a fixed order (so the
+// result is deterministic, unlike atomics).
+__global__ void __launch_bounds__(256) finish_kernel(Params p) {
+  const int64_t total = covered_rows(p, active_groups(p)) * p.I;
+  for (int64_t idx = blockIdx.x * int64_t{256} + threadIdx.x; idx < total; idx += int64_t{gridDim.x} * 256) {
+    const int64_t r = idx / p.I, c = idx % p.I;
+    float g = 0.f, u = 0.f;
+    for (int s = 0; s < p.splits; ++s) {
+      const float* part = p.partial + ((s * p.M + r) * 2) * p.I + c;
+      g += part[0];
+      u += part[p.I];
+    }
+    p.hidden[idx] = g / (1.f + __expf(-g)) * u;  // silu(g) * u
   }
 }
 
@@ -282,11 +318,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
   const int active = active_groups(p);
   if (g == 0) {
     // Rows past the last group (pairs routed to experts held elsewhere) get zeros, as ragged_dot gives.
-    int64_t covered = 0;
-    if (active > 0) {
-      const Group last = read_group(p, active - 1);
-      covered = last.start + last.count;
-    }
+    const int64_t covered = covered_rows(p, active);
     const int64_t tile0 = int64_t{blockIdx.x} * kTileCols;
     for (int64_t idx = threadIdx.x; idx < (p.M - covered) * kTileCols; idx += kThreads) {
       const int64_t r = covered + idx / kTileCols, c = tile0 + idx % kTileCols;
@@ -309,7 +341,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
 
 template <bool kVec, int kMinBlocks>
 void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t stream) {
-  if (p.G > 0 && p.I > 0) gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
+  if (p.G > 0 && p.I > 0) {
+    gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
+    const int64_t blocks = (p.M * p.I + 255) / 256;
+    finish_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(p);
+  }
   // Always launched: it also writes the zeros of rows outside every group.
   down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
 }
@@ -326,7 +362,8 @@ using Hidden = ffi::Buffer<ffi::F32, 2>;
 
 ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate, ffi::AnyBuffer up,
                           ffi::AnyBuffer down, Groups groups, Scalar32 num_active,
-                          int64_t blocks_per_sm, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Hidden> hidden) {
+                          int64_t blocks_per_sm, int64_t splits, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<Hidden> partial, ffi::Result<Hidden> hidden) {
   for (const ffi::AnyBuffer* b : {&rows, &gate, &up, &down}) {
     if (b->element_type() != ffi::DataType::BF16) {
       return ffi::Error::InvalidArgument("moe_experts (CUDA): rows, gate, up and down must be bfloat16");
@@ -343,9 +380,11 @@ ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuff
   const int64_t M = rd[0], H = rd[1], E = gd[0], I = gd[2];
   if (gd[1] != H || ud[0] != E || ud[1] != H || ud[2] != I || dd[0] != E || dd[1] != I || dd[2] != H ||
       od[0] != M || od[1] != H || td[0] != 3 || td[1] > 65535 || hd[0] * hd[1] < M * I ||
-      (blocks_per_sm != 1 && blocks_per_sm != 4)) {
+      (blocks_per_sm != 1 && blocks_per_sm != 4) || splits < 1 || splits > 65535 ||
+      partial->element_count() < splits * M * 2 * I) {
     return ffi::Error::InvalidArgument("moe_experts (CUDA): inconsistent shapes (rows [M,H], gate/up [E,H,I], "
-                                       "down [E,I,H], groups [3,G<=65535], out [M,H], hidden >= M*I) or blocks_per_sm not 1/4");
+                                       "down [E,I,H], groups [3,G<=65535], out [M,H], partial >= splits*M*2*I, hidden >= M*I) "
+                                       "or blocks_per_sm not 1/4");
   }
   if (M == 0 || H == 0) return ffi::Error::Success();
 
@@ -357,17 +396,22 @@ ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuff
   p.groups = groups.typed_data();
   p.num_active = num_active.typed_data();
   p.out = static_cast<uint16_t*>(out->untyped_data());
+  p.partial = partial->typed_data();
   p.hidden = hidden->typed_data();
   p.M = M;
   p.H = H;
   p.I = I;
   p.E = E;
   p.G = static_cast<int>(td[1]);
+  // Split rows: a multiple of kStep, so that every split but the last is whole 8-row steps.
+  p.split_rows = ((H + splits - 1) / splits + kStep - 1) / kStep * kStep;
+  p.splits = static_cast<int>((H + p.split_rows - 1) / p.split_rows);  // <= splits: none is empty
   // 16-byte loads need every weight row and input row to start on a 16-byte boundary.
   const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.rows) && aligned16(p.gate) && aligned16(p.up) &&
                    aligned16(p.down) && aligned16(p.hidden);
   const unsigned groups_y = static_cast<unsigned>(p.G > 0 ? p.G : 1);
-  const dim3 grid_gate_up(static_cast<unsigned>((I + kTileCols - 1) / kTileCols), groups_y);
+  const dim3 grid_gate_up(static_cast<unsigned>((I + kTileCols - 1) / kTileCols), static_cast<unsigned>(p.splits),
+                          groups_y);
   const dim3 grid_down(static_cast<unsigned>((H + kTileCols - 1) / kTileCols), groups_y);
   if (vec && blocks_per_sm == 4) {
     launch<true, 4>(p, grid_gate_up, grid_down, stream);
@@ -392,6 +436,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_experts_cuda, MoeExpertsCuda,
                                   .Arg<Groups>()          // groups [3, G]
                                   .Arg<Scalar32>()        // num_active
                                   .Attr<int64_t>("blocks_per_sm")  // 1 or 4: register budget (see kernels)
+                                  .Attr<int64_t>("splits")         // hidden-dim splits of kernel 1
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<Hidden>(),         // hidden (scratch)
+                                  .Ret<Hidden>()          // partial (scratch) [splits * M * 2, I]
+                                  .Ret<Hidden>(),         // hidden (scratch) [M, I]
                               {ffi::Traits::kCmdBufferCompatible});

@@ -92,6 +92,8 @@ CASES = [
     (5, 3, 7, 37, 21, "random"),                   # odd widths: element-wise path
     (64, 4, 10, 100, 36, "few_experts"),           # widths % 8 == 4
     (17, 2, 5, 8, 8, "one_expert"),
+    (3, 4, 6, 2056, 40, "random"),                 # 3 hidden-dim splits in kernel 1 (the last one short)
+    (4, 2, 5, 1501, 24, "few_experts"),            # 2 splits, element-wise path
 ]
 
 

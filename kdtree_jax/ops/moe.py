@@ -10,7 +10,8 @@ which is what `routed_experts` (model/moe.py) runs after sorting its (token, exp
 Why two implementations.  In a decode / verify step (T = 1..64 tokens × top-8) almost every active expert
 gets one or two rows, so the op is a grouped GEMV whose cost is reading the active experts' weights once.
 XLA's ragged_dot is several times off that floor there; the CUDA op (ffi/moe_experts.cu) reads each
-active expert's weights once per chunk of 4 rows and never touches inactive experts.  With many rows per
+active expert's weights once per chunk of 4 rows and never touches inactive experts.  It runs three
+kernels: gate/up partial sums over splits of the hidden dim, their sum + SwiGLU, and the down projection.  With many rows per
 expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above `CUDA_MAX_ROWS` rows.
 
 The CUDA op gets a table of the active groups (expert id, first row, row count) computed here from
@@ -41,6 +42,11 @@ IMPLS = ("auto", "xla", "cuda")
 # experts, 512 rows (T = 64 x top-8) still leave ~1-2 rows per active expert.  See
 # benchmarks/results/moe_experts_h200.md.
 CUDA_MAX_ROWS = 512
+# Kernel 1 splits the hidden dim into blocks of about this many rows (~256 KB of gate+up weights per block:
+# enough blocks for several waves even when only a couple of experts are active), keeping its per-split
+# partial sums (scratch) under PARTIAL_BYTES.
+CUDA_SPLIT_ROWS = 1024
+PARTIAL_BYTES = 64 << 20
 
 
 @functools.cache
@@ -57,7 +63,7 @@ def cuda_built() -> bool:
 
 
 def blocks_per_sm() -> int:
-    """Register budget of the CUDA kernels: 4 blocks per SM (128 registers) or 1 (~168 registers, 3 fit).
+    """Register budget of the CUDA kernels: 4 blocks per SM (128 registers) or 1 (~200 registers, 2 fit).
     KDTREE_MOE_BLOCKS_PER_SM=1|4 overrides (for A/B runs)."""
     forced = os.environ.get("KDTREE_MOE_BLOCKS_PER_SM")
     return int(forced) if forced in ("1", "4") else 4
@@ -85,14 +91,25 @@ def group_table(group_sizes, num_rows: int):
     return groups, num_active
 
 
+def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
+    """Hidden-dim splits of kernel 1, from static shapes only."""
+    per_split = max(1, num_rows * 2 * inter * 4)
+    return int(max(1, min(-(-hidden // CUDA_SPLIT_ROWS), PARTIAL_BYTES // per_split)))
+
+
 def _call_cuda(rows, group_sizes, gate, up, down):
     num_rows, hidden = rows.shape
     inter = gate.shape[2]
     groups, num_active = group_table(group_sizes, num_rows)
+    splits = choose_splits(num_rows, hidden, inter)
+    # Scratch as outputs (fixed addresses under CUDA graphs, as in ops/ffi.py): per-split gate/up partial
+    # sums, then the SwiGLU activations.
     out_types = (jax.ShapeDtypeStruct((num_rows, hidden), rows.dtype),
-                 jax.ShapeDtypeStruct((num_rows, inter), jnp.float32))  # SwiGLU activations (scratch)
+                 jax.ShapeDtypeStruct((splits * num_rows * 2, inter), jnp.float32),
+                 jax.ShapeDtypeStruct((num_rows, inter), jnp.float32))
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
-    out, _ = call(rows, gate, up, down, groups, num_active, blocks_per_sm=np.int64(blocks_per_sm()))
+    out, _, _ = call(rows, gate, up, down, groups, num_active, blocks_per_sm=np.int64(blocks_per_sm()),
+                     splits=np.int64(splits))
     return out
 
 
@@ -142,4 +159,4 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto"):
     return jax.lax.platform_dependent(*args, cuda=_call_cuda, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "ragged_mlp", "group_table", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]
+__all__ = ["grouped_expert_mlp", "ragged_mlp", "group_table", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]
