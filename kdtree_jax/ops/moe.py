@@ -38,10 +38,11 @@ except ImportError:  # pragma: no cover - exercised only without a build
 TARGET = "kdtree_moe_experts"
 IMPLS = ("auto", "xla", "cuda")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
-# Rows per active expert, not rows, decide the crossover; with random top-8 routing over hundreds of
-# experts, 512 rows (T = 64 x top-8) still leave ~1-2 rows per active expert.  See
-# benchmarks/results/moe_experts_h200.md.
-CUDA_MAX_ROWS = 512
+# Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
+# wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
+# expert); rows beyond that (prefill) were not measured, so they keep ragged_dot's tensor-core GEMMs, which
+# must win once each expert has many rows (the CUDA op re-reads an expert's weights per 4 rows).
+CUDA_MAX_ROWS = 2048
 # Kernel 1 splits the hidden dim into blocks of about this many rows (~256 KB of gate+up weights per block:
 # enough blocks for several waves even when only a couple of experts are active), keeping its per-split
 # partial sums (scratch) under PARTIAL_BYTES.
