@@ -4,20 +4,23 @@
 // dims, the output is the softmax-weighted sum of the first 512.  Query rows of one sequence are the T*H
 // pairs (t, h) flattened as r = t*H + h (q's own memory order).
 //
-// Work split.  Grid (row tiles, KV splits, batch).  A block owns 16 query rows (one m16 MMA tile) and one
-// contiguous range of KV positions; its 4 warps share every KV tile that lands in shared memory:
+// Work split.  Grid (row tiles, KV splits, batch).  A row group of 4 warps owns 16 query rows (one m16 MMA
+// tile); a block (1 or 2 row groups) owns one contiguous range of KV positions, and its warps share every KV
+// tile that lands in shared memory:
 //   * S = Q·Kᵀ: warp w multiplies its 144-dim slice of the 576 dims (its Q fragments stay in registers
-//     for the whole block: 36 regs) for all 16 positions of the tile; the four partial score tiles are
+//     for the whole block: 36 regs) for all positions of the tile; the four partial score blocks are
 //     summed through shared memory, so each K element is read from shared memory once;
-//   * every warp then holds the full 16x16 score tile and runs the online softmax itself (cheaper than
+//   * every warp then holds the full 16 x tile score block and runs the online softmax itself (cheaper than
 //     another round of barriers), turning the probabilities into bf16 A fragments in registers;
 //   * O += P·V: warp w owns output dims [128w, 128w+128) (64 fp32 accumulator regs).
-// KV tiles (16 rows x 1152 B) arrive by cp.async (16 B per copy) into a 5-stage ring: 4 tiles (74 KB) are
-// in flight while one is computed, which is what hides the latency of scattered row reads.  The slot of
-// each row is read one tile before its copy is issued, so no copy waits on an index load.  A row is padded
-// to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.  Two barriers per tile.
-// Shared memory: 5 x 16 x 1168 + 4 x 16 x 24 x 4 = 99,584 B (<= 99 KB, sm_120's limit; two blocks fit an
-// H200 multiprocessor, whose 208-register threads also allow two).
+// KV tiles arrive by cp.async (16 B per copy, every thread of the block copies) into a ring, with the slot of
+// each row read one tile before its copy is issued (so no copy waits on an index load) and the copies of a row
+// issued from one base address with immediate offsets.  One row group: 16-position tiles, a 5-slot ring (4
+// tiles, 75 KB, in flight while one is computed; these rows are memory-bound).  Two row groups: 32-position
+// tiles, a 2-slot ring (the fixed per-iteration work is shared by twice the MMAs; these rows are MMA-heavy).
+// A row is padded to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.  Two barriers
+// per tile; the O rescale is skipped (warp vote) when no row max moved.  Shared memory: 99,584 B / 95,232 B
+// per block (<= 99 KB, sm_120's limit); two one-group blocks fit an H200 multiprocessor.
 //
 // Splits write (out / l, lse) partials that a second kernel merges by LSE weights; with one split the main
 // kernel writes the final result itself.  Tiles are split evenly over the splits from the *device* kv_len,
@@ -32,6 +35,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "verify_attention.h"
 
@@ -43,33 +47,42 @@ constexpr int kLatent = 512;
 constexpr int kRope = 64;
 constexpr int kWidth = kLatent + kRope;     // 576
 constexpr int kRows = 16;                   // query rows per row group (one m16 MMA tile)
-constexpr int kTile = 16;                   // KV positions per pipeline stage
 constexpr int kWarps = 4;                   // warps per row group
-constexpr int kLoaders = kWarps * 32;       // the first row group's threads issue the copies
 constexpr int kRowBytes = kWidth * 2 + 16;  // 1168: padded shared-memory row
 constexpr int kKSlice = kWidth / kWarps;    // 144 dims of Q·Kᵀ per warp
 constexpr int kKSteps = kKSlice / 16;       // 9 MMA k-steps
 constexpr int kOutCols = kLatent / kWarps;  // 128 output dims per warp
 constexpr int kOutBlocks = kOutCols / 8;    // 16 n8 blocks
-constexpr int kScoreStride = kTile + 8;     // floats per partial-score row (+8: conflict-free float2 stores)
-constexpr int kChunksPerRow = kWidth * 2 / 16;             // 72 16-byte chunks per latent row
-constexpr int kThreadsPerRow = kLoaders / kTile;          // 8 threads copy one row
-constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
+constexpr int kChunksPerRow = kWidth * 2 / 16;  // 72 16-byte chunks per latent row
 
 // A block has kGroups row groups of 4 warps (16 query rows each) that share every KV tile: one group
 // (2 blocks per SM) for decode-sized row counts, two (32 rows, 1 block per SM) otherwise, which halves
-// how often each KV tile is read from L2 when T*H is large.
+// how often each KV tile is read from L2 when T*H is large.  Every thread of the block issues copies:
+// kThreadsPerRow threads per latent row of a tile, kChunksPerThread 16-byte copies each.
+//   * one group: 16-position tiles in a 5-tile ring (4 tiles, 75 KB, in flight per block, 150 KB per SM):
+//     these rows are memory-bound, so the depth of the copy pipeline is what counts;
+//   * two groups: 32-position tiles in a 2-tile ring (one lands while one is computed): the fixed work of an
+//     iteration (two barriers, the softmax's shuffles, the rescale, the copy issue) is shared by twice the
+//     MMAs, which is what counts for these compute-heavy rows (the 32-wide partial scores leave no room in
+//     99 KB for a third tile).
 template <int kGroups>
 struct Config {
   static constexpr int kThreads = kGroups * kWarps * 32;
-  static constexpr int kStages = kGroups == 1 ? 5 : 4;  // tiles in flight while one is computed: 4 / 3
+  static constexpr int kTile = kGroups == 1 ? 16 : 32;  // KV positions per loop iteration (one ring slot)
+  static constexpr int kRing = kGroups == 1 ? 5 : 2;    // ring slots: kRing - 1 tiles in flight
+  static constexpr int kSub = kTile / 16;               // k16 steps of P·V (pairs of n8 score blocks) per tile
+  static constexpr int kBlocksN = kTile / 8;            // n8 score blocks per tile
+  static constexpr int kScoreStride = kTile + 8;        // floats per partial-score row (+8: conflict-free float2)
+  static constexpr int kStageBytes = kTile * kRowBytes;
   static constexpr int kMinBlocksPerSm = kGroups == 1 ? 2 : 1;
-  static constexpr int kKvBytes = kStages * kTile * kRowBytes;
+  static constexpr int kThreadsPerRow = kThreads / kTile;                  // 8
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
+  static constexpr int kKvBytes = kRing * kStageBytes;
   static constexpr int kScoreBytes = kGroups * kWarps * kRows * kScoreStride * 4;
-  static constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 B / 87,040 B
+  static constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 / 95,232 B
   static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+  static_assert(kChunksPerRow % kThreadsPerRow == 0 && kThreads % kTile == 0, "copy layout");
 };
-static_assert(kChunksPerRow % kThreadsPerRow == 0 && kTile == 16, "copy layout / one k16 step of P·V per tile");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -99,11 +112,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy; src_bytes = 0 writes zeros (positions past the end never hold stale data: a zero
-// row times a zero probability stays zero, whereas garbage could be NaN).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
@@ -131,40 +139,63 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The slot this thread copies for KV tile `tile` (its row is threadIdx.x / 8), or -1 past the end.
-// Read one tile ahead of its use, so that the copies never wait on this load.
-__device__ __forceinline__ int64_t tile_slot(const Params& p, const int32_t* slots, int valid, int tile) {
+// The slot this thread copies for a KV tile (its row is threadIdx.x / kThreadsPerRow), read one tile ahead
+// of its use.  The raw value is kept and only clamped when the copy is issued: any instruction that consumed
+// the load here would stall the warp for a full memory round trip on every tile.
+struct SlotLoad {
+  int32_t raw = 0;
+  bool ok = false;  // false past the end of the valid positions: the copy writes zeros
+};
+
+template <int kTile, int kThreadsPerRow>
+__device__ __forceinline__ SlotLoad load_slot(const int32_t* slots, int valid, int tile) {
+  SlotLoad s;
   const int pos = tile * kTile + static_cast<int>(threadIdx.x) / kThreadsPerRow;
-  if (pos >= valid) return -1;
-  const int64_t slot = __ldg(slots + pos);
-  return slot < 0 ? 0 : (slot >= p.num_slots ? p.num_slots - 1 : slot);  // bad slots never read out of bounds
+  s.ok = pos < valid;
+  if (s.ok) s.raw = __ldg(slots + pos);  // a predicated load: nothing waits on it until the copy
+  return s;
 }
 
-// Issue this thread's 9 copies of its row of a KV tile into stage buffer `stage_base` (zeros for slot -1).
-__device__ __forceinline__ void load_kv_tile(const uint16_t* layer_rows, int64_t slot, uint32_t stage_base) {
-  const int row = threadIdx.x / kThreadsPerRow;
-  const char* src = reinterpret_cast<const char*>(layer_rows + (slot < 0 ? 0 : slot) * kWidth);
-  const uint32_t dst = stage_base + row * kRowBytes;
-#pragma unroll
-  for (int i = 0; i < kChunksPerThread; ++i) {
-    const int chunk = (threadIdx.x % kThreadsPerRow) + kThreadsPerRow * i;
-    cp_async_16(dst + chunk * 16, src + chunk * 16, slot < 0 ? 0 : 16);
-  }
+// 16-byte async copies of one row chunk; the chunk offsets are immediates of the instruction, so a thread
+// computes its two row addresses once per tile instead of one 64-bit address per copy.  src_bytes = 0 writes
+// zeros (positions past the end never hold stale data: a zero row times a zero probability stays zero,
+// whereas garbage could be NaN).
+template <int kOffset>
+__device__ __forceinline__ void cp_async_16_at(uint32_t dst, const char* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes),
+               "n"(kOffset));
+}
+template <int kThreadsPerRow, int... kChunk>
+__device__ __forceinline__ void copy_row_chunks(uint32_t dst, const char* src, int src_bytes,
+                                                std::integer_sequence<int, kChunk...>) {
+  (cp_async_16_at<kChunk * kThreadsPerRow * 16>(dst, src, src_bytes), ...);
+}
+
+// Issue this thread's copies of its row of a KV tile into stage buffer `stage_base` (zeros past the end).
+template <int kThreadsPerRow, int kChunksPerThread>
+__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, SlotLoad s,
+                                             uint32_t stage_base) {
+  const int64_t slot = s.raw < 0 ? 0 : (s.raw >= p.num_slots ? p.num_slots - 1 : s.raw);  // never out of bounds
+  const int lane_chunk = threadIdx.x % kThreadsPerRow;
+  const char* src = reinterpret_cast<const char*>(layer_rows + slot * kWidth) + lane_chunk * 16;
+  const uint32_t dst = stage_base + (threadIdx.x / kThreadsPerRow) * kRowBytes + lane_chunk * 16;
+  copy_row_chunks<kThreadsPerRow>(dst, src, s.ok ? 16 : 0, std::make_integer_sequence<int, kChunksPerThread>{});
 }
 
 template <bool kDirect, int kGroups>
 __global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kMinBlocksPerSm)
 verify_attention_kernel(const Params p) {
-  constexpr int kStages = Config<kGroups>::kStages;
+  using C = Config<kGroups>;
+  constexpr int kTile = C::kTile, kSub = C::kSub, kBlocksN = C::kBlocksN, kScoreStride = C::kScoreStride;
+  constexpr int kRing = C::kRing;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t kv_smem = smem_addr(smem);
 
   const int lane = threadIdx.x % 32;
   const int group = threadIdx.x / (kWarps * 32);       // which 16 query rows
   const int warp = (threadIdx.x / 32) % kWarps;        // which dim slice / output columns within the group
-  const bool loader = threadIdx.x < kLoaders;
   // [group][warp][row][kScoreStride]: this group's partial scores.
-  float* score_part = reinterpret_cast<float*>(smem + Config<kGroups>::kKvBytes) + group * kWarps * kRows * kScoreStride;
+  float* score_part = reinterpret_cast<float*>(smem + C::kKvBytes) + group * kWarps * kRows * kScoreStride;
   const int g = lane / 4, qd = lane % 4;  // MMA fragment coordinates: row in the m16 tile, column pair
   const int split = blockIdx.y, b = blockIdx.z;
   const int row0 = (blockIdx.x * kGroups + group) * kRows;
@@ -182,16 +213,8 @@ verify_attention_kernel(const Params p) {
   const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
   const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
 
-  // Prologue: the first kStages - 1 tiles in flight (one commit group each, empty ones too, so that the
-  // group count in the loop's wait is the same for every block).
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (loader && tile_begin + st < tile_end) load_kv_tile(layer_rows, tile_slot(p, slots, valid, tile_begin + st), kv_smem + st * kTile * kRowBytes);
-    cp_async_commit();
-  }
-  int64_t next_slot = loader && tile_begin + kStages - 1 < tile_end ? tile_slot(p, slots, valid, tile_begin + kStages - 1) : -1;
-
-  // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).
+  // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).  Loaded
+  // before the prologue's copies, which wait for their slots: both round trips overlap.
   uint32_t qf[kKSteps][4];
   {
     const int ra = row0 + g, rb = row0 + g + 8;
@@ -206,6 +229,26 @@ verify_attention_kernel(const Params p) {
       qf[ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
     }
   }
+  // Prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones too, so that the group
+  // count in the loop's wait is the same for every block), and the slots of the next one loaded.  All these
+  // slot loads are issued before the first copy: one memory round trip, not kRing.
+  SlotLoad next_slot;
+  {
+    SlotLoad first_slots[kRing - 1];
+#pragma unroll
+    for (int st = 0; st < kRing - 1; ++st) {
+      if (tile_begin + st < tile_end) first_slots[st] = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile_begin + st);
+    }
+    if (tile_begin + kRing - 1 < tile_end) next_slot = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile_begin + kRing - 1);
+#pragma unroll
+    for (int st = 0; st < kRing - 1; ++st) {
+      if (tile_begin + st < tile_end) {
+        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, first_slots[st], kv_smem + st * C::kStageBytes);
+      }
+      cp_async_commit();
+    }
+  }
+
   // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
   const uint32_t* mask_a = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g, p.rows - 1) / p.num_heads) * p.mask_words;
   const uint32_t* mask_b = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g + 8, p.rows - 1) / p.num_heads) * p.mask_words;
@@ -221,46 +264,61 @@ verify_attention_kernel(const Params p) {
   const uint32_t k_lane = ((lane % 8) + (mat / 2) * 8) * kRowBytes + (warp * kKSlice + (mat % 2) * 8) * 2;
   // P·V B fragments (transposed): rows = positions (the k16 step), columns = this warp's output dims.
   const uint32_t v_lane = ((lane % 8) + (mat % 2) * 8) * kRowBytes + (warp * kOutCols + (mat / 2) * 8) * 2;
+  float* my_part = score_part + warp * kRows * kScoreStride;
 
+  // Ring slots (byte offsets) of the tile computed and of the tile requested; advanced without a division.
+  uint32_t read_off = 0, write_off = (kRing - 1) * C::kStageBytes;
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int k = tile - tile_begin;
-    const uint32_t stage_base = kv_smem + (k % kStages) * kTile * kRowBytes;
-    cp_async_wait<kStages - 2>();  // this tile's copies (this thread's) have landed ...
-    // ... and everybody's; everybody is also done with tile - 1 (its stage is refilled next) and with the
+    cp_async_wait<kRing - 2>();  // this tile's copies (this thread's) have landed ...
+    // ... and everybody's; everybody is also done with tile - 1 (its slot is refilled next) and with the
     // partial scores of the previous tile.
     __syncthreads();
-    if (loader && tile + kStages - 1 < tile_end) load_kv_tile(layer_rows, next_slot, kv_smem + ((k + kStages - 1) % kStages) * kTile * kRowBytes);
+    const uint32_t stage_base = kv_smem + read_off;
+    if (tile + kRing - 1 < tile_end) {
+      load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, next_slot, kv_smem + write_off);
+    }
     cp_async_commit();
-    next_slot = loader && tile + kStages < tile_end ? tile_slot(p, slots, valid, tile + kStages) : -1;
+    if (tile + kRing < tile_end) next_slot = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile + kRing);
+    read_off = read_off + C::kStageBytes == C::kKvBytes ? 0 : read_off + C::kStageBytes;
+    write_off = write_off + C::kStageBytes == C::kKvBytes ? 0 : write_off + C::kStageBytes;
 
-    // Partial scores over this warp's dims: 16 rows x 16 positions.  Even and odd k-steps go to separate
-    // accumulators: two dependent chains of 5 and 4 MMAs instead of one of 9 (MMA latency dominates here).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // Partial scores over this warp's dims: 16 rows x kTile positions.  With 16-position tiles the even and
+    // odd k-steps go to separate accumulators (two chains of 5 and 4 MMAs instead of one of 9); with 32 the
+    // four n8 blocks already are four independent chains.
+    constexpr int kChains = kSub == 1 ? 2 : 1;
+    float s[kBlocksN][4], s_odd[kChains == 2 ? kBlocksN : 1][4];
+#pragma unroll
+    for (int nb = 0; nb < kBlocksN; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < (kChains == 2 ? kBlocksN : 1); ++nb) s_odd[nb][0] = s_odd[nb][1] = s_odd[nb][2] = s_odd[nb][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t kb[4];
-      ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
-      float (&d0)[4] = ks % 2 == 0 ? s[0] : s_odd[0];
-      float (&d1)[4] = ks % 2 == 0 ? s[1] : s_odd[1];
-      mma_bf16(d0, qf[ks], kb[0], kb[1]);
-      mma_bf16(d1, qf[ks], kb[2], kb[3]);
+#pragma unroll
+      for (int u = 0; u < kSub; ++u) {
+        uint32_t kb[4];
+        ldmatrix_x4(stage_base + k_lane + u * 16 * kRowBytes + ks * 32, kb);
+        float (&d0)[4] = kChains == 2 && ks % 2 == 1 ? s_odd[0] : s[2 * u];
+        float (&d1)[4] = kChains == 2 && ks % 2 == 1 ? s_odd[kChains == 2 ? 1 : 0] : s[2 * u + 1];
+        mma_bf16(d0, qf[ks], kb[0], kb[1]);
+        mma_bf16(d1, qf[ks], kb[2], kb[3]);
+      }
+    }
+    if constexpr (kChains == 2) {
+#pragma unroll
+      for (int nb = 0; nb < kBlocksN; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] += s_odd[nb][e];
+      }
     }
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] += s_odd[nb][e];
-    }
-    float* my_part = score_part + warp * kRows * kScoreStride;
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int nb = 0; nb < kBlocksN; ++nb) {
       *reinterpret_cast<float2*>(my_part + g * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][0], s[nb][1]);
       *reinterpret_cast<float2*>(my_part + (g + 8) * kScoreStride + nb * 8 + 2 * qd) = make_float2(s[nb][2], s[nb][3]);
     }
     __syncthreads();
     // Full scores (sum of the four warps' slices), scaled to base 2.
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int nb = 0; nb < kBlocksN; ++nb) {
       float2 top = make_float2(0.f, 0.f), bottom = make_float2(0.f, 0.f);
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -276,7 +334,7 @@ verify_attention_kernel(const Params p) {
     const int tile_pos = tile * kTile;
     if (tile_pos + kTile > min(first, valid)) {
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
+      for (int nb = 0; nb < kBlocksN; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = tile_pos + nb * 8 + 2 * qd + (e & 1);
@@ -290,7 +348,9 @@ verify_attention_kernel(const Params p) {
     float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float tile_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      float tile_max = s[0][2 * h];
+#pragma unroll
+      for (int nb = 0; nb < kBlocksN; ++nb) tile_max = fmaxf(tile_max, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       const float new_max = fmaxf(row_max[h], tile_max);
@@ -300,26 +360,34 @@ verify_attention_kernel(const Params p) {
       row_max[h] = new_max;
       row_sum[h] *= scale[h];
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
+      for (int nb = 0; nb < kBlocksN; ++nb) {
         s[nb][2 * h] = fast_exp2(s[nb][2 * h] - base);
         s[nb][2 * h + 1] = fast_exp2(s[nb][2 * h + 1] - base);
         row_sum[h] += s[nb][2 * h] + s[nb][2 * h + 1];
       }
     }
+    // Rescale O only when some row's max moved (after the first tiles of a long row it rarely does).
+    // The vote is per warp: each warp owns its accumulators, and skipping a multiply by exactly 1 is exact.
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < kOutBlocks; ++i) {
-      acc[i][0] *= scale[0]; acc[i][1] *= scale[0]; acc[i][2] *= scale[1]; acc[i][3] *= scale[1];
+      for (int i = 0; i < kOutBlocks; ++i) {
+        acc[i][0] *= scale[0]; acc[i][1] *= scale[0]; acc[i][2] *= scale[1]; acc[i][3] *= scale[1];
+      }
     }
-    // P (bf16) as A fragments: the accumulator layout of two n8 blocks is the A layout of one k16 step.
-    const uint32_t pf[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
-                            pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};
-    // O += P·V over this warp's 128 output dims; V is row-major [position][dim]: transposed ldmatrix.
+    // O += P·V over this warp's 128 output dims, one k16 step per 16 positions.  P (bf16) as A fragments:
+    // the accumulator layout of two n8 score blocks is the A layout of one k16 step.  V is row-major
+    // [position][dim]: transposed ldmatrix.
 #pragma unroll
-    for (int j = 0; j < kOutBlocks / 2; ++j) {
-      uint32_t vb[4];
-      ldmatrix_x4_trans(stage_base + v_lane + j * 32, vb);
-      mma_bf16(acc[2 * j], pf, vb[0], vb[1]);
-      mma_bf16(acc[2 * j + 1], pf, vb[2], vb[3]);
+    for (int u = 0; u < kSub; ++u) {
+      const uint32_t pf[4] = {pack_bf16(s[2 * u][0], s[2 * u][1]), pack_bf16(s[2 * u][2], s[2 * u][3]),
+                              pack_bf16(s[2 * u + 1][0], s[2 * u + 1][1]), pack_bf16(s[2 * u + 1][2], s[2 * u + 1][3])};
+#pragma unroll
+      for (int j = 0; j < kOutBlocks / 2; ++j) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(stage_base + v_lane + u * 16 * kRowBytes + j * 32, vb);
+        mma_bf16(acc[2 * j], pf, vb[0], vb[1]);
+        mma_bf16(acc[2 * j + 1], pf, vb[2], vb[3]);
+      }
     }
   }
   cp_async_wait<0>();
@@ -355,12 +423,13 @@ verify_attention_kernel(const Params p) {
 }
 
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
-// Grid (rows, B, 4 column quarters); 8 warps, warp w takes splits w, w+8, ...; lane l owns 4 columns.
-// The split loop keeps several 16-byte loads in flight per thread: one load per round trip would make
-// a 256-split merge take ~100 µs.
-constexpr int kMergeWarps = 8;
+// Grid (rows, B, 4 column quarters); 16 warps, warp w takes splits w, w+16, ...; lane l owns 4 columns.
+// Each thread keeps 8 16-byte loads in flight, and the first round is issued before the weights are known
+// (every split writes its partial, empty ones zeros): up to 128 splits cost one memory round trip, 256 two.
+constexpr int kMergeWarps = 16;
 constexpr int kMergeThreads = kMergeWarps * 32;
 constexpr int kMergeQuarters = kLatent / (32 * 4);  // 4
+constexpr int kMergeUnroll = 8;
 constexpr int kMaxSplits = 1024;
 
 __device__ __forceinline__ float block_reduce(float v, float* scratch, bool is_max) {
@@ -384,6 +453,15 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   const int r = blockIdx.x, b = blockIdx.y, quarter = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
+  const int col = quarter * 128 + lane * 4;
+  auto load_part = [&](int s) {
+    return s < p.num_splits ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  float4 v[kMergeUnroll];
+#pragma unroll
+  for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(warp + u * kMergeWarps);  // round 0, in flight now
+
   float local_max = -INFINITY;
   for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
     weight[s] = p.lse_part[part_row0 + static_cast<int64_t>(s) * p.rows];
@@ -397,23 +475,18 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   }
   const float total = block_reduce(local_sum, scratch, false);  // (its barrier also publishes weight[])
 
-  const int col = quarter * 128 + lane * 4;
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-  constexpr int kUnroll = 4;
-  for (int s0 = warp; s0 < p.num_splits; s0 += kMergeWarps * kUnroll) {
-    float4 v[kUnroll];
-    float w[kUnroll];
+  for (int s0 = warp;; ) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // issue all loads first
+    for (int u = 0; u < kMergeUnroll; ++u) {
       const int s = s0 + u * kMergeWarps;
-      w[u] = s < p.num_splits ? weight[s] : 0.f;
-      v[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
-                         : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float w = s < p.num_splits ? weight[s] : 0.f;
+      sum.x += w * v[u].x; sum.y += w * v[u].y; sum.z += w * v[u].z; sum.w += w * v[u].w;
     }
+    s0 += kMergeWarps * kMergeUnroll;
+    if (s0 >= p.num_splits) break;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      sum.x += w[u] * v[u].x; sum.y += w[u] * v[u].y; sum.z += w[u] * v[u].z; sum.w += w[u] * v[u].w;
-    }
+    for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(s0 + u * kMergeWarps);  // the next round
   }
   partial[warp][lane] = sum;
   __syncthreads();

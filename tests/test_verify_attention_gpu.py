@@ -120,11 +120,14 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, jax.numpy as jnp, numpy as np
     from test_verify_attention import make_case, jitted
-    for splits in (1, 3):
-        case = make_case(1, 2, 7, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
-        out, lse = jitted("auto", 0.07, 64, splits)(*case)
-        out.block_until_ready()
-        assert np.isfinite(np.asarray(out, np.float32)).all()
+    # T*H = 56 runs the two-group kernel (32-position tiles, 2-slot ring), T*H = 8 the one-group kernel
+    # (16-position tiles, 5-slot ring): both pipelines, with and without the merge.
+    for num_queries in (7, 1):
+        for splits in (1, 3):
+            case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
+            out, lse = jitted("auto", 0.07, 64, splits)(*case)
+            out.block_until_ready()
+            assert np.isfinite(np.asarray(out, np.float32)).all()
     print("SANITIZER-CASE-OK")
 """)
 
