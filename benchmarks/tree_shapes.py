@@ -276,10 +276,11 @@ def optimal_shape(p: np.ndarray, budget: int, kmax: int) -> tuple[tuple, float]:
 
 
 # Runs -----------------------------------------------------------------------------------------------
-def run(target, drafter, prompt_batches, *, tree, budget, topk, max_new_tokens, impl, seed, warmup) -> dict:
+def run(target, drafter, prompt_batches, *, tree, budget, topk, max_new_tokens, impl, seed, warmup,
+        tree_temperature: float = 1.0) -> dict:
     stats, _ = common.run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=topk,
                                  temperature=0.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=max_new_tokens,
-                                 impl=impl, warmup=warmup)
+                                 impl=impl, warmup=warmup, tree_temperature=tree_temperature)
     return stats
 
 
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=0, help="prompts per decode batch (0: all in one); must divide --prompts")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="tree nodes besides the root")
     p.add_argument("--topks", default="2,4,8", help="DDTree top-K per depth values")
+    p.add_argument("--tree-temperature", type=float, default=0.5,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens)")
     p.add_argument("--shapes", default="auto", help='static shapes "b1,b2,...;..." or "auto"')
     p.add_argument("--dp-topk", type=int, default=0, help="widest branching the DP may use (0: max of --topks)")
     p.add_argument("--measure-prompts", type=int, default=32, help="held-out prompts for the teacher-forced p[d][r]")
@@ -353,6 +356,7 @@ def main(argv=None) -> int:
     base_topk = topks[0]
 
     meta = common.base_meta(args, target, drafter, pair)
+    meta["tree_temperature"] = args.tree_temperature
     meta.update({"prompts": len(prompts), "prompt_len": args.prompt_len, "prompt_cuts": where,
                  "max_new_tokens": args.max_new_tokens, "batch": batch, "budgets": budgets, "topks": topks,
                  "dp_topk": dp_topk, "depth": depth, "temperature": 0.0, "impl": args.impl, "warmup": args.warmup,
@@ -400,7 +404,8 @@ def main(argv=None) -> int:
     for kind, tree, k, b, shape in bar:
         bar.set_description(f"{kind} {shape_str(shape) if kind == 'static' else b} K={k}")
         stats = run(target, drafter, prompt_batches, tree=tree, budget=b if kind == "ddtree" else 0, topk=k,
-                    max_new_tokens=args.max_new_tokens, impl=args.impl, seed=args.seed, warmup=args.warmup)
+                    max_new_tokens=args.max_new_tokens, impl=args.impl, seed=args.seed, warmup=args.warmup,
+                    tree_temperature=args.tree_temperature)
         if kind == "autoregressive":
             ar_tps = stats["tokens_per_second"]
         row = {"kind": kind, "shape": shape_str(shape) if shape else "", "topk": k, "budget": b,

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=16,
                    help="DDTree nodes per step besides the root (0: plain autoregressive decoding)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
+    p.add_argument("--tree-temperature", type=float, default=0.5,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
+                        "drafter's top choices deeper (a soft-label-distilled drafter is under-confident for greedy "
+                        "verification); 1.0: its probabilities as they are")
     p.add_argument("--tree", default="ddtree",
                    help="'ddtree' (best-first, dynamic), 'chain' (DFlash: the drafter's top-1 path) or a static "
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
@@ -95,9 +99,9 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"[{description}]", file=sys.stderr)
     try:
-        res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                       temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed,
-                       tree=tree, impl=args.impl)
+        res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
+                              topk=args.topk, tree_temperature=args.tree_temperature, temperature=args.temperature,
+                              top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed, tree=tree, impl=args.impl)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     tokens = res.tokens[0]

@@ -107,6 +107,17 @@ def test_speculative_greedy_equals_autoregressive(target, drafter, prompts, gree
         assert res.tokens == expected
 
 
+def test_tree_temperature_changes_the_tree_not_the_output(target, drafter, prompts, greedy_ar):
+    """A sharpened ranking (tree temperature < 1) builds other trees; greedy output stays autoregressive."""
+    group, expected = prompts[:3], greedy_ar[:3]
+    table = _oracle_table(group, expected)
+    oracle = OracleDrafter(table, TINY.vocab_size, BLOCK - 1, wrong=np.random.default_rng(5).random(table.shape) < 0.3)
+    for tree_temperature in (0.3, 2.0):
+        for d in (drafter, oracle):
+            res = generate(target, d, group, max_new_tokens=MAX_NEW, budget=8, topk=4, tree_temperature=tree_temperature)
+            assert res.tokens == expected
+
+
 def test_oracle_drafter_reaches_block_length(target, prompts, greedy_ar):
     group, expected = prompts[:3], greedy_ar[:3]
     oracle = OracleDrafter(_oracle_table(group, expected), TINY.vocab_size, BLOCK - 1)
@@ -160,6 +171,8 @@ def test_generate_validates_arguments(target, drafter):
         generate(target, drafter, [1, 2], tree="bush")
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(target, drafter, [1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="tree_temperature"):
+        generate(target, drafter, [1, 2], tree_temperature=0.0)
 
 
 def test_target_without_moe_layers():

@@ -45,6 +45,11 @@ class SpecConfig:
     tree: TreeShape = "ddtree"
     budget: int = 16  # DDTree nodes besides the root; 0: autoregressive
     topk: int = 4  # drafter candidates per depth
+    # DDTree ranks prefixes by the drafter's probabilities divided by this temperature (< 1 sharpens).
+    # A drafter distilled on soft labels learns the target's spread, but greedy verification accepts a
+    # token whenever it is the target's argmax, which happens far more often than its probability says;
+    # sharpening makes the tree trust the drafter's top choice deeper. 1.0: the probabilities as they are.
+    tree_temperature: float = 1.0
     temperature: float = 0.0
     top_k: int = 0  # target sampling filters (temperature > 0)
     top_p: float = 1.0
@@ -103,6 +108,8 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
     if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
         return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
     logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
+    if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
+        logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
     top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
     if spec.tree == "ddtree":
         return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
@@ -217,7 +224,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
-             budget: int = 16, topk: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
@@ -244,6 +252,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"topk must be >= 1; got {topk}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0; got {temperature}")
+    if not tree_temperature > 0:
+        raise ValueError(f"tree_temperature must be > 0; got {tree_temperature}")
     if isinstance(tree, str) and tree not in ("ddtree", "chain"):
         raise ValueError(f"tree must be 'ddtree', 'chain' or a tuple of branching factors; got {tree!r}")
     stop = validate_tokens(np.asarray(list(stop_ids)), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
@@ -278,7 +288,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     if slots % devices:
         raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
     spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
-                      budget=budget if use_drafter else 0, topk=topk, temperature=float(temperature),
+                      budget=budget if use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
+                      temperature=float(temperature),
                       top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
                       expert_devices=devices)
     key = jax.random.key(seed)
