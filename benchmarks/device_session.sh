@@ -17,8 +17,9 @@ stage() {  # stage NAME SECONDS COMMAND...
   echo "$name: rc=$? in $(( $(date +%s) - t )) s"
   grep -v '^{' "$OUT/$name.log" | tr '\r' '\n' | grep -v 'it/s\]' | tail -6
 }
-stage decode_context ${DC_LIMIT:-240} python3 benchmarks/decode_context.py --layers ${DC_LAYERS:-6} --steps 8 \
-  --out "$OUT/decode_context_h200"
-stage spec_decode ${SD_LIMIT:-150} python3 benchmarks/spec_decode.py --prompts 8 --max-new-tokens 128 \
-  --cache-dir /tmp/jax_cache --out "$OUT"
+stage spec_decode ${SD_LIMIT:-110} python3 benchmarks/spec_decode.py --prompts ${SD_PROMPTS:-4} --max-new-tokens 128 \
+  --budgets ${SD_BUDGETS:-8,32,128} --cache-dir /tmp/jax_cache --out "$OUT"
+# Longest-first order, so that a stage cut short by its limit still has the 64k and 200k rows.
+stage decode_context ${DC_LIMIT:-240} python3 benchmarks/decode_context.py --layers ${DC_LAYERS:-4} --steps 8 \
+  --contexts ${DC_CONTEXTS:-65536,4096,200000,16384,131072} --reference-contexts 65536 --out "$OUT/decode_context_h200"
 ls -la "$OUT"
