@@ -124,7 +124,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip-loss", action="store_true")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) configuration")
     p.add_argument("--samples", type=int, default=2, help="decoded samples to include in the report")
+    p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200.json"),
+                   help="spec_decode.py's JSON from a GPU run: fills the report's H200 tok/s column (greedy rows)")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite <out>.md from <out>.json (e.g. after a new --h200-results) without decoding")
     args = p.parse_args(argv)
+    if args.render_only:
+        with open(args.out + ".json") as f:
+            result = json.load(f)
+        attach_h200(result, args.h200_results)
+        with open(args.out + ".md", "w") as f:
+            f.write(render(result))
+        return 0
 
     t_all = time.time()
     target, drafter, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype)
@@ -187,6 +198,7 @@ def main(argv=None) -> int:
             print(f"batch 1: {name:22s} {np.mean(speeds):.1f} tok/s (tau {np.mean(taus):.2f})", flush=True)
     result["seconds"] = time.time() - t_all
     result["training"] = meta.get("extra", {})
+    attach_h200(result, args.h200_results)
     if not args.no_write:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out + ".json", "w") as f:
@@ -195,6 +207,27 @@ def main(argv=None) -> int:
             f.write(render(result))
         print(f"wrote {args.out}.md and .json")
     return 0
+
+
+def attach_h200(result: dict, path: str) -> None:
+    """Greedy batch-1 rows of a GPU spec_decode run, keyed by this report's config names."""
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        run = json.load(f)
+    names = {"autoregressive": "autoregressive", "chain": "chain (DFlash)"}
+    rows = []
+    for row in run["rows"]:
+        if row["temperature"] != 0:
+            continue
+        name = names.get(row["decoder"], f"DDTree budget {row['budget']}")
+        rows.append({"name": name, "tokens_per_second": row["tokens_per_second"], "tau": row["tau"],
+                     "speedup_vs_ar": row["speedup_vs_ar"]})
+    m = run["meta"]
+    result["h200"] = {"rows": rows, "source": f"`{os.path.relpath(path, ROOT)}` ({m.get('date', '')}, commit "
+                      f"{m.get('commit', '?')})", "note": f"{m.get('prompts', '?')} prompts of {m.get('prompt_len', '?')} "
+                      f"tokens, {m.get('max_new_tokens', '?')} new tokens, batch 1, tree temperature "
+                      f"{m.get('tree_temperature', 1.0)}; its held-out prompts differ from this CPU's"}
 
 
 def render(r: dict) -> str:
@@ -214,7 +247,7 @@ def render(r: dict) -> str:
     lines += ["## Mean accepted length tau (greedy)", "",
               f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['max_new_tokens']} new tokens each, "
               f"one batch; drafter block size {r['block_size']} (depth {r['block_size'] - 1}), DDTree top-k "
-              f"{r['topk']} per depth. tau = tokens emitted per target forward (accepted drafts + the bonus token), "
+              f"{r['topk']} per depth, tree temperature {r.get('tree_temperature', 1.0)}. tau = tokens emitted per target forward (accepted drafts + the bonus token), "
               "over all sequences' steps. Batch tok/s: the whole batch's new tokens per second of decode on this "
               "CPU (compile excluded). 'Equal to AR': sequences whose output is identical to autoregressive greedy.",
               "",
@@ -230,12 +263,16 @@ def render(r: dict) -> str:
     lines += ["", "## Tokens/s at batch 1", "",
               "| decoding | this CPU: tok/s | speed-up vs AR | tau | H200: tok/s |", "|---|---|---|---|---|"]
     base = next((l["tokens_per_second"] for l in r["latency"] if l["name"] == "autoregressive"), None)
+    h200 = {row["name"]: row for row in r.get("h200", {}).get("rows", [])}
     for l in r["latency"]:
         up = f"{l['tokens_per_second'] / base:.2f}×" if base else "–"
-        lines.append(f"| {l['name']} | {l['tokens_per_second']:.1f} | {up} | {l['tau']:.2f} | "
-                     "not measured this session: no device time left |")
+        g = h200.get(l["name"])
+        gpu = f"{g['tokens_per_second']:.0f} ({g['speedup_vs_ar']:.2f}×, tau {g['tau']:.2f})" if g else "not measured"
+        lines.append(f"| {l['name']} | {l['tokens_per_second']:.1f} | {up} | {l['tau']:.2f} | {gpu} |")
     if r["latency"]:
         lines += ["", f"Mean over the first {r['latency'][0]['prompts']} prompts, decoded one at a time."]
+    if h200:
+        lines += [f"H200 column: {r['h200']['source']} ({r['h200']['note']})."]
     t32 = next((c["tau"] for c in r["configs"] if c["tree"] == "ddtree" and c["budget"] == 32), None)
     if t32 is not None and chain:
         lines += ["", "## Targets", "",
@@ -246,7 +283,7 @@ def render(r: dict) -> str:
                   f"{sum(c['mismatches_vs_ar'] == 0 for c in r['configs'])}/{len(r['configs'])} configurations identical on "
                   "every prompt."]
     if r.get("samples"):
-        lines += ["", "## Samples (autoregressive greedy; the speculative outputs are the same tokens)", ""]
+        lines += ["", "## Samples (autoregressive greedy)", ""]
         for s in r["samples"]:
             lines += ["Prompt:", "```python", s["prompt"], "```", "Continuation:", "```python", s["continuation"], "```", ""]
     return "\n".join(lines) + "\n"
