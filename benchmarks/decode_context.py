@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -36,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import attention_loop, median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, git_commit, median_seconds, moe_loop  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -247,7 +246,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    "decode_context_smoke" if args.smoke else "decode_context_h200")
     meta = {"date": datetime.date.today().isoformat(), "device": device, "layers": layers, "layers_that_fit": fit,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "commit": git_commit(),
             "copy_bandwidth_TBps": bandwidth / 1e12, "preset": "tiny (smoke)" if args.smoke else "kimi-k2-tp8-rank",
             "fill": "random latent rows written straight into the pool at scattered slots (values do not change the cost)"}
     shared = {}

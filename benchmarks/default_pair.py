@@ -23,7 +23,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -34,6 +33,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from components import git_commit  # noqa: E402
 from kdtree_jax import corpus, load_checkpoint  # noqa: E402
 from kdtree_jax.spec.engine import generate  # noqa: E402
 from kdtree_jax.train import EOS, causal_forward  # noqa: E402
@@ -151,8 +152,7 @@ def main(argv=None) -> int:
 
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": git_commit(ROOT),
         "device": f"{jax.default_backend()}: {jax.devices()[0].device_kind}, {os.cpu_count()} cores visible",
         "checkpoint": os.path.relpath(args.checkpoint, ROOT),
         "dtype": str(target.dtype), "prompts": len(prompts), "prompt_len": args.prompt_len,

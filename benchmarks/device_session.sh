@@ -3,6 +3,8 @@
 # decode step at long context and the default pair's speculative speed. Results under $OUT.
 #   bash benchmarks/device_session.sh            (each stage has its own time limit; a stage that runs
 #                                                 out still leaves the rows it wrote)
+# Results name $KDTREE_COMMIT when it is set: pass the commit you run, as the device copy's git metadata
+# can be stale (e.g. the run command `KDTREE_COMMIT=<hash from your checkout> bash benchmarks/device_session.sh`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90}

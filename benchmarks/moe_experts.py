@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from components import git_commit  # noqa: E402
 from kdtree_jax.model.moe import routed_experts  # noqa: E402
 from kdtree_jax.ops import moe as moe_ops  # noqa: E402
 
@@ -144,8 +145,7 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
-    commit = os.environ.get("KDTREE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = git_commit()
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                 date=datetime.date.today().isoformat(), commit=commit, jax=jax.__version__, iters=iters,
                 reps=reps, ep_tp_degree=args.devices, widths=widths, cuda_max_rows=moe_ops.CUDA_MAX_ROWS,

@@ -23,7 +23,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import attention_loop, median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, git_commit, median_seconds, moe_loop  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kdtree_jax
@@ -226,8 +225,7 @@ def main(argv=None):
     device = f"{n}x {jax.devices()[0].device_kind}"
     log(f"devices: {device}")
     result = {"meta": {"date": datetime.date.today().isoformat(), "device": device, "devices": n,
-                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(), "jax": jax.__version__}}
+                       "commit": git_commit(), "jax": jax.__version__}}
     result["correctness"] = check_correctness(n)
     log("correctness", result["correctness"])
 

@@ -23,7 +23,6 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 import datetime
 import json
 import re
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from components import git_commit  # noqa: E402
 import kdtree_jax
 from kdtree_jax import decode, kv_pool
 from kdtree_jax.model.transformer import Transformer
@@ -111,7 +112,7 @@ def main(argv=None):
             "compiled_ops": [f"{k} {s}" for k, _, s in many],
         }
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "devices": args.devices,
             "device": f"{args.devices} forced CPU devices (HLO only, no timing)", "tree_nodes": args.tree_nodes,
             "context": args.context, "compiled_layers": args.layers, "model": "kimi-k2 (bf16, abstract weights)"}

@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import components  # noqa: E402  (benchmarks/components.py)
 import kdtree_jax  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
@@ -121,13 +121,7 @@ def device_slug(kind: str | None = None) -> str:
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+    return components.git_commit(ROOT)
 
 
 def base_meta(args, target, drafter, pair: str) -> dict:
