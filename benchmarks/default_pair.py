@@ -282,8 +282,10 @@ def render(r: dict) -> str:
                   f"- Greedy speculative == greedy autoregressive: "
                   f"{sum(c['mismatches_vs_ar'] == 0 for c in r['configs'])}/{len(r['configs'])} configurations identical on "
                   "every prompt."]
+    if r.get("notes"):  # hand-written reading of a run, kept in its JSON so that re-rendering keeps it
+        lines += [""] + r["notes"]
     if r.get("samples"):
-        lines += ["", "## Samples (autoregressive greedy)", ""]
+        lines += ["", f"## Samples (autoregressive greedy, {r['dtype']})", ""]
         for s in r["samples"]:
             lines += ["Prompt:", "```python", s["prompt"], "```", "Continuation:", "```python", s["continuation"], "```", ""]
     return "\n".join(lines) + "\n"
