@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from components import git_commit  # noqa: E402
 from kdtree_jax import corpus, load_checkpoint  # noqa: E402
+from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
 from kdtree_jax.spec.engine import generate  # noqa: E402
 from kdtree_jax.train import EOS, causal_forward  # noqa: E402
 
@@ -112,7 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--budgets", default="8,16,32,64,128")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
-    p.add_argument("--tree-temperature", type=float, default=0.5, help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens; 0.5 was the best of 1.0/0.7/0.5/0.4 on held-out prompts separate from the evaluation ones)")
+    p.add_argument("--tree-temperature", type=float, default=None,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); default: "
+                        "the checkpoint's recommendation (kdtree_checkpoint.json extra.decoding), else 1.0")
     p.add_argument("--compare-budget", type=int, default=32,
                    help="also run DDTree at this budget with tree temperature 1.0 (0: skip)")
     p.add_argument("--latency-prompts", type=int, default=5, help="prompts decoded one at a time for tok/s")
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
 
     t_all = time.time()
     target, drafter, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype)
+    if args.tree_temperature is None:
+        args.tree_temperature = recommended_tree_temperature(args.checkpoint)
     with open(os.path.join(args.checkpoint, "kdtree_checkpoint.json")) as f:
         meta = json.load(f)
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)

@@ -47,6 +47,7 @@ if ROOT not in sys.path:
 
 import components  # noqa: E402  (benchmarks/components.py)
 import kdtree_jax  # noqa: E402
+from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.spec import tree as trees  # noqa: E402
@@ -70,6 +71,12 @@ def smoke_pair():
     target = kdtree_jax.init_model(cfg, seed=0)
     drafter = kdtree_jax.init_drafter(cfg, DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=1)
     return target, drafter, ByteTokenizer()
+
+
+def resolve_tree_temperature(args) -> None:
+    """--tree-temperature, else the checkpoint's recommendation, else 1.0 (the smoke pair has none)."""
+    if args.tree_temperature is None:
+        args.tree_temperature = 1.0 if args.smoke else recommended_tree_temperature(args.checkpoint)
 
 
 def load_pair(args):
@@ -215,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (1: latency)")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
-    p.add_argument("--tree-temperature", type=float, default=0.5, help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens; 0.5 was the best of 1.0/0.7/0.5/0.4 on held-out prompts separate from the evaluation ones)")
+    p.add_argument("--tree-temperature", type=float, default=None,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); default: "
+                        "the checkpoint's recommendation (kdtree_checkpoint.json extra.decoding), else 1.0")
     p.add_argument("--temperatures", default="0,0.7", help="0 = greedy; > 0 = exact sampling of the target")
     p.add_argument("--top-k", type=int, default=0, help="target sampling filter at T > 0 (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="target sampling filter at T > 0")
@@ -244,6 +253,7 @@ def main(argv=None) -> int:
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = load_pair(args)
+    resolve_tree_temperature(args)
     depth = drafter.cfg.depth
     budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]

@@ -294,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=0, help="prompts per decode batch (0: all in one); must divide --prompts")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="tree nodes besides the root")
     p.add_argument("--topks", default="2,4,8", help="DDTree top-K per depth values")
-    p.add_argument("--tree-temperature", type=float, default=0.5,
-                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens)")
+    p.add_argument("--tree-temperature", type=float, default=None,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); "
+                        "default: the checkpoint's recommendation, else 1.0")
     p.add_argument("--shapes", default="auto", help='static shapes "b1,b2,...;..." or "auto"')
     p.add_argument("--dp-topk", type=int, default=0, help="widest branching the DP may use (0: max of --topks)")
     p.add_argument("--measure-prompts", type=int, default=32, help="held-out prompts for the teacher-forced p[d][r]")
@@ -340,6 +341,7 @@ def main(argv=None) -> int:
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = common.load_pair(args)
+    common.resolve_tree_temperature(args)
     depth = drafter.cfg.depth
     budgets = sorted({int(b) for b in str(args.budgets).split(",") if b.strip()})
     topks = [int(k) for k in str(args.topks).split(",") if k.strip()]

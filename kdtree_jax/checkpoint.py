@@ -199,6 +199,18 @@ def read_metadata(path) -> dict:
     return meta
 
 
+def recommended_tree_temperature(path, default: float = 1.0) -> float:
+    """The DDTree tree temperature the checkpoint's maker measured best for its pair
+    (metadata extra["decoding"]["tree_temperature"]), else `default`. It depends on how the drafter was
+    trained, so it belongs to the checkpoint rather than to the code."""
+    try:
+        meta = read_metadata(path)
+    except (ValueError, OSError):
+        return default
+    value = (meta.get("extra") or {}).get("decoding", {}).get("tree_temperature")
+    return float(value) if value is not None else default
+
+
 def _shardings_by_path(shardings, abstract_module, flat_abstract: dict) -> dict:
     """Map the caller's sharding pytree (or a callable making it) onto our parameter paths."""
     if shardings is None:

@@ -37,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=16,
                    help="DDTree nodes per step besides the root (0: plain autoregressive decoding)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
-    p.add_argument("--tree-temperature", type=float, default=0.5,
+    p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
                         "drafter's top choices deeper (a soft-label-distilled drafter is under-confident for greedy "
-                        "verification); 1.0: its probabilities as they are")
+                        "verification); 1.0: its probabilities as they are. Default: the checkpoint's recommendation "
+                        "(0.5 for the embedded pair), else 1.0")
     p.add_argument("--tree", default="ddtree",
                    help="'ddtree' (best-first, dynamic), 'chain' (DFlash: the drafter's top-1 path) or a static "
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
@@ -70,8 +71,7 @@ def load_models(checkpoint: str | None):
     from kdtree_jax.model.drafter import DrafterConfig, init_drafter
     from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
-    if checkpoint is None and os.path.isdir(DEFAULT_CHECKPOINT):
-        checkpoint = DEFAULT_CHECKPOINT
+    checkpoint = resolve_checkpoint(checkpoint)
     if checkpoint is None:
         cfg = kdtree_jax.ModelConfig.preset("tiny")
         target = kdtree_jax.init_model(cfg, seed=0)
@@ -89,10 +89,21 @@ def load_models(checkpoint: str | None):
     return target, drafter, tokenizer, f"checkpoint {checkpoint}"
 
 
+def resolve_checkpoint(checkpoint: str | None) -> str | None:
+    """The directory --checkpoint names, or the embedded default pair's when present."""
+    if checkpoint is None and os.path.isdir(DEFAULT_CHECKPOINT):
+        return DEFAULT_CHECKPOINT
+    return checkpoint
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
     target, drafter, tokenizer, description = load_models(args.checkpoint)
+    if args.tree_temperature is None:
+        from kdtree_jax.checkpoint import recommended_tree_temperature
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        args.tree_temperature = recommended_tree_temperature(checkpoint) if checkpoint else 1.0
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("--prompt encodes to no tokens")
@@ -112,7 +123,8 @@ def main(argv=None) -> int:
         return 0
     print(args.prompt + text)
     print(f"tau {stats['tau']:.2f} tokens/step · {stats['tokens_per_second']:.1f} tok/s · {stats['steps']} steps · "
-          f"{stats['new_tokens']} tokens · tree {stats['tree']} budget {stats['budget']} "
+          f"{stats['new_tokens']} tokens · tree {stats['tree']} budget {stats['budget']}"
+          f"{' tree temperature %g' % stats['tree_temperature'] if stats['tree'] == 'ddtree' and stats['budget'] else ''} "
           f"(compile {stats['compile_seconds']:.1f} s, not counted)", file=sys.stderr)
     return 0
 

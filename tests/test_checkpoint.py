@@ -131,3 +131,14 @@ def test_generate_cli_runs_on_a_saved_pair(saved, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["tokens"]) == 3
     assert out["text"] == HFTokenizer(tok_file).decode(out["tokens"])
+    assert out["stats"]["tree_temperature"] == 1.0  # this checkpoint recommends none
+
+
+def test_recommended_tree_temperature(saved, tmp_path):
+    from kdtree_jax.checkpoint import recommended_tree_temperature
+
+    path, target, drafter, _ = saved
+    assert recommended_tree_temperature(path) == 1.0 and recommended_tree_temperature(str(tmp_path)) == 1.0
+    tuned = str(tmp_path / "tuned")
+    kdtree_jax.save_checkpoint(tuned, target, drafter, extra_metadata={"decoding": {"tree_temperature": 0.4}})
+    assert recommended_tree_temperature(tuned) == 0.4

@@ -347,6 +347,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         "tokens_per_second": (new_tokens - batch) / t_decode if t_decode > 0 else float("nan"),
         "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
         "budget": num_nodes - 1,  # tree nodes besides the root
+        "tree_temperature": spec.tree_temperature,
         "num_nodes": num_nodes,
         "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
     }
