@@ -24,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kdtree_jax.generate",
         description="Generate text with DDTree speculative decoding: a block drafter proposes a tree of "
                     "candidate continuations, the target verifies all of it in one pass, and the longest "
-                    "agreeing path is kept. Greedy output is identical to plain greedy decoding; sampled "
-                    "output is an exact sample of the target.",
+                    "agreeing path is kept. Greedy output is plain greedy decoding's (token for token in "
+                    "float32; in bfloat16 a T-node verify pass can round a near-tie differently from a "
+                    "1-token step); sampled output is an exact sample of the target.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--checkpoint", default=None,
