@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark scripts: medians of jitted calls, jitted loops that run one component
-of the verify step alone (attention of every layer, the MoE layers), and the commit stamp of results.
+"""Timing helpers shared by the benchmark scripts: medians of jitted calls, and jitted loops that run
+one component of the verify step alone (attention of every layer, the MoE layers).
 
 Modules are always jit *arguments* here, never closed over: a closure bakes the weights into the
 program as constants (tens of GB for K2 layers).
@@ -7,26 +7,10 @@ program as constants (tens of GB for K2 layers).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import jax
 import numpy as np
-
-
-def git_commit(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str:
-    """The commit results belong to: $KDTREE_COMMIT when set (a copy of the tree on a device machine can
-    carry stale git metadata, so pass the real one in), else git's HEAD, "+dirty" with uncommitted changes."""
-    if os.environ.get("KDTREE_COMMIT"):
-        return os.environ["KDTREE_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return (head.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def median_seconds(fn, *args, reps: int = 5):

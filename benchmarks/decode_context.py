@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import attention_loop, git_commit, median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, median_seconds, moe_loop  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -43,6 +43,7 @@ from kdtree_jax.model.drafter import Drafter, DrafterConfig
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.provenance import git_commit
 from kdtree_jax.spec import accept as acceptance
 from kdtree_jax.spec import engine
 from kdtree_jax.spec import tree as trees

@@ -33,10 +33,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import git_commit  # noqa: E402
 from kdtree_jax import corpus, load_checkpoint  # noqa: E402
 from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
+from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax.spec.engine import generate  # noqa: E402
 from kdtree_jax.train import EOS, causal_forward  # noqa: E402
 
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
 
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": git_commit(ROOT),
+        "commit": git_commit(),
         "device": f"{jax.default_backend()}: {jax.devices()[0].device_kind}, {os.cpu_count()} cores visible",
         "checkpoint": os.path.relpath(args.checkpoint, ROOT),
         "dtype": str(target.dtype), "prompts": len(prompts), "prompt_len": args.prompt_len,

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import git_commit  # noqa: E402
 from kdtree_jax.model.moe import routed_experts  # noqa: E402
 from kdtree_jax.ops import moe as moe_ops  # noqa: E402
+from kdtree_jax.provenance import git_commit  # noqa: E402
 
 FLOOR_BYTES_PER_S = 4.3e12
 K2 = dict(hidden=7168, inter=2048, experts=384, top_k=8)

@@ -30,10 +30,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import git_commit  # noqa: E402
 import kdtree_jax
 from kdtree_jax import decode, kv_pool
+from kdtree_jax.provenance import git_commit
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import attach_mesh, make_mesh, parameter_shardings
 

@@ -45,9 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import components  # noqa: E402  (benchmarks/components.py)
 import kdtree_jax  # noqa: E402
 from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
+from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.spec import tree as trees  # noqa: E402
@@ -71,6 +71,12 @@ def smoke_pair():
     target = kdtree_jax.init_model(cfg, seed=0)
     drafter = kdtree_jax.init_drafter(cfg, DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=1)
     return target, drafter, ByteTokenizer()
+
+
+def add_tree_temperature_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-temperature", type=float, default=None,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); default: "
+                        "the checkpoint's recommendation (kdtree_checkpoint.json extra.decoding), else 1.0")
 
 
 def resolve_tree_temperature(args) -> None:
@@ -125,10 +131,6 @@ def device_slug(kind: str | None = None) -> str:
     """'cpu', 'h200', ... for file names."""
     kind = (kind or device_kind()).lower().replace("nvidia", "").strip()
     return re.sub(r"[^a-z0-9]+", "_", kind).strip("_") or "unknown"
-
-
-def git_commit() -> str:
-    return components.git_commit(ROOT)
 
 
 def base_meta(args, target, drafter, pair: str) -> dict:
@@ -222,9 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (1: latency)")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
-    p.add_argument("--tree-temperature", type=float, default=None,
-                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); default: "
-                        "the checkpoint's recommendation (kdtree_checkpoint.json extra.decoding), else 1.0")
+    add_tree_temperature_argument(p)
     p.add_argument("--temperatures", default="0,0.7", help="0 = greedy; > 0 = exact sampling of the target")
     p.add_argument("--top-k", type=int, default=0, help="target sampling filter at T > 0 (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="target sampling filter at T > 0")

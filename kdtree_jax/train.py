@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -41,6 +40,7 @@ from kdtree_jax.model.drafter import Drafter, DrafterCache, DrafterConfig
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.provenance import git_commit
 
 EOS = "<|endoftext|>"
 
@@ -187,17 +187,6 @@ def eval_loss(model: Transformer, windows: np.ndarray, batch: int) -> float:
     return float(np.mean(losses))
 
 
-def git_commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "kdtree_jax"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
 def _prepare_out(path: str, overwrite: bool):
     if os.path.exists(path) and os.listdir(path):
         if not overwrite:
@@ -297,7 +286,7 @@ def train_target(args) -> dict:
     model = nnx.merge(graphdef, params, rest)
     final_eval = eval_loss(model, ev, args.batch)
     summary = {
-        "phase": "target", "command": " ".join(sys.argv), "commit": git_commit(), "steps": step,
+        "phase": "target", "command": " ".join(sys.argv), "commit": git_commit(short=False), "steps": step,
         "batch": args.batch, "seq_len": args.seq_len, "tokens_seen": step * args.batch * args.seq_len,
         "train_seconds": train_seconds, "final_train_loss_ema": loss_ema, "final_eval_loss": final_eval,
         "final_eval_ppl": math.exp(final_eval), "eval_windows": len(ev), "lr": args.lr, "params": int(n_params),
@@ -493,7 +482,7 @@ def train_drafter(args) -> dict:
     e, eaux = evaluate(params)
     drafter = nnx.merge(graphdef, params, rest)
     summary = {
-        "phase": "drafter", "command": " ".join(sys.argv), "commit": git_commit(), "steps": step,
+        "phase": "drafter", "command": " ".join(sys.argv), "commit": git_commit(short=False), "steps": step,
         "batch": args.batch, "anchors_per_sequence": args.anchors, "seq_len": s, "block_size": dcfg.block_size,
         "blocks_seen": step * args.batch * args.anchors, "label_tokens_seen": step * args.batch * args.anchors * d,
         "greedy_sequences": int(len(gen_train)), "greedy_new_tokens": new, "greedy_mix": args.greedy_mix,
