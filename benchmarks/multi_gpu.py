@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import attention_loop, git_commit, median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, median_seconds, moe_loop  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kdtree_jax
@@ -47,6 +47,7 @@ from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.provenance import git_commit
 from kdtree_jax.sharding import attach_mesh, make_mesh, parameter_shardings, shard_model
 
 
@@ -255,7 +256,7 @@ def main(argv=None):
         jax.block_until_ready(nnx.state(model))
         log(f"{layout}: model ready in {time.perf_counter() - t0:.1f} s")
         alone = {t: time_moe_and_allreduce(model, t, args.iters) for t in parts_nodes}
-        loads = {}
+        plans = {}  # (context, T) -> the EPLB placement planned from that point's measured load
         for context in contexts:
             for nodes in nodes_list:
                 pages, table = filled_pool(cfg, mesh, context, nodes, jax.random.key(context + nodes))
@@ -266,8 +267,8 @@ def main(argv=None):
                 if args.impl != "reference" and (context in [int(c) for c in args.reference_contexts.split(",")]
                                                  or args.smoke):
                     ref_step, pages, _ = time_step(model, pages, table, context, nodes, args.iters, "reference")
-                loads[context, nodes] = counts.sum(0)
-                plan = eplb.plan_placement(loads[context, nodes], num_devices=n, redundant_per_device=1)
+                load = counts.sum(0)
+                plans[context, nodes] = eplb.plan_placement(load, num_devices=n, redundant_per_device=1)
                 part = alone.get(nodes, {})
                 record({"layout": layout, "context": context, "nodes": nodes, "step_ms": step * 1e3,
                         "reference_attention_step_ms": None if ref_step is None else ref_step * 1e3,
@@ -276,24 +277,23 @@ def main(argv=None):
                         "allreduces_per_step": 2 * cfg.num_hidden_layers,
                         **expert_load_summary(counts, n),
                         "eplb_planned_max_over_mean": float(eplb.imbalance(
-                            eplb.placed_load(loads[context, nodes], plan), n).mean())})
+                            eplb.placed_load(load, plans[context, nodes]), n).mean())})
                 del pages, table
         if layout == "ep":
             for context, nodes in eplb_points:
-                if (context, nodes) not in loads:
+                if (context, nodes) not in plans:
                     continue
                 # Re-place the model's own experts (in place: K2's experts are too big to hold twice),
                 # planned from that point's measured load, and time the same loop again: the inputs
                 # and so the routing are the same, so this is the placement's best case.
-                plan = eplb.plan_placement(loads[context, nodes], num_devices=n, redundant_per_device=1)
-                model = eplb.apply_placement(model, plan, copy=False) if model.layers[-1].mlp.replicas is None \
-                    else model
+                model = eplb.apply_placement(model, plans[context, nodes], copy=False)
                 pages, table = filled_pool(cfg, mesh, context, nodes, jax.random.key(context + nodes))
                 step, pages, counts = time_step(model, pages, table, context, nodes, args.iters, args.impl)
-                moe = time_moe_and_allreduce(model, nodes, args.iters)["moe_s"]
+                part = time_moe_and_allreduce(model, nodes, args.iters)
                 record({"layout": "ep+eplb", "context": context, "nodes": nodes, "step_ms": step * 1e3,
-                        "reference_attention_step_ms": None, "attention_ms": float("nan"), "moe_ms": moe * 1e3,
-                        "allreduce_ms": float("nan"), "allreduces_per_step": 2 * cfg.num_hidden_layers,
+                        "reference_attention_step_ms": None, "attention_ms": float("nan"),
+                        "moe_ms": part["moe_s"] * 1e3, "allreduce_ms": part["allreduce_s"] * 1e3,
+                        "allreduces_per_step": part["allreduces_per_step"],
                         **expert_load_summary(counts, n), "eplb_planned_max_over_mean": float("nan")})
                 break  # one placement per model: its experts were moved in place
         del model
