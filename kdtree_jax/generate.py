@@ -67,44 +67,39 @@ def _parse_tree(value: str):
 
 
 def load_models(checkpoint: str | None):
-    """(target, drafter or None, tokenizer, description)."""
+    """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature)."""
     import kdtree_jax
+    from kdtree_jax.checkpoint import recommended_tree_temperature
     from kdtree_jax.model.drafter import DrafterConfig, init_drafter
     from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
-    checkpoint = resolve_checkpoint(checkpoint)
+    if checkpoint is None and os.path.isdir(DEFAULT_CHECKPOINT):
+        checkpoint = DEFAULT_CHECKPOINT
     if checkpoint is None:
         cfg = kdtree_jax.ModelConfig.preset("tiny")
         target = kdtree_jax.init_model(cfg, seed=0)
         drafter = init_drafter(cfg, DrafterConfig(block_size=8), seed=1)
-        return target, drafter, ByteTokenizer(), "random-init tiny pair (no trained checkpoint found: the text is noise)"
+        return (target, drafter, ByteTokenizer(),
+                "random-init tiny pair (no trained checkpoint found: the text is noise)", 1.0)
     if not os.path.isdir(checkpoint):
         raise SystemExit(f"--checkpoint {checkpoint!r} is not a directory")
     if os.path.exists(os.path.join(checkpoint, "config.json")):
         cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
-        return target, None, load_tokenizer(checkpoint), f"HF checkpoint {checkpoint} (no drafter: autoregressive)"
+        return (target, None, load_tokenizer(checkpoint), f"HF checkpoint {checkpoint} (no drafter: autoregressive)",
+                1.0)
     try:
         target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint)
     except ValueError as e:
         raise SystemExit(f"--checkpoint {checkpoint!r}: {e}")
-    return target, drafter, tokenizer, f"checkpoint {checkpoint}"
-
-
-def resolve_checkpoint(checkpoint: str | None) -> str | None:
-    """The directory --checkpoint names, or the embedded default pair's when present."""
-    if checkpoint is None and os.path.isdir(DEFAULT_CHECKPOINT):
-        return DEFAULT_CHECKPOINT
-    return checkpoint
+    return target, drafter, tokenizer, f"checkpoint {checkpoint}", recommended_tree_temperature(checkpoint)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
-    target, drafter, tokenizer, description = load_models(args.checkpoint)
+    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint)
     if args.tree_temperature is None:
-        from kdtree_jax.checkpoint import recommended_tree_temperature
-        checkpoint = resolve_checkpoint(args.checkpoint)
-        args.tree_temperature = recommended_tree_temperature(checkpoint) if checkpoint else 1.0
+        args.tree_temperature = recommended
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("--prompt encodes to no tokens")

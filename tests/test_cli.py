@@ -16,8 +16,8 @@ def test_cli_json_in_process(capsys):
     assert isinstance(out["text"], str)
     # The tree temperature defaults to the checkpoint's recommendation (the embedded pair's: 0.5).
     from kdtree_jax.checkpoint import recommended_tree_temperature
-    from kdtree_jax.generate import resolve_checkpoint
-    assert out["stats"]["tree_temperature"] == recommended_tree_temperature(resolve_checkpoint(None))
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT
+    assert out["stats"]["tree_temperature"] == recommended_tree_temperature(DEFAULT_CHECKPOINT) == 0.5
     assert cli_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4", "--json",
                      "--tree-temperature", "0.8"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["tree_temperature"] == 0.8
