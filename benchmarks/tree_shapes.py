@@ -294,9 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=0, help="prompts per decode batch (0: all in one); must divide --prompts")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="tree nodes besides the root")
     p.add_argument("--topks", default="2,4,8", help="DDTree top-K per depth values")
-    p.add_argument("--tree-temperature", type=float, default=None,
-                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); "
-                        "default: the checkpoint's recommendation, else 1.0")
+    common.add_tree_temperature_argument(p)
     p.add_argument("--shapes", default="auto", help='static shapes "b1,b2,...;..." or "auto"')
     p.add_argument("--dp-topk", type=int, default=0, help="widest branching the DP may use (0: max of --topks)")
     p.add_argument("--measure-prompts", type=int, default=32, help="held-out prompts for the teacher-forced p[d][r]")
