@@ -118,6 +118,31 @@ def test_tree_temperature_changes_the_tree_not_the_output(target, drafter, promp
             assert res.tokens == expected
 
 
+def test_tree_temperature_sharpens_the_ddtree_ranking():
+    """Depth 1: tokens 1/2 at p .55/.45; depth 2 (after either): token 3 at .6. At budget 2 the raw
+    probabilities keep both depth-1 siblings (.45 > .55 * .6); sharpened at 0.3 (.66/.34 and .8) the
+    deeper top-1 path wins (.66 * .8 > .34)."""
+    from types import SimpleNamespace
+    from kdtree_jax.spec import engine
+
+    probs = np.full((1, 2, 8), 1e-9)
+    probs[0, 0, [1, 2]] = [0.55, 0.45]
+    probs[0, 1, [3, 4]] = [0.6, 0.4]
+
+    class FixedDrafter:
+        cfg = SimpleNamespace(depth=2)
+
+        def __call__(self, target, dcache, bonus, start):
+            return jnp.log(jnp.asarray(probs, jnp.float32))
+
+    state = SimpleNamespace(cache=SimpleNamespace(seq_lens=jnp.array([5], jnp.int32)), dcache=None,
+                            bonus=jnp.array([7], jnp.int32))
+    for tree_temperature, tokens in ((1.0, [7, 1, 2]), (0.3, [7, 1, 3])):
+        spec = engine.SpecConfig(budget=2, topk=2, tree_temperature=tree_temperature)
+        tree = engine._draft_tree(FixedDrafter(), None, state, spec)
+        assert np.asarray(tree.tokens)[0].tolist() == tokens
+
+
 def test_oracle_drafter_reaches_block_length(target, prompts, greedy_ar):
     group, expected = prompts[:3], greedy_ar[:3]
     oracle = OracleDrafter(_oracle_table(group, expected), TINY.vocab_size, BLOCK - 1)
