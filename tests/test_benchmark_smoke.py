@@ -142,6 +142,16 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert (tmp_path / "dc.md").exists()
 
 
+def test_tree_temperature_smoke(tmp_path):
+    import tree_temperature
+
+    tree_temperature.main(["--smoke", "--out", str(tmp_path / "tt")])
+    data = json.loads((tmp_path / "tt.json").read_text())
+    assert data["chain_tau"] >= 1.0 and data["prompt_seed"] == 7
+    assert [(r["budget"], r["tree_temperature"]) for r in data["rows"]] == [(4, 1.0), (4, 0.5)]
+    assert all(r["tau"] >= 1.0 for r in data["rows"]) and (tmp_path / "tt.md").exists()
+
+
 @pytest.mark.slow  # 63-74 s on this 2-core machine (the brief's bar for a plain smoke test is 40 s)
 def test_multi_gpu_smoke(tmp_path):
     import multi_gpu
