@@ -77,9 +77,19 @@ struct Config {
   static constexpr int kMinBlocksPerSm = kGroups == 1 ? 2 : 1;
   static constexpr int kThreadsPerRow = kThreads / kTile;                  // 8
   static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
+  // Slots and L2 prefetch.  The slots of a tile are copied into a small shared ring (cp.async, in the commit
+  // group of an earlier tile), so no copy ever waits for an index load; the rows of the kPrefetch tiles after
+  // the last one requested are prefetched into L2, so that a tile's cp.async finds them there (L2 latency
+  // instead of a DRAM round trip per tile: the 2-slot ring of the two-group kernel leaves a tile one
+  // iteration to land).
+  static constexpr int kPrefetch = kGroups == 1 ? 2 : 3;
+  static constexpr int kSlotAhead = 2 * (kRing - 1) + kPrefetch;  // tile whose slots iteration t requests: t + kSlotAhead
+  static constexpr int kSlotRing = 8;                              // >= kRing + kPrefetch, a power of two
+  static_assert(kSlotRing >= kRing + kPrefetch && (kSlotRing & (kSlotRing - 1)) == 0, "slot ring");
   static constexpr int kKvBytes = kRing * kStageBytes;
   static constexpr int kScoreBytes = kGroups * kWarps * kRows * kScoreStride * 4;
-  static constexpr int kSmemBytes = kKvBytes + kScoreBytes;  // 99,584 / 95,232 B
+  static constexpr int kSlotBytes = kSlotRing * kTile * 4;
+  static constexpr int kSmemBytes = kKvBytes + kScoreBytes + kSlotBytes;  // 100,096 / 96,256 B
   static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
   static_assert(kChunksPerRow % kThreadsPerRow == 0 && kThreads % kTile == 0, "copy layout");
 };
@@ -139,22 +149,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The slot this thread copies for a KV tile (its row is threadIdx.x / kThreadsPerRow), read one tile ahead
-// of its use.  The raw value is kept and only clamped when the copy is issued: any instruction that consumed
-// the load here would stall the warp for a full memory round trip on every tile.
-struct SlotLoad {
-  int32_t raw = 0;
-  bool ok = false;  // false past the end of the valid positions: the copy writes zeros
-};
-
-template <int kTile, int kThreadsPerRow>
-__device__ __forceinline__ SlotLoad load_slot(const int32_t* slots, int valid, int tile) {
-  SlotLoad s;
-  const int pos = tile * kTile + static_cast<int>(threadIdx.x) / kThreadsPerRow;
-  s.ok = pos < valid;
-  if (s.ok) s.raw = __ldg(slots + pos);  // a predicated load: nothing waits on it until the copy
-  return s;
+// 4-byte async copy (a slot index into the shared slot ring); src_bytes = 0 writes a zero.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // 16-byte async copies of one row chunk; the chunk offsets are immediates of the instruction, so a thread
 // computes its two row addresses once per tile instead of one 64-bit address per copy.  src_bytes = 0 writes
@@ -171,15 +170,31 @@ __device__ __forceinline__ void copy_row_chunks(uint32_t dst, const char* src, i
   (cp_async_16_at<kChunk * kThreadsPerRow * 16>(dst, src, src_bytes), ...);
 }
 
+__device__ __forceinline__ int64_t clamp_slot(int32_t raw, int64_t num_slots) {  // never out of bounds
+  return raw < 0 ? 0 : (raw >= num_slots ? num_slots - 1 : raw);
+}
+
 // Issue this thread's copies of its row of a KV tile into stage buffer `stage_base` (zeros past the end).
 template <int kThreadsPerRow, int kChunksPerThread>
-__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, SlotLoad s,
+__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok,
                                              uint32_t stage_base) {
-  const int64_t slot = s.raw < 0 ? 0 : (s.raw >= p.num_slots ? p.num_slots - 1 : s.raw);  // never out of bounds
+  const int64_t slot = clamp_slot(raw, p.num_slots);
   const int lane_chunk = threadIdx.x % kThreadsPerRow;
   const char* src = reinterpret_cast<const char*>(layer_rows + slot * kWidth) + lane_chunk * 16;
   const uint32_t dst = stage_base + (threadIdx.x / kThreadsPerRow) * kRowBytes + lane_chunk * 16;
-  copy_row_chunks<kThreadsPerRow>(dst, src, s.ok ? 16 : 0, std::make_integer_sequence<int, kChunksPerThread>{});
+  copy_row_chunks<kThreadsPerRow>(dst, src, ok ? 16 : 0, std::make_integer_sequence<int, kChunksPerThread>{});
+}
+
+// Prefetch this thread's share of its row of a KV tile into L2: 128-byte lines, 9 per 1152-byte row
+// (kThreadsPerRow == 8: line c for thread c of the row, and line 8 for thread 0).
+template <int kThreadsPerRow>
+__device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok) {
+  static_assert(kThreadsPerRow == 8, "9 lines over 8 threads");
+  if (!ok) return;
+  const int lane_chunk = threadIdx.x % kThreadsPerRow;
+  const char* row = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, p.num_slots) * kWidth);
+  prefetch_l2(row + lane_chunk * 128);
+  if (lane_chunk == 0) prefetch_l2(row + 8 * 128);
 }
 
 template <bool kDirect, int kGroups>
@@ -229,24 +244,44 @@ verify_attention_kernel(const Params p) {
       qf[ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
     }
   }
-  // Prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones too, so that the group
-  // count in the loop's wait is the same for every block), and the slots of the next one loaded.  All these
-  // slot loads are issued before the first copy: one memory round trip, not kRing.
-  SlotLoad next_slot;
-  {
-    SlotLoad first_slots[kRing - 1];
-#pragma unroll
-    for (int st = 0; st < kRing - 1; ++st) {
-      if (tile_begin + st < tile_end) first_slots[st] = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile_begin + st);
+  // The slot ring: entry (tile % kSlotRing) holds the kTile slots of a tile; threads 0..kTile-1 copy them
+  // (cp.async, 4 bytes each, zeros past the valid positions) in the commit group of an earlier tile.
+  const uint32_t slot_ring_smem = kv_smem + C::kKvBytes + C::kScoreBytes;
+  const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + C::kKvBytes + C::kScoreBytes);
+  const int my_row = static_cast<int>(threadIdx.x) / C::kThreadsPerRow;  // the row of a tile this thread copies
+  auto request_slots = [&](int t) {
+    if (threadIdx.x < kTile && t < tile_end) {
+      const int pos = t * kTile + static_cast<int>(threadIdx.x);
+      const bool ok = pos < valid;
+      cp_async_4(slot_ring_smem + ((t & (C::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
     }
-    if (tile_begin + kRing - 1 < tile_end) next_slot = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile_begin + kRing - 1);
+  };
+  // Prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones too, so that the group
+  // count in the loop's wait is the same for every block), the next kPrefetch tiles prefetched into L2, and the
+  // slots of the tiles after those requested into the ring (in the first group: the loop's first iteration
+  // reads them).  The slots the prologue itself needs are loaded directly, all before the first copy: one
+  // memory round trip.
+  {
+    constexpr int kFirst = kRing - 1 + C::kPrefetch;
+    int32_t raw[kFirst];
+    bool ok[kFirst];
+#pragma unroll
+    for (int st = 0; st < kFirst; ++st) {
+      const int pos = (tile_begin + st) * kTile + my_row;
+      ok[st] = tile_begin + st < tile_end && pos < valid;
+      raw[st] = ok[st] ? __ldg(slots + pos) : 0;
+    }
+#pragma unroll
+    for (int st = kRing - 1; st < C::kSlotAhead; ++st) request_slots(tile_begin + st);
 #pragma unroll
     for (int st = 0; st < kRing - 1; ++st) {
       if (tile_begin + st < tile_end) {
-        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, first_slots[st], kv_smem + st * C::kStageBytes);
+        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * C::kStageBytes);
       }
       cp_async_commit();
     }
+#pragma unroll
+    for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<C::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
   }
 
   // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
@@ -274,11 +309,19 @@ verify_attention_kernel(const Params p) {
     // partial scores of the previous tile.
     __syncthreads();
     const uint32_t stage_base = kv_smem + read_off;
-    if (tile + kRing - 1 < tile_end) {
-      load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, next_slot, kv_smem + write_off);
+    {
+      const int t_copy = tile + kRing - 1, t_fetch = tile + kRing - 1 + C::kPrefetch;
+      if (t_copy < tile_end) {
+        const int32_t raw = slot_ring[(t_copy & (C::kSlotRing - 1)) * kTile + my_row];
+        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
+      }
+      if (t_fetch < tile_end) {
+        const int32_t raw = slot_ring[(t_fetch & (C::kSlotRing - 1)) * kTile + my_row];
+        prefetch_kv_row<C::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
+      }
+      request_slots(tile + C::kSlotAhead);
     }
     cp_async_commit();
-    if (tile + kRing < tile_end) next_slot = load_slot<kTile, C::kThreadsPerRow>(slots, valid, tile + kRing);
     read_off = read_off + C::kStageBytes == C::kKvBytes ? 0 : read_off + C::kStageBytes;
     write_off = write_off + C::kStageBytes == C::kKvBytes ? 0 : write_off + C::kStageBytes;
 
@@ -330,16 +373,29 @@ verify_attention_kernel(const Params p) {
       s[nb][0] = top.x * p.scale_log2; s[nb][1] = top.y * p.scale_log2;
       s[nb][2] = bottom.x * p.scale_log2; s[nb][3] = bottom.y * p.scale_log2;
     }
-    // Masking: only tiles that reach past the prefix (or past the valid length) need it.
+    // Masking: only tiles that reach past the prefix (or past the valid length) need it.  The query indices
+    // j = pos - first of a tile span at most two mask words per row (kTile <= 32): the four words of this
+    // thread's two rows are loaded together (one memory round trip per masked tile, not one per element).
     const int tile_pos = tile * kTile;
     if (tile_pos + kTile > min(first, valid)) {
+      const int j0 = tile_pos - first;      // query index of the tile's first position (< 0: prefix)
+      const int w0 = max(j0, 0) >> 5;       // first mask word the tile touches
+      const uint32_t* rows_m[2] = {mask_a, mask_b};
+      uint64_t bits[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = w0 < p.mask_words ? __ldg(rows_m[h] + w0) : 0u;
+        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(rows_m[h] + w0 + 1) : 0u;
+        bits[h] = (static_cast<uint64_t>(hi) << 32) | lo;
+      }
 #pragma unroll
       for (int nb = 0; nb < kBlocksN; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = tile_pos + nb * 8 + 2 * qd + (e & 1);
-          const uint32_t* mask_row = e < 2 ? mask_a : mask_b;
-          const bool visible = pos < valid && kdtree::position_visible(pos, first, p.num_queries, mask_row);
+          const int j = pos - first;
+          // j < T whenever pos < valid (valid <= kv_len = first + T); bit j - 32*w0 is in [0, 63).
+          const bool visible = pos < valid && (j < 0 || ((bits[e >> 1] >> (j - 32 * w0)) & 1u));
           if (!visible) s[nb][e] = -INFINITY;
         }
       }
@@ -525,6 +581,12 @@ cudaError_t ensure_smem_limit(int device) {
     if (err == cudaSuccess) err = set_kernel_attributes<false, 1>();
     if (err == cudaSuccess) err = set_kernel_attributes<true, 2>();
     if (err == cudaSuccess) err = set_kernel_attributes<false, 2>();
+    // The merge runs right after the main kernel: the same carveout spares the multiprocessors a shared
+    // memory / L1 reconfiguration (a drain) between the two launches.
+    if (err == cudaSuccess) {
+      err = cudaFuncSetAttribute(reinterpret_cast<const void*>(merge_splits_kernel),
+                                 cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    }
     smem_status[device] = err;
   });
   return smem_status[device];
