@@ -130,16 +130,28 @@ class DrafterAttention(nnx.Module):
             q = self.q_norm(q)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
-        k = jnp.concatenate([ctx_k, k_blk], axis=1)  # [B, L + S, Hkv, Dh]
-        v = jnp.concatenate([ctx_v, v_blk], axis=1)
         group = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, s, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = jnp.einsum("bskgd,blkd->bkgsl", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
+        # The cached context and the block are scored separately (no concatenated copy of the context per
+        # step), and the context is read in its own dtype: products of two bf16 values are exact in f32,
+        # so bf16 operands with f32 accumulation are the float32 scores without a float32 copy of the cache.
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+
+        def scores_of(keys):
+            dtype = jnp.promote_types(q.dtype, keys.dtype)
+            return jnp.einsum("bskgd,blkd->bkgsl", q.astype(dtype), keys.astype(dtype),
+                              preferred_element_type=jnp.float32) * scale
+
         max_len = ctx_k.shape[1]
-        visible = jnp.concatenate([jnp.arange(max_len)[None, :] < ctx_lens[:, None], jnp.ones((b, s), bool)], axis=1)
-        scores = jnp.where(visible[:, None, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgsl,blkd->bskgd", probs, v.astype(jnp.float32)).astype(x.dtype)
+        in_ctx = jnp.arange(max_len)[None, :] < ctx_lens[:, None]
+        s_ctx = jnp.where(in_ctx[:, None, None, None, :], scores_of(ctx_k), -jnp.inf)  # [B, Hkv, G, S, L]
+        s_blk = scores_of(k_blk)  # [B, Hkv, G, S, S]: the block is visible to itself (bidirectional)
+        top = jnp.maximum(s_ctx.max(-1, keepdims=True, initial=-jnp.inf), s_blk.max(-1, keepdims=True))  # finite (block)
+        p_ctx, p_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)
+        denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
+        out = (jnp.einsum("bkgsl,blkd->bskgd", p_ctx / denom, ctx_v, preferred_element_type=jnp.float32)
+               + jnp.einsum("bkgsl,blkd->bskgd", p_blk / denom, v_blk, preferred_element_type=jnp.float32))
+        out = out.astype(x.dtype)
         return self.o_proj(out.reshape(b, s, -1))
 
 
