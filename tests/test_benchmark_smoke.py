@@ -137,8 +137,14 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
 
     decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "reference", "--out", str(tmp_path / "dc")])
     data = json.loads((tmp_path / "dc.json").read_text())
-    assert data["rows"] and all("error" not in r for r in data["rows"])
-    assert {"step_ms", "attention_ms", "tau"} <= set(data["rows"][0])
+    assert data["rows"] and all("errors" not in r for r in data["rows"])
+    row = data["rows"][0]
+    assert {"step_ms", "attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms", "tau",
+            "step_over_floor", "projected_61_layer_step_ms"} <= set(row)
+    # One TP rank: the vocab-parallel head slice and the drafter's heads split like the target's.
+    rank = data["meta"]["rank_model"]
+    assert rank["drafter_rank"]["num_heads"] * rank["tp"] == rank["drafter_full"]["num_heads"]
+    assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_rest_ms"}
     assert (tmp_path / "dc.md").exists()
 
 
