@@ -148,7 +148,7 @@ def sweep(ceilings, plan, on_row=lambda rows: None):
             flops = 2 * batch * num_queries * heads * length * (WIDTH + LATENT)
             roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
             # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
-            k1, k2, reps = (4, 20, 7) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
+            k1, k2, reps = (3, 12, 5) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
             k2 = min(k2, num_layers - 1)
             k1 = min(k1, k2 // 3)
             t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
@@ -197,6 +197,20 @@ def key_plan():
     and the 4-way tensor-parallel K2 shapes (H = 16, T in {9, 33}); no XLA reference, no while-loop figure."""
     plan = [(1, length, True, [1, 9, 16, 33, 64], []) for length in (4096, 65536)]
     plan += [(1, length, True, [9, 33], [], 16) for length in (4096, 16384, 65536)]
+    return plan
+
+
+def priority_plan():
+    """The issue's sweep reordered for a device call that may be cut short (results are rewritten after every
+    row): first the rows the targets name (4k T = 16, 64k T in {1, 16} scattered and contiguous), then
+    L >= 16k over every T, the tensor-parallel H = 16 shapes, B = 8, and the rest."""
+    plan = [(1, 4096, True, [1, 16], []), (1, 65536, True, [1, 9, 16, 33, 64], []), (1, 65536, False, [1, 16], []),
+            (1, 16384, True, TS, []), (1, 131072, True, [1, 16, 64], []), (1, 65536, True, [128, 257], []),
+            (1, 4096, True, [9, 33, 64, 128, 257], [])]
+    plan += [(1, length, True, [9, 33], [], 16) for length in (4096, 16384, 65536)]
+    plan += [(8, 16384, True, [1, 16], []), (8, 16384, False, [1, 16], []), (1, 200000, True, TS, []),
+             (1, 131072, True, [9, 33, 128, 257], []), (1, 16384, False, [1, 16, 64], []), (1, 4096, False, [1, 16], []),
+             (8, 65536, True, [1, 16, 64], []), (8, 4096, True, [1, 16, 64], [])]
     return plan
 
 
@@ -280,7 +294,7 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", choices=["full", "budget", "quick", "key", "mini"], default="full",
+    parser.add_argument("--plan", choices=["full", "priority", "budget", "quick", "key", "mini"], default="full",
                         help="full: the issue's whole sweep; budget: B=1 over all (L, T) plus a few rows; quick: smoke")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
@@ -321,7 +335,7 @@ def main():
     if not loop_rows:
         print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
 
-    plan = {"full": full_plan, "budget": budget_plan, "quick": quick_plan}[args.plan]()
+    plan = {"full": full_plan, "priority": priority_plan, "budget": budget_plan, "quick": quick_plan}[args.plan]()
     meta["plan"] = args.plan + (" (no XLA reference)" if args.no_ref else "")
     if args.no_ref:
         plan = [(b, length, scattered, ts, [], *rest) for b, length, scattered, ts, _, *rest in plan]

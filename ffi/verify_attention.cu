@@ -4,23 +4,24 @@
 // dims, the output is the softmax-weighted sum of the first 512.  Query rows of one sequence are the T*H
 // pairs (t, h) flattened as r = t*H + h (q's own memory order).
 //
-// Work split.  Grid (row tiles, KV splits, batch).  A row group of 4 warps owns 16 query rows (one m16 MMA
-// tile); a block (1 or 2 row groups) owns one contiguous range of KV positions, and its warps share every KV
-// tile that lands in shared memory:
-//   * S = Q·Kᵀ: warp w multiplies its 144-dim slice of the 576 dims (its Q fragments stay in registers
-//     for the whole block: 36 regs) for all positions of the tile; the four partial score blocks are
-//     summed through shared memory, so each K element is read from shared memory once;
-//   * every warp then holds the full 16 x tile score block and runs the online softmax itself (cheaper than
-//     another round of barriers), turning the probabilities into bf16 A fragments in registers;
-//   * O += P·V: warp w owns output dims [128w, 128w+128) (64 fp32 accumulator regs).
-// KV tiles arrive by cp.async (16 B per copy, every thread of the block copies) into a ring, with the slot of
-// each row read one tile before its copy is issued (so no copy waits on an index load) and the copies of a row
-// issued from one base address with immediate offsets.  One row group: 16-position tiles, a 5-slot ring (4
-// tiles, 75 KB, in flight while one is computed; these rows are memory-bound).  Two row groups: 32-position
-// tiles, a 2-slot ring (the fixed per-iteration work is shared by twice the MMAs; these rows are MMA-heavy).
-// A row is padded to 1168 B so that the 8 row addresses of an ldmatrix fall in distinct banks.  Two barriers
-// per tile; the O rescale is skipped (warp vote) when no row max moved.  Shared memory: 99,584 B / 95,232 B
-// per block (<= 99 KB, sm_120's limit); two one-group blocks fit an H200 multiprocessor.
+// Work split.  Grid (row tiles, KV splits, batch); a block owns one contiguous range of KV positions, and its
+// warps share every KV tile that lands in shared memory.  Two kernels:
+//   * T*H <= 16 (decode): verify_attention_kernel<.., 1>, one row group of 4 warps on 16 query rows (one m16
+//     MMA tile), 16-position tiles in a 5-slot ring, two blocks per SM.  S = Q·Kᵀ: warp w multiplies its
+//     144-dim slice of the 576 dims (its Q fragments stay in registers) and the four partial score blocks are
+//     summed through shared memory; every warp runs the online softmax; O += P·V: warp w owns output dims
+//     [128w, 128w+128).  (verify_attention_kernel<.., 2>, two such groups on 32 rows, is kept for A/B runs:
+//     KDTREE_VERIFY_VARIANT=0.)
+//   * T*H > 16: verify_attention_wide_kernel, 32 rows per block, 8 warps that all work on all 32 rows (two m16
+//     tiles): each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row
+//     (see the comment above the kernel).
+// KV tiles arrive by cp.async (16 B per copy, every thread of the block copies, a row's copies from one base
+// address with immediate offsets).  The slots of a tile come through a small shared ring filled by cp.async in
+// the commit group of an earlier tile, so no index load is left in the loop (ncu, 2026-11-29: the in-loop slot
+// load's scoreboard stalled the first MMA of every tile, 25-45% of the stall samples), and the rows a few tiles
+// ahead are prefetched into L2.  A row is padded to 1168 B so that the 8 row addresses of an ldmatrix fall in
+// distinct banks.  The O rescale is skipped (warp vote) when no row max moved.  Shared memory <= 99 KB per
+// block (sm_120's limit).
 //
 // Splits write (out / l, lse) partials that a second kernel merges by LSE weights; with one split the main
 // kernel writes the final result itself.  Tiles are split evenly over the splits from the *device* kv_len,
@@ -478,6 +479,299 @@ verify_attention_kernel(const Params p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The wide kernel (T*H > 16): 32 query rows per block, 8 warps, and every warp works on all 32 rows (two m16
+// tiles), so each K or V fragment read from shared memory feeds twice the MMAs of the two-group kernel and each
+// KV element is read from shared memory once per block (the two-group kernel reads it once per row group).
+//   * S = Q·Kᵀ: warp w = (dim slice w % 4, position half w / 4) multiplies its 144 dims (Q fragments of both
+//     m16 tiles stay in registers: 72 regs) for 16 of the tile's 32 positions; the partials go to shared memory;
+//   * softmax, once per row: warp w sums the four slices of rows [4w, 4w + 4) (8 lanes per row, 4 positions
+//     each), masks, keeps the row's running max and (per lane) sum, and writes P (bf16) and the row's rescale
+//     factor to shared memory — 4 exp2 per lane instead of 16, and no warp repeats another's softmax;
+//   * O += P·V: warp w owns output dims [64w, 64w + 64) of all 32 rows (64 fp32 accumulators); P's A fragments
+//     come from shared memory by ldmatrix.
+// Three barriers per 32-position tile (tile landed / partial scores written / P written).  Same copy pipeline
+// as the other kernels: a 2-slot ring of 32-position tiles, slots through the shared slot ring, L2 prefetch.
+struct WideConfig {
+  static constexpr int kThreads = 256, kWarpsW = 8, kRowsW = 32;
+  static constexpr int kTile = 32, kRing = 2;
+  static constexpr int kThreadsPerRow = kThreads / kTile;                  // 8
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
+  static constexpr int kPrefetch = 3;
+  static constexpr int kSlotAhead = 2 * (kRing - 1) + kPrefetch;
+  static constexpr int kSlotRing = 8;
+  static_assert(kSlotRing >= kRing + kPrefetch, "slot ring");
+  static constexpr int kStageBytes = kTile * kRowBytes;
+  static constexpr int kKvBytes = kRing * kStageBytes;                  // 74,752
+  static constexpr int kPartStride = kTile + 8;                         // floats per row of a slice's partial scores
+  static constexpr int kPartBytes = kWarps * kRowsW * kPartStride * 4;  // 4 slices: 20,480
+  static constexpr int kPStride = kTile + 8;                            // bf16 per row of P (80 B: ldmatrix conflict-free)
+  static constexpr int kPBytes = kRowsW * kPStride * 2;                 // 2,560
+  static constexpr int kScaleBytes = kRowsW * 4;                        // this tile's rescale factor per row
+  static constexpr int kStatBytes = 2 * kRowsW * 4;                     // final max and sum per row
+  static constexpr int kSlotBytes = kSlotRing * kTile * 4;
+  static constexpr int kPartOff = kKvBytes, kPOff = kPartOff + kPartBytes, kScaleOff = kPOff + kPBytes;
+  static constexpr int kStatOff = kScaleOff + kScaleBytes, kSlotOff = kStatOff + kStatBytes;
+  static constexpr int kSmemBytes = kSlotOff + kSlotBytes;              // 99,200 B
+  static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+  static_assert(kPOff % 16 == 0 && kSlotOff % 16 == 0, "alignment");
+};
+
+template <bool kDirect>
+__global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide_kernel(const Params p) {
+  using W = WideConfig;
+  constexpr int kTile = W::kTile, kRing = W::kRing;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t kv_smem = smem_addr(smem);
+  float* part = reinterpret_cast<float*>(smem + W::kPartOff);        // [slice][row][kPartStride]
+  uint16_t* pbuf = reinterpret_cast<uint16_t*>(smem + W::kPOff);     // [row][kPStride] bf16
+  const uint32_t p_smem = kv_smem + W::kPOff;
+  float* scale_s = reinterpret_cast<float*>(smem + W::kScaleOff);    // [row]
+  float* stat_s = reinterpret_cast<float*>(smem + W::kStatOff);      // [2][row]: max (base 2), sum
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, qd = lane % 4;
+  const int ds = warp % 4, ph = warp / 4;  // Q·Kᵀ role: dim slice, position half
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int row0 = blockIdx.x * W::kRowsW;
+
+  const int kv_len = p.kv_lens[b];
+  const int valid = min(max(kv_len, 0), p.max_len);
+  const int first = kv_len - p.num_queries;
+  const int num_tiles = (valid + kTile - 1) / kTile;
+  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * tiles_per_split, num_tiles);
+  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+
+  const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
+  const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
+  const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+
+  // Q fragments: both m16 tiles (rows row0 + 16 mt + g, + 8), this warp's 144-dim slice.
+  uint32_t qf[2][kKSteps][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int ra = row0 + mt * 16 + g, rb = ra + 8;
+    const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
+    const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int k2 = (ds * kKSlice + ks * 16) / 2 + qd;
+      qf[mt][ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
+      qf[mt][ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
+      qf[mt][ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
+      qf[mt][ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
+    }
+  }
+
+  const uint32_t slot_ring_smem = kv_smem + W::kSlotOff;
+  const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + W::kSlotOff);
+  const int my_row = static_cast<int>(threadIdx.x) / W::kThreadsPerRow;
+  auto request_slots = [&](int t) {
+    if (threadIdx.x < kTile && t < tile_end) {
+      const int pos = t * kTile + static_cast<int>(threadIdx.x);
+      const bool ok = pos < valid;
+      cp_async_4(slot_ring_smem + ((t & (W::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
+    }
+  };
+  {  // prologue: as in verify_attention_kernel
+    constexpr int kFirst = kRing - 1 + W::kPrefetch;
+    int32_t raw[kFirst];
+    bool ok[kFirst];
+#pragma unroll
+    for (int st = 0; st < kFirst; ++st) {
+      const int pos = (tile_begin + st) * kTile + my_row;
+      ok[st] = tile_begin + st < tile_end && pos < valid;
+      raw[st] = ok[st] ? __ldg(slots + pos) : 0;
+    }
+#pragma unroll
+    for (int st = kRing - 1; st < W::kSlotAhead; ++st) request_slots(tile_begin + st);
+#pragma unroll
+    for (int st = 0; st < kRing - 1; ++st) {
+      if (tile_begin + st < tile_end) {
+        load_kv_tile<W::kThreadsPerRow, W::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * W::kStageBytes);
+      }
+      cp_async_commit();
+    }
+#pragma unroll
+    for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<W::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
+  }
+
+  // Softmax role: row rr of the block (8 lanes per row), positions pp .. pp + 3 of each tile.
+  const int rr = warp * 4 + lane / 8, pp = (lane % 8) * 4;
+  const uint32_t* mask_r = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + rr, p.rows - 1) / p.num_heads) * p.mask_words;
+  float m_run = -INFINITY;  // running max of row rr (base 2)
+  float l_run = 0.f;        // this lane's share of the running denominator
+
+  float acc[2][8][4];  // O: rows 16 mt + g (+8), dims 64 warp + 8 nb + 2 qd (+1)
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) acc[mt][nb][0] = acc[mt][nb][1] = acc[mt][nb][2] = acc[mt][nb][3] = 0.f;
+
+  const int mat = lane / 8;
+  const uint32_t k_lane = ((lane % 8) + (mat / 2) * 8 + ph * 16) * kRowBytes + (ds * kKSlice + (mat % 2) * 8) * 2;
+  const uint32_t v_lane = ((lane % 8) + (mat % 2) * 8) * kRowBytes + (warp * 64 + (mat / 2) * 8) * 2;
+  const uint32_t p_lane = p_smem + ((lane % 8) + (mat % 2) * 8) * (W::kPStride * 2) + (mat / 2) * 16;
+  float* my_part = part + ds * W::kRowsW * W::kPartStride;
+
+  uint32_t read_off = 0, write_off = (kRing - 1) * W::kStageBytes;
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    cp_async_wait<kRing - 2>();
+    __syncthreads();  // B1: the tile has landed; everybody is done with the previous tile's P and V
+    const uint32_t stage_base = kv_smem + read_off;
+    {
+      const int t_copy = tile + kRing - 1, t_fetch = tile + kRing - 1 + W::kPrefetch;
+      if (t_copy < tile_end) {
+        const int32_t raw = slot_ring[(t_copy & (W::kSlotRing - 1)) * kTile + my_row];
+        load_kv_tile<W::kThreadsPerRow, W::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
+      }
+      if (t_fetch < tile_end) {
+        const int32_t raw = slot_ring[(t_fetch & (W::kSlotRing - 1)) * kTile + my_row];
+        prefetch_kv_row<W::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
+      }
+      request_slots(tile + W::kSlotAhead);
+    }
+    cp_async_commit();
+    read_off = read_off + W::kStageBytes == W::kKvBytes ? 0 : read_off + W::kStageBytes;
+    write_off = write_off + W::kStageBytes == W::kKvBytes ? 0 : write_off + W::kStageBytes;
+
+    // Partial scores: 32 rows x positions [16 ph, 16 ph + 16) over dims slice ds.
+    {
+      float s[2][2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t kb[4];
+        ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
+          mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          const int col = ph * 16 + nb * 8 + 2 * qd;
+          *reinterpret_cast<float2*>(my_part + (mt * 16 + g) * W::kPartStride + col) = make_float2(s[mt][nb][0], s[mt][nb][1]);
+          *reinterpret_cast<float2*>(my_part + (mt * 16 + g + 8) * W::kPartStride + col) = make_float2(s[mt][nb][2], s[mt][nb][3]);
+        }
+    }
+    __syncthreads();  // B2: partial scores written
+
+    // Softmax of row rr, positions pp .. pp + 3: sum the four slices, scale to base 2, mask, online update.
+    {
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int sl = 0; sl < kWarps; ++sl) {
+        const float4 t = *reinterpret_cast<const float4*>(part + (sl * W::kRowsW + rr) * W::kPartStride + pp);
+        x[0] += t.x; x[1] += t.y; x[2] += t.z; x[3] += t.w;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] *= p.scale_log2;
+      const int tile_pos = tile * kTile;
+      if (tile_pos + kTile > min(first, valid)) {  // the tile reaches the query tokens or the end
+        const int j0 = tile_pos - first;
+        const int w0 = max(j0, 0) >> 5;
+        const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r + w0) : 0u;
+        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r + w0 + 1) : 0u;
+        const uint64_t bits = (static_cast<uint64_t>(hi) << 32) | lo;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int pos = tile_pos + pp + i;
+          const int j = pos - first;
+          const bool visible = pos < valid && (j < 0 || ((bits >> (j - 32 * w0)) & 1u));
+          if (!visible) x[i] = -INFINITY;
+        }
+      }
+      float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
+      const float new_max = fmaxf(m_run, tile_max);
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      const float sc = fast_exp2(m_run - base);
+      m_run = new_max;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = fast_exp2(x[i] - base);
+      l_run = l_run * sc + ((x[0] + x[1]) + (x[2] + x[3]));
+      *reinterpret_cast<uint2*>(pbuf + rr * W::kPStride + pp) = make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]));
+      if (lane % 8 == 0) scale_s[rr] = sc;
+    }
+    __syncthreads();  // B3: P and the rescale factors written
+
+    // Rescale O (skipped, per warp, when no row max moved), then O += P·V over this warp's 64 dims.
+    {
+      const float f[2][2] = {{scale_s[g], scale_s[g + 8]}, {scale_s[16 + g], scale_s[24 + g]}};
+      if (__any_sync(0xffffffffu, f[0][0] != 1.f || f[0][1] != 1.f || f[1][0] != 1.f || f[1][1] != 1.f)) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb) {
+            acc[mt][nb][0] *= f[mt][0]; acc[mt][nb][1] *= f[mt][0];
+            acc[mt][nb][2] *= f[mt][1]; acc[mt][nb][3] *= f[mt][1];
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kTile / 16; ++u) {
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(p_lane + mt * 16 * (W::kPStride * 2) + u * 32, pa[mt]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(stage_base + v_lane + u * 16 * kRowBytes + j * 32, vb);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(acc[mt][2 * j], pa[mt], vb[0], vb[1]);
+          mma_bf16(acc[mt][2 * j + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: the softmax lanes publish each row's max and denominator; every warp normalises its columns.
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 4);
+  if (lane % 8 == 0) {
+    stat_s[rr] = m_run;
+    stat_s[W::kRowsW + rr] = l_run;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rl = mt * 16 + g + 8 * h, r = row0 + rl;
+      if (r >= p.rows) continue;
+      const float sum = stat_s[W::kRowsW + rl];
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
+      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
+                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
+      if (kDirect) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + warp * 64 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (warp == 0 && qd == 0) p.lse[row_index] = lse_row;
+      } else {
+        float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + warp * 64 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) dst[nb * 4] = make_float2(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (warp == 0 && qd == 0) p.lse_part[row_index] = lse_row;
+      }
+    }
+  }
+}
+
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
 // Grid (rows, B, 4 column quarters); 16 warps, warp w takes splits w, w+16, ...; lane l owns 4 columns.
 // Each thread keeps 8 16-byte loads in flight, and the first round is issued before the weights are known
@@ -581,6 +875,11 @@ cudaError_t ensure_smem_limit(int device) {
     if (err == cudaSuccess) err = set_kernel_attributes<false, 1>();
     if (err == cudaSuccess) err = set_kernel_attributes<true, 2>();
     if (err == cudaSuccess) err = set_kernel_attributes<false, 2>();
+    for (const void* fn : {reinterpret_cast<const void*>(verify_attention_wide_kernel<true>),
+                           reinterpret_cast<const void*>(verify_attention_wide_kernel<false>)}) {
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, WideConfig::kSmemBytes);
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    }
     // The merge runs right after the main kernel: the same carveout spares the multiprocessors a shared
     // memory / L1 reconfiguration (a drain) between the two launches.
     if (err == cudaSuccess) {
@@ -592,16 +891,26 @@ cudaError_t ensure_smem_limit(int device) {
   return smem_status[device];
 }
 
+// kGroups 1 or 2: verify_attention_kernel; 0: the wide kernel (32 rows per block, like two groups).
 template <int kGroups>
 void launch(const Params& p, int64_t batch, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kGroups * kRows;
+  constexpr int kRowsPerBlock = kGroups == 0 ? WideConfig::kRowsW : kGroups * kRows;
   const dim3 grid(static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
-  constexpr int threads = Config<kGroups>::kThreads, smem = Config<kGroups>::kSmemBytes;
-  if (p.num_splits == 1) {
-    verify_attention_kernel<true, kGroups><<<grid, threads, smem, stream>>>(p);
+  if constexpr (kGroups == 0) {
+    constexpr int threads = WideConfig::kThreads, smem = WideConfig::kSmemBytes;
+    if (p.num_splits == 1) {
+      verify_attention_wide_kernel<true><<<grid, threads, smem, stream>>>(p);
+      return;
+    }
+    verify_attention_wide_kernel<false><<<grid, threads, smem, stream>>>(p);
+  } else if (p.num_splits == 1) {
+    verify_attention_kernel<true, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
+    return;
   } else {
-    verify_attention_kernel<false, kGroups><<<grid, threads, smem, stream>>>(p);
+    verify_attention_kernel<false, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
+  }
+  {
     merge_splits_kernel<<<dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(batch), kMergeQuarters),
                           kMergeThreads, 0, stream>>>(p);
   }
@@ -621,7 +930,7 @@ using LsePart = ffi::Buffer<ffi::F32, 1>;
 
 ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, Scalar32 layer,
                                Slots kv_slots, Lens kv_lens, Mask tree_mask, float softmax_scale, int64_t rope_dim,
-                               int64_t num_splits, int64_t row_groups, ffi::Result<ffi::AnyBuffer> out,
+                               int64_t num_splits, int64_t row_groups, int64_t variant, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<Lse> lse,
                                ffi::Result<OutPart> out_part, ffi::Result<LsePart> lse_part) {
   const auto qd = q.dimensions();
@@ -636,7 +945,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
-  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant != 0 && variant != 1) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
       pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }
@@ -672,6 +981,8 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
 
   if (row_groups == 1) {
     launch<1>(p, batch, stream);
+  } else if (variant == 1) {
+    launch<0>(p, batch, stream);  // the wide kernel: 32 rows per block like two groups
   } else {
     launch<2>(p, batch, stream);
   }
@@ -694,6 +1005,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, VerifyAttentionCuda,
                                   .Attr<int64_t>("rope_dim")
                                   .Attr<int64_t>("num_splits")
                                   .Attr<int64_t>("row_groups")
+                                  .Attr<int64_t>("variant")  // with row_groups 2: 1 = wide kernel, 0 = two groups
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<Lse>()             // lse
                                   .Ret<OutPart>()         // per-split out (scratch)

@@ -82,6 +82,14 @@ def choose_row_groups(num_queries: int, num_heads: int) -> int:
     return 1 if num_queries * num_heads <= CUDA_ROWS_PER_GROUP else 2
 
 
+def choose_variant() -> int:
+    """The kernel for more than 16 query rows: 1 = the wide kernel (32 rows per block, every warp on all 32
+    rows: each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row);
+    0 = the two-group kernel (two groups of 4 warps, 16 rows each). KDTREE_VERIFY_VARIANT=0|1 overrides."""
+    forced = os.environ.get("KDTREE_VERIFY_VARIANT")
+    return int(forced) if forced in ("0", "1") else 1
+
+
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
                       row_groups: int | None = None) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks (a second, partial
@@ -142,7 +150,8 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
-                          num_splits=np.int64(num_splits), row_groups=np.int64(row_groups))
+                          num_splits=np.int64(num_splits), row_groups=np.int64(row_groups),
+                          variant=np.int64(choose_variant()))
     return out, lse
 
 
@@ -181,4 +190,5 @@ def _has_gpu() -> bool:
         return False
 
 
-__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "choose_row_groups", "sm_count", "cuda_fast_path"]
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "choose_row_groups", "choose_variant",
+           "sm_count", "cuda_fast_path"]
