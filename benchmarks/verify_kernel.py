@@ -242,7 +242,7 @@ def while_loop_figure(cases):
                 return jax.lax.fori_loop(0, k, body, jnp.float32(0))
             return run
 
-        per_call_loop = wall_per_call(make, args, 1, 64, reps=7)
+        per_call_loop = wall_per_call(make, args, 1, 64, reps=5)
         run64 = make(64)
         jax.block_until_ready(run64(*args))
         times = []
@@ -250,7 +250,7 @@ def while_loop_figure(cases):
             t0 = time.perf_counter()
             jax.block_until_ready(run64(*args))
             times.append(time.perf_counter() - t0)
-        single = wall_per_call(unrolled(op, num_layers), args, 4, 20)
+        single = wall_per_call(unrolled(op, num_layers), args, 3, 12, reps=5)
         out.append(dict(B=batch, L=length, T=num_queries, single_call_us=single * 1e6,
                         while_loop_per_call_us=per_call_loop * 1e6,
                         while_loop_64_wall_over_64_us=float(np.median(times)) / 64 * 1e6,

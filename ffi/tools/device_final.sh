@@ -5,7 +5,7 @@
 #   BUDGET_S=190 bash ffi/tools/device_final.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-BUDGET_S=${BUDGET_S:-190}
+BUDGET_S=${BUDGET_S:-150}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -13,7 +13,7 @@ KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
 grep -E "ptxas info.*(Compiling|Used)|spill" "$OUT/build.log" | grep -A2 -E "verify_attention|merge_splits" | grep -E "Used|spill" | sed 's/ptxas info    : //' | paste - - | cut -c1-110
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 115 python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
 grep -E "passed|failed|error|^[0-9.]+s " "$OUT/gpu_tests.log" | tail -8; echo "tests done at $(( $(date +%s) - T0 )) s"
 if ! grep -q " passed" "$OUT/gpu_tests.log" || grep -qE "[0-9]+ (failed|error)" "$OUT/gpu_tests.log"; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
