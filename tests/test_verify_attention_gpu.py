@@ -77,6 +77,26 @@ def test_cuda_matches_reference(shape, num_splits):
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
 
 
+# Shapes with more than 16 query rows, where two kernels exist: the two-group kernel (KDTREE_VERIFY_VARIANT=0)
+# and the wide kernel (1); each is checked whatever the default is.
+WIDE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] > 16]
+
+
+@pytest.mark.parametrize("variant", ["0", "1"])
+@pytest.mark.parametrize("num_splits", [0, 5])
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monkeypatch):
+    monkeypatch.setenv("KDTREE_VERIFY_VARIANT", variant)  # read when the call is traced
+    batch, num_queries, num_heads, max_len = shape
+    fn = jitted("auto", SCALE, ROPE, num_splits)
+    for draw in range(2):
+        case = make_case(31 * draw + max_len + num_splits + 7, batch, num_queries, num_heads, max_len, latent=LATENT,
+                         rope=ROPE, dtype=jnp.bfloat16)
+        out, lse = run_poisoned(fn, case)
+        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
 def test_repeated_calls_are_bit_identical():
     case = make_case(5, 2, 16, 8, 5003, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
     fn = jitted("auto", SCALE, ROPE, 0)
@@ -116,13 +136,15 @@ def test_other_dtypes_fall_back_to_reference_on_gpu():
 
 
 SANITIZER_SCRIPT = textwrap.dedent("""
-    import sys
+    import os, sys
     sys.path.insert(0, {tests!r})
     import jax, jax.numpy as jnp, numpy as np
     from test_verify_attention import make_case, jitted
-    # T*H = 56 runs the two-group kernel (32-position tiles, 2-slot ring), T*H = 8 the one-group kernel
-    # (16-position tiles, 5-slot ring): both pipelines, with and without the merge.
-    for num_queries in (7, 1):
+    # T*H = 56 runs the many-row kernels (variant 1: the wide kernel; 0: the two-group kernel; 32-position
+    # tiles, 2-slot ring), T*H = 8 the one-group kernel (16-position tiles, 5-slot ring): every pipeline, with
+    # and without the merge.
+    for num_queries, variant in ((7, "1"), (7, "0"), (1, "1")):
+        os.environ["KDTREE_VERIFY_VARIANT"] = variant
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
             out, lse = jitted("auto", 0.07, 64, splits)(*case)
@@ -137,8 +159,9 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 def test_compute_sanitizer_is_clean(tool):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     script = SANITIZER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    # racecheck instruments only our kernels (shared-memory hazards); memcheck checks every kernel.
-    only_ours = ["--kernel-name", "kns=verify_attention_kernel"] if tool == "racecheck" else []
+    # racecheck instruments only our kernels (shared-memory hazards: the three verify kernels and the merge, whose
+    # names all hold "verify_attention"); memcheck checks every kernel.
+    only_ours = ["--kernel-name", "kns=verify_attention"] if tool == "racecheck" else []
     res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
                           sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     log = res.stdout + res.stderr
