@@ -157,7 +157,9 @@ def sweep(ceilings, plan, on_row=lambda rows: None):
                 t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
             splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
             row = dict(B=batch, L=length, T=num_queries, H=heads, slots="scattered" if scattered else "contiguous",
-                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, heads), us=t_kernel * 1e6,
+                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, heads),
+                       variant=vffi.choose_variant() if vffi.choose_row_groups(num_queries, heads) == 2 else None,
+                       us=t_kernel * 1e6,
                        gbps=kv_bytes / t_kernel / 1e9,
                        tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
                        bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
@@ -276,6 +278,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s.", "",
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
              "XLA = the pure-JAX reference (gather + einsum), scattered slots only, skipped above 2^28 scores.", "",
+             "Kernel for T·H > 16: " + ", ".join(sorted({("wide (variant 1)" if r.get("variant") == 1 else "two-group (variant 0)")
+                                                        for r in rows if r.get("variant") is not None})) + ".", "",
              "| B | L | T | H | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call within a fixed budget (writes under $OUT): build, every GPU kernel test (parallel), then the
 # `priority` sweep (the while-loop figure first) until BUDGET_S seconds after the start, then, if time is left,
-# four rows with command buffers.  If a test fails, the sweep runs the two-group kernel (KDTREE_VERIFY_VARIANT=0).
+# four rows with command buffers.  The tests check both many-row kernels; if they all pass, the sweep runs the
+# wide kernel (KDTREE_VERIFY_VARIANT=1, not yet the default), else the two-group kernel (0).
 #   BUDGET_S=190 bash ffi/tools/device_final.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -15,10 +16,12 @@ echo "build done at $(( $(date +%s) - T0 )) s"
 grep -E "ptxas info.*(Compiling|Used)|spill" "$OUT/build.log" | grep -A2 -E "verify_attention|merge_splits" | grep -E "Used|spill" | sed 's/ptxas info    : //' | paste - - | cut -c1-110
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 115 python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
 grep -E "passed|failed|error|^[0-9.]+s " "$OUT/gpu_tests.log" | tail -8; echo "tests done at $(( $(date +%s) - T0 )) s"
+export KDTREE_VERIFY_VARIANT=1
 if ! grep -q " passed" "$OUT/gpu_tests.log" || grep -qE "[0-9]+ (failed|error)" "$OUT/gpu_tests.log"; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
   echo "GPU TESTS FAILED: the sweep runs the two-group kernel (KDTREE_VERIFY_VARIANT=0)"; export KDTREE_VERIFY_VARIANT=0
 fi
+echo "sweep kernel for T*H > 16: variant $KDTREE_VERIFY_VARIANT"
 L=$(( $(left) - 25 )); [ $L -lt 20 ] && L=20
 timeout $L python3 benchmarks/verify_kernel.py --plan priority --no-ref --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" 2>&1 | python3 ffi/tools/rows.py
 echo "sweep done at $(( $(date +%s) - T0 )) s"
