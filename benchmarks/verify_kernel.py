@@ -130,6 +130,18 @@ def reference_op(*a):
     return verify_attention(*a, softmax_scale=SCALE, impl="reference")
 
 
+DEVICE_TIMING = False  # --device-timing: also time each row's kernels with CUDA events outside XLA
+
+
+def device_timing(batch, num_queries, heads, length, scattered, splits, row_groups, variant):
+    """The extension's CUDA-event harness (ffi/verify_attention.cu, bench_verify_attention): µs per call with plain
+    launches and as a CUDA graph, and of the main kernel and the merge alone; None where it failed."""
+    res = vffi._ext.bench_verify_attention(batch, num_queries, heads, length, splits, row_groups,
+                                           variant if variant is not None else 0, scattered, 20)
+    keys = ("device_us", "device_graph_us", "device_main_us", "device_merge_us")
+    return {k: (float(v) if v >= 0 else None) for k, v in zip(keys, res)}
+
+
 def sweep(ceilings, plan, on_row=lambda rows: None):
     """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row."""
     rows = []
@@ -165,6 +177,9 @@ def sweep(ceilings, plan, on_row=lambda rows: None):
                        bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
                        xla_us=None if t_ref is None else t_ref * 1e6,
                        speedup=None if t_ref is None else t_ref / t_kernel)
+            if DEVICE_TIMING:
+                row.update(device_timing(batch, num_queries, heads, length, scattered, splits, row["row_groups"],
+                                         row["variant"]))
             rows.append(row)
             print(json.dumps(row), flush=True)
             on_row(rows)
@@ -286,6 +301,15 @@ def write_results(path, meta, ceilings, rows, loop_rows):
         lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
                      f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} |")
+    if any("device_us" in r for r in rows):
+        lines += ["", "## The same rows timed with CUDA events outside XLA (`--device-timing`, µs per call, 20 calls)", "",
+                  "| B | L | T | H | slots | XLA program µs | plain launches | CUDA graph | main kernel alone | merge alone |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "device_us" in r:
+                lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {r['us']:.1f} | "
+                             f"{fmt(r['device_us'], '.1f')} | {fmt(r['device_graph_us'], '.1f')} | "
+                             f"{fmt(r['device_main_us'], '.1f')} | {fmt(r['device_merge_us'], '.1f')} |")
     if loop_rows:
         lines += ["", "## Inside a jitted while loop (64 calls, XLA command buffers incl. WHILE/CONDITIONAL)", "",
                   "| B | L | T | single call µs | per call in loop µs | ratio |", "|---|---|---|---|---|---|"]
@@ -306,8 +330,13 @@ def main():
     parser.add_argument("--command-buffers", action="store_true",
                         help="time with XLA command buffers on (the timed program replays as a CUDA graph, as inside "
                              "the engine's while loop): no host dispatch per call; default: plain launches")
+    parser.add_argument("--device-timing", action="store_true",
+                        help="also time each row's kernels with CUDA events outside XLA (plain launches, CUDA graph, "
+                             "main kernel alone, merge alone)")
     parser.add_argument("--while-loop-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE_TIMING
+    DEVICE_TIMING = args.device_timing
     if not (vffi.available() and vffi.cuda_built()) or jax.default_backend() != "gpu":
         sys.exit("needs a GPU and the extension built with CUDA")
     loop_cases = [(1, 4096, 1), (1, 65536, 16)]

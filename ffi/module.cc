@@ -1,6 +1,7 @@
 // nanobind module: hands the FFI handlers to Python as capsules (jax.ffi.register_ffi_target takes them)
 // and exposes the few host helpers the Python side and the benchmarks need.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "moe_experts.h"
 #include "verify_attention.h"
@@ -28,6 +29,11 @@ NB_MODULE(_verify_attention_ext, m) {
         "Measured rate of mma.sync.m16n8k16 bf16 (fp32 accumulate) over the whole GPU, TFLOP/s.");
   m.def("bench_copy_gbps", &kdtree::bench_copy_gbps, nb::arg("device") = 0, nb::arg("bytes") = int64_t{1} << 31,
         nb::arg("iters") = 20, "Device-to-device cudaMemcpy bandwidth, bytes read + written per second / 1e9.");
+  m.def("bench_verify_attention", &kdtree::bench_verify_attention, nb::arg("batch"), nb::arg("num_queries"),
+        nb::arg("num_heads"), nb::arg("length"), nb::arg("num_splits"), nb::arg("row_groups"), nb::arg("variant"),
+        nb::arg("scattered") = true, nb::arg("iters") = 20,
+        "The verify kernels timed with CUDA events outside XLA, us per call: [plain launches, CUDA graph replay, "
+        "main kernel alone, merge alone] (-1 on failure).");
 #else
   m.attr("with_cuda") = false;
 #endif

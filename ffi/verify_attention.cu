@@ -32,11 +32,15 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "verify_attention.h"
 
@@ -896,11 +900,12 @@ cudaError_t ensure_smem_limit(int device) {
 
 // kGroups 1 or 2: verify_attention_kernel; 0: the wide kernel (32 rows per block, like two groups).
 template <int kGroups>
-void launch(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = true, bool merge = true) {
   constexpr int kRowsPerBlock = kGroups == 0 ? WideConfig::kRowsW : kGroups * kRows;
   const dim3 grid(static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
-  if constexpr (kGroups == 0) {
+  if (!main) {  // (bench_verify_attention: the merge alone)
+  } else if constexpr (kGroups == 0) {
     constexpr int threads = WideConfig::kThreads, smem = WideConfig::kSmemBytes;
     if (p.num_splits == 1) {
       verify_attention_wide_kernel<true><<<grid, threads, smem, stream>>>(p);
@@ -913,9 +918,20 @@ void launch(const Params& p, int64_t batch, cudaStream_t stream) {
   } else {
     verify_attention_kernel<false, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
   }
-  {
+  if (merge && p.num_splits > 1) {
     merge_splits_kernel<<<dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(batch), kMergeQuarters),
                           kMergeThreads, 0, stream>>>(p);
+  }
+}
+
+void launch_any(const Params& p, int64_t batch, cudaStream_t stream, int64_t row_groups, int64_t variant,
+                bool main = true, bool merge = true) {
+  if (row_groups == 1) {
+    launch<1>(p, batch, stream, main, merge);
+  } else if (variant == 1) {
+    launch<0>(p, batch, stream, main, merge);
+  } else {
+    launch<2>(p, batch, stream, main, merge);
   }
 }
 
@@ -982,18 +998,138 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   p.scale_log2 = softmax_scale * kLog2e;
   if (rows == 0 || batch == 0) return ffi::Error::Success();
 
-  if (row_groups == 1) {
-    launch<1>(p, batch, stream);
-  } else if (variant == 1) {
-    launch<0>(p, batch, stream);  // the wide kernel: 32 rows per block like two groups
-  } else {
-    launch<2>(p, batch, stream);
-  }
+  launch_any(p, batch, stream, row_groups, variant);  // variant 1 with two groups: the wide kernel
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_error("kernel launch", err);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// bench_verify_attention: the kernels timed with CUDA events outside XLA (a benchmark helper; never called by the
+// op).  Random bf16 inputs (uniform in [-1, 1)), a causal tree mask, kv_lens = length, a pool of several layers
+// (about 512 MB, at least 2) with consecutive calls on consecutive layers, as benchmarks/verify_kernel.py does.
+namespace {
+__global__ void fill_random_bf16(uint16_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ static_cast<uint32_t>(i >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12; h *= 0x297A2D39u; h ^= h >> 15;
+    const float x = static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f;
+    p[i] = static_cast<uint16_t>(__float_as_uint(x) >> 16);
+  }
+}
+}  // namespace
+
+namespace kdtree {
+std::vector<double> bench_verify_attention(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
+                                           int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
+                                           int iters) {
+  std::vector<double> result(4, -1.0);  // per call: plain launches, CUDA graph replay, main kernel alone, merge alone
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || ensure_smem_limit(device) != cudaSuccess) return result;
+  if (batch < 1 || num_queries < 1 || num_heads < 1 || length < num_queries || num_splits < 1 || num_splits > kMaxSplits ||
+      iters < 1 || (row_groups != 1 && row_groups != 2)) {
+    return result;
+  }
+  const int64_t rows = num_queries * num_heads, num_slots = batch * length, mask_words = (num_queries + 31) / 32;
+  const int64_t layer_elems = num_slots * kWidth;
+  const int64_t num_layers = std::max<int64_t>(2, std::min<int64_t>(64, ((int64_t{512} << 20) / 2 + layer_elems - 1) / layer_elems));
+  std::vector<int32_t> h_slots(num_slots), h_lens(batch, static_cast<int32_t>(length)), h_layers(num_layers);
+  std::iota(h_slots.begin(), h_slots.end(), 0);
+  if (scattered) std::shuffle(h_slots.begin(), h_slots.end(), std::mt19937(12345));
+  std::iota(h_layers.begin(), h_layers.end(), 0);
+  std::vector<uint32_t> h_mask(batch * num_queries * mask_words, 0u);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < num_queries; ++i)
+      for (int64_t j = 0; j <= i; ++j) h_mask[(b * num_queries + i) * mask_words + j / 32] |= 1u << (j % 32);
+
+  uint16_t *q = nullptr, *pool = nullptr, *out = nullptr;
+  int32_t *slots = nullptr, *lens = nullptr, *layers = nullptr;
+  uint32_t* mask = nullptr;
+  float *lse = nullptr, *out_part = nullptr, *lse_part = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool ok = cudaMalloc(&q, batch * rows * kWidth * 2) == cudaSuccess &&
+            cudaMalloc(&pool, num_layers * layer_elems * 2) == cudaSuccess &&
+            cudaMalloc(&out, batch * rows * kLatent * 2) == cudaSuccess &&
+            cudaMalloc(&slots, num_slots * 4) == cudaSuccess && cudaMalloc(&lens, batch * 4) == cudaSuccess &&
+            cudaMalloc(&layers, num_layers * 4) == cudaSuccess && cudaMalloc(&mask, h_mask.size() * 4) == cudaSuccess &&
+            cudaMalloc(&lse, batch * rows * 4) == cudaSuccess &&
+            cudaMalloc(&out_part, batch * num_splits * rows * kLatent * 4) == cudaSuccess &&
+            cudaMalloc(&lse_part, batch * num_splits * rows * 4) == cudaSuccess &&
+            cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+            cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess;
+  if (ok) {
+    fill_random_bf16<<<1024, 256, 0, stream>>>(q, batch * rows * kWidth, 1u);
+    fill_random_bf16<<<4096, 256, 0, stream>>>(pool, num_layers * layer_elems, 2u);
+    ok = cudaMemcpyAsync(slots, h_slots.data(), num_slots * 4, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+         cudaMemcpyAsync(lens, h_lens.data(), batch * 4, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+         cudaMemcpyAsync(layers, h_layers.data(), num_layers * 4, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+         cudaMemcpyAsync(mask, h_mask.data(), h_mask.size() * 4, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+         cudaStreamSynchronize(stream) == cudaSuccess;
+  }
+  Params p{};
+  p.q = q; p.kv_pool = pool; p.kv_slots = slots; p.kv_lens = lens; p.tree_mask = mask;
+  p.out = out; p.lse = lse; p.out_part = out_part; p.lse_part = lse_part;
+  p.num_queries = static_cast<int>(num_queries); p.num_heads = static_cast<int>(num_heads); p.rows = static_cast<int>(rows);
+  p.mask_words = static_cast<int>(mask_words); p.max_len = static_cast<int>(length); p.num_layers = static_cast<int>(num_layers);
+  p.num_slots = num_slots; p.num_splits = static_cast<int>(num_splits); p.scale_log2 = 0.07f * kLog2e;
+  // Time `iters` calls (each on the next layer) with events; main/merge select the kernels.
+  auto timed = [&](bool main, bool merge, bool use_graph) -> double {
+    for (int i = 0; i < 3; ++i) {  // warm-up
+      p.layer = layers + i % num_layers;
+      launch_any(p, batch, stream, row_groups, variant, main, merge);
+    }
+    if (use_graph) {
+      if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1.0;
+      for (int i = 0; i < iters; ++i) {
+        p.layer = layers + i % num_layers;
+        launch_any(p, batch, stream, row_groups, variant, main, merge);
+      }
+      if (cudaStreamEndCapture(stream, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess ||
+          cudaGraphLaunch(exec, stream) != cudaSuccess) {
+        return -1.0;
+      }
+    }
+    cudaEventRecord(e0, stream);
+    if (use_graph) {
+      cudaGraphLaunch(exec, stream);
+    } else {
+      for (int i = 0; i < iters; ++i) {
+        p.layer = layers + i % num_layers;
+        launch_any(p, batch, stream, row_groups, variant, main, merge);
+      }
+    }
+    cudaEventRecord(e1, stream);
+    float ms = 0.f;
+    if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess ||
+        cudaGetLastError() != cudaSuccess) {
+      return -1.0;
+    }
+    return 1e3 * ms / iters;
+  };
+  if (ok) {
+    result[0] = timed(true, true, false);
+    result[1] = timed(true, true, true);
+    result[2] = timed(true, false, false);
+    result[3] = num_splits > 1 ? timed(false, true, false) : 0.0;
+  }
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (stream) cudaStreamDestroy(stream);
+  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(pool), static_cast<void*>(out), static_cast<void*>(slots),
+                    static_cast<void*>(lens), static_cast<void*>(layers), static_cast<void*>(mask), static_cast<void*>(lse),
+                    static_cast<void*>(out_part), static_cast<void*>(lse_part)}) {
+    if (ptr) cudaFree(ptr);
+  }
+  return result;
+}
+}  // namespace kdtree
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, VerifyAttentionCuda,
                               ffi::Ffi::Bind()

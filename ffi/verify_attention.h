@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -47,5 +48,10 @@ namespace kdtree {
 int cuda_sm_count(int device);                 // multiprocessors of `device` (cached; -1 on error)
 double bench_mma_sync_tflops(int device);      // mma.sync m16n8k16 bf16 rate, fp32 accumulate
 double bench_copy_gbps(int device, int64_t bytes, int iters);  // cudaMemcpy D2D, (read + written) / s
+// The verify kernels timed with CUDA events outside XLA, per call in µs: {plain launches, CUDA graph replay, main
+// kernel alone, merge alone}; -1 where something failed (verify_attention.cu).
+std::vector<double> bench_verify_attention(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
+                                           int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
+                                           int iters);
 }  // namespace kdtree
 #endif

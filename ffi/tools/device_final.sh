@@ -23,7 +23,7 @@ if ! grep -q " passed" "$OUT/gpu_tests.log" || grep -qE "[0-9]+ (failed|error)" 
 fi
 echo "sweep kernel for T*H > 16: variant $KDTREE_VERIFY_VARIANT"
 L=$(( $(left) - 25 )); [ $L -lt 20 ] && L=20
-timeout $L python3 benchmarks/verify_kernel.py --plan priority --no-ref --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" 2>&1 | python3 ffi/tools/rows.py
+timeout $L python3 benchmarks/verify_kernel.py --plan priority --no-ref --device-timing --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" 2>&1 | python3 ffi/tools/rows.py
 echo "sweep done at $(( $(date +%s) - T0 )) s"
 L=$(( $(left) )); if [ $L -gt 12 ]; then
   timeout $L python3 benchmarks/verify_kernel.py --plan mini --command-buffers --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200_cb" 2>&1 | grep -E "^\| [0-9]|Traceback"

@@ -11,6 +11,8 @@ for line in sys.stdin:
     r = json.loads(line)
     if "us" in r:
         print(f"B{r['B']} L{r['L']} T{r['T']} H{r.get('H', 8)} {r['slots'][:4]} {r['num_splits']}x{r['row_groups']} "
-              f"{r['us']:.1f}us {r['gbps']:.0f}GB/s {r['tflops']:.1f}TF {100 * r['roofline_frac']:.0f}%", flush=True)
+              f"{r['us']:.1f}us {r['gbps']:.0f}GB/s {r['tflops']:.1f}TF {100 * r['roofline_frac']:.0f}%"
+              + (f" | events: plain {r['device_us']} graph {r['device_graph_us']} main {r['device_main_us']} "
+                 f"merge {r['device_merge_us']}" if "device_us" in r else ""), flush=True)
     else:
         print(line[:300], flush=True)
