@@ -2,7 +2,8 @@
 rows over three 32-position tiles, without a GPU: ldmatrix (plain and .trans) and mma.sync m16n8k16 are emulated
 lane by lane from their PTX-documented fragment layouts, on a byte-addressed shared memory, with the kernel's own
 lane address formulas (k_lane, v_lane, p_lane, the partial-score and P layouts), and the result is compared with
-float64 attention. It checks the index math of a kernel written when no device time was left; it is a
+float64 attention (with a tree mask over the last 16 positions, 2 heads, a partial last tile; --no-mask: none).
+It checks the index math of a kernel written when no device time was left; it is a
 transcription, so keep it in step with the kernel.  Prints the relative error of out (bf16 P: ~1e-3) and of lse.
 
     python ffi/tools/emulate_wide.py
@@ -45,6 +46,21 @@ def mma(C,A,B0,B1):
         out[l,0:2]=D[g,2*qd:2*qd+2]; out[l,2:4]=D[g+8,2*qd:2*qd+2]
     return out
 ntiles=3; kTile=32; scale=0.07; scale_log2=scale*1.4426950408889634
+import sys
+NQ, NH = (16, 2) if '--no-mask' not in sys.argv else (0, 1)   # query tokens (the last NQ positions), heads
+valid = ntiles*kTile - 5 if NQ else ntiles*kTile              # kv_len: the last tile is partial
+first = valid - NQ
+mask_words = max(1, (NQ + 31)//32)
+tree = np.zeros((max(NQ,1), mask_words), np.uint32)
+for i in range(NQ):
+    for j in range(i+1):
+        if j == i or (i + j) % 3 != 0: tree[i, j//32] |= np.uint32(1 << (j % 32))   # an irregular ancestor set
+def visible(row, pos):   # the kernel's rule (kdtree::position_visible)
+    if pos >= valid: return False
+    j = pos - first
+    if j < 0: return True
+    t = min(row, 31) // NH
+    return bool((int(tree[t, j//32]) >> (j % 32)) & 1)
 Q=bf16(rng.normal(size=(32,576))); KV=bf16(rng.normal(size=(ntiles*kTile,576))*2)
 stage=0; kPOff=95232; kPartOff=74752
 part=np.zeros((4,32,kPartStride),np.float32)
@@ -85,6 +101,15 @@ for t in range(ntiles):
         for lane in range(32):
             rr=warp*4+lane//8; pp=(lane%8)*4
             xs[lane]=sum(part[sl,rr,pp:pp+4] for sl in range(4))*scale_log2
+            tile_pos=t*kTile
+            if NQ and tile_pos+kTile > min(first, valid):   # the kernel's masked path, word arithmetic included
+                j0=tile_pos-first; w0=max(j0,0)>>5; t_row=min(rr,31)//NH
+                lo=int(tree[t_row,w0]) if w0 < mask_words else 0; hi=int(tree[t_row,w0+1]) if w0+1 < mask_words else 0
+                bits=(hi<<32)|lo
+                for i in range(4):
+                    pos=tile_pos+pp+i; j=pos-first
+                    vis = pos < valid and (j < 0 or ((bits >> (j - 32*w0)) & 1))
+                    if not vis: xs[lane,i]=-np.inf
         for lane in range(32):
             rr=warp*4+lane//8; pp=(lane%8)*4
             grp=[ (lane//8)*8+i for i in range(8)]
@@ -132,6 +157,10 @@ for warp in range(8):
                     out[rl,warp*64+nb*8+2*qd:warp*64+nb*8+2*qd+2]=acc[warp,lane,mt,nb,2*h:2*h+2]*inv
                 lse[rl]=(stat_m[rl]+np.log2(stat_l[rl]))*np.log(2)
 S=Q.astype(np.float64)@KV.T.astype(np.float64)*scale
+for r in range(32):
+    for pos in range(ntiles*kTile):
+        if not visible(r,pos): S[r,pos]=-np.inf
 ref_lse=np.log(np.exp(S-S.max(1,keepdims=True)).sum(1))+S.max(1)
 P=np.exp(S-ref_lse[:,None]); ref=P@KV[:,:512]
+assert np.isfinite(out).all() and np.isfinite(lse).all()
 print("out rel err", np.linalg.norm(out-ref)/np.linalg.norm(ref), "lse max err", np.abs(lse-ref_lse).max())
