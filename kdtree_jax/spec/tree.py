@@ -30,7 +30,7 @@ which is what lets the device code below compute it without replaying the heap.)
 from __future__ import annotations
 
 import operator
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +258,68 @@ def _sort_by_node_order(invalid, scores, paths, topk: int, *payload):
     return out[len(keys):]
 
 
+# Above this many candidates the level-by-level search is used (one sort of this size costs about
+# what its D small sorts do).
+STATIC_CANDIDATE_LIMIT = 4096
+
+
+@lru_cache(maxsize=64)
+def _static_candidates(budget: int, depth: int, topk: int):
+    """Every rank path that can be among the best `budget` nodes whatever the log-probs, or None if
+    there are more than STATIC_CANDIDATE_LIMIT of them.
+
+    Node (r_1, ..., r_d) comes after each (r'_1, ..., r'_k) with k <= d and r'_i <= r_i (lower ranks and
+    a prefix score at least as high, and an earlier rank path on a tie): that is
+    sum_{k=1..d} prod_{i<=k} (r_i + 1) nodes counting itself, so it can be among the best `budget` only
+    if that sum is <= budget. Returns numpy (paths [C, D] with -1 past the depth, depths [C], index of
+    each candidate's parent among the candidates or -1 for depth 1); a parent is always a candidate.
+    """
+    paths, depths, parents = [], [], []
+
+    def extend(prefix, parent, prod, count):
+        for r in range(topk):
+            p = prod * (r + 1)
+            if count + p > budget:
+                break  # larger ranks only grow the count
+            if len(paths) >= STATIC_CANDIDATE_LIMIT:
+                raise OverflowError
+            index = len(paths)
+            path = prefix + (r,)
+            paths.append(path + (-1,) * (depth - len(path)))
+            depths.append(len(path))
+            parents.append(parent)
+            if len(path) < depth:
+                extend(path, index, p, count + p)
+
+    try:
+        extend((), -1, 1, 0)
+    except OverflowError:
+        return None
+    return np.asarray(paths, np.int32), np.asarray(depths, np.int32), np.asarray(parents, np.int32)
+
+
+def _ddtree_one_static(top_logprobs, budget: int, candidates):
+    """`_ddtree_one` by one sort of a candidate set fixed by (budget, D, K) (see `_static_candidates`):
+    every candidate's score, then the first `budget` in the node order. Scores add up the depths in the
+    same order as the level search, so they are bit-identical to it."""
+    paths, depths, parents = candidates
+    depth, topk = top_logprobs.shape
+    scores = jnp.zeros((paths.shape[0],), jnp.float32)
+    for d in range(depth):
+        has = paths[:, d] >= 0
+        if not has.any():
+            break
+        scores = jnp.where(has, scores + top_logprobs[d][np.maximum(paths[:, d], 0)], scores)
+    order = jnp.arange(paths.shape[0], dtype=jnp.int32)
+    (order,) = _sort_by_node_order(jnp.zeros(paths.shape[:1], bool), scores, jnp.asarray(paths), topk, order)
+    chosen = order[:budget]
+    node_depth = jnp.asarray(depths)[chosen]
+    out_index = jnp.zeros((paths.shape[0],), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    parent = jnp.asarray(parents)[chosen]
+    node_parents = jnp.where(parent < 0, 0, out_index[jnp.maximum(parent, 0)])
+    return node_depth, jnp.asarray(paths)[chosen], node_parents, scores[chosen]
+
+
 def _ddtree_one(top_logprobs, budget: int):
     """One sequence: the best `budget` nodes in order, as (depth, rank path, parent index, score).
 
@@ -268,6 +330,9 @@ def _ddtree_one(top_logprobs, budget: int):
     node behind its ancestors, so those form a tree. D small sorts instead of `budget` heap pops.
     """
     depth, topk = top_logprobs.shape
+    candidates = _static_candidates(budget, depth, topk)
+    if candidates is not None:  # few enough: one sort instead of D (each level is a few kernel launches)
+        return _ddtree_one_static(top_logprobs, budget, candidates)
     keep = budget
     cand_parent, cand_rank = _candidate_layout(keep, topk)
 
