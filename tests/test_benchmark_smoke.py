@@ -146,6 +146,20 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert rank["drafter_rank"]["num_heads"] * rank["tp"] == rank["drafter_full"]["num_heads"]
     assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_rest_ms"}
     assert (tmp_path / "dc.md").exists()
+    # --render recomputes the derived figures from the JSON alone (no device work) and keeps reading notes.
+    data["meta"]["notes"] = ["a note"]
+    (tmp_path / "dc.json").write_text(json.dumps(data))
+    decode_context.main(["--render", str(tmp_path / "dc")])
+    assert json.loads((tmp_path / "dc.json").read_text())["rows"][0]["step_over_floor"] == row["step_over_floor"]
+    assert "a note" in (tmp_path / "dc.md").read_text()
+
+
+def test_decode_context_tree_only_smoke(tmp_path):
+    import decode_context
+
+    decode_context.main(["--tree-only", "--smoke", "--nodes", "9", "--out", str(tmp_path / "tree")])
+    row = json.loads((tmp_path / "tree.json").read_text())["rows"][0]
+    assert {"tree_static_us", "tree_levels_us", "accept_closed_form_random_us", "accept_walk_random_us"} <= set(row)
 
 
 def test_tree_temperature_smoke(tmp_path):
