@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import median_seconds  # noqa: E402
+from components import median_seconds, moe_loop  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -186,17 +186,6 @@ def attention_loop(impl: str):
             return q
         return jax.lax.fori_loop(0, ITERS, body, q)
     return run
-
-
-@jax.jit
-def moe_only(x, target):
-    def body(i, x):
-        for block in target.layers:
-            if block.is_moe:
-                out, _ = block.mlp(x)
-                x = x + out * 1e-3
-        return x
-    return jax.lax.fori_loop(0, ITERS, body, x)
 
 
 @jax.jit
@@ -540,7 +529,7 @@ def main(argv=None):
         if shared:
             for nodes in node_list:
                 x = x_by_t[nodes]
-                jobs[("moe", nodes)] = Job("moe", moe_only, (x, target))
+                jobs[("moe", nodes)] = Job("moe", moe_loop(ITERS), (x, target))
                 jobs[("moe_counts", nodes)] = Job("moe_counts", moe_counts, (x, target))
                 jobs[("head", nodes)] = Job("head", head_only, (x, target))
                 logits, tree = tree_inputs(nodes)

@@ -258,3 +258,24 @@ def test_validation_errors():
         build_chain(logprobs, tokens, root, start_pos)
     with pytest.raises(ValueError, match="num_nodes"):
         pad_tree(root_only_tree(root, start_pos), 0)
+
+
+@pytest.mark.parametrize("topk,budget", [(4, 16), (4, 32), (8, 32)])
+def test_ddtree_static_candidates_equal_level_search(monkeypatch, topk, budget):
+    """The engine's geometry (D = 15): the one-sort build over the static candidate set and the
+    level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
+    from kdtree_jax.spec import tree as trees
+
+    rng = np.random.default_rng(budget + topk)
+    draft = random_draft(rng, 6, 15, topk)
+    built = {}
+    for limit in (0, 4096):
+        monkeypatch.setattr(trees, "STATIC_CANDIDATE_LIMIT", limit)
+        trees._static_candidates.cache_clear()
+        trees._build_ddtree_jit.clear_cache()
+        built[limit] = build_ddtree(*draft, budget)
+    assert trees._static_candidates(budget, 15, topk) is not None  # at 4096 the one-sort path ran
+    trees._static_candidates.cache_clear()
+    trees._build_ddtree_jit.clear_cache()
+    for a, b in zip(jax.tree.leaves(built[0]), jax.tree.leaves(built[4096])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.ops.masks import pack_mask_bits
 from kdtree_jax.spec.tree import Tree
 
@@ -128,10 +129,11 @@ def accept_greedy(tree: Tree, target_logits) -> Acceptance:
     """Greedy verification: follow the target's argmax (ties: the lowest token id) down the tree.
 
     The argmax of every node's row is taken at once (one reduction over [B, T, V]: on a GPU cheaper than
-    a loop that reduces only the visited rows but pays a host round trip per step), then `_walk_all`.
+    a loop that reduces only the visited rows but pays a host round trip per step; `argmax_last` keeps it
+    cheap on a CPU too), then `_walk_all`.
     """
     _check_logits(tree, target_logits)
-    return _walk_all(tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
+    return _walk_all(tree, argmax_last(target_logits))
 
 
 def _is_static_number(x) -> bool:
@@ -173,7 +175,7 @@ def filter_logits(logits, temperature, top_k: int = 0, top_p=1.0):
     logits = jnp.asarray(logits, jnp.float32)
     vocab = logits.shape[-1]
     token_ids = jnp.arange(vocab)
-    argmax_only = jnp.where(token_ids == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, -jnp.inf)
+    argmax_only = jnp.where(token_ids == argmax_last(logits)[..., None], 0.0, -jnp.inf)
     if _is_static_number(temperature) and temperature == 0:
         return argmax_only
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from kdtree_jax import kv_pool
 from kdtree_jax.decode import prefill, validate_tokens
+from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
@@ -181,7 +182,7 @@ def _extend_drafter(drafter: Drafter, dcache: DrafterCache, hidden, num_new):
 
 def _first_token(last_logits, spec: SpecConfig, key):
     if spec.temperature == 0:
-        return jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+        return argmax_last(last_logits)
     filtered = acceptance.filter_logits(last_logits, spec.temperature, spec.top_k, spec.top_p)
     keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(last_logits.shape[0]))
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
