@@ -305,12 +305,16 @@ def _ddtree_one_static(top_logprobs, budget: int, candidates):
     same order as the level search, so they are bit-identical to it."""
     paths, depths, parents = candidates
     depth, topk = top_logprobs.shape
+    # One gather of every candidate's log-prob at every depth. (Fifteen per-depth gathers with constant
+    # indices, vmapped, cost ~0.6 s per step inside the engine's while loop on XLA:CPU, against 0.3 ms
+    # in a jit of their own.)
+    per_depth = top_logprobs[np.arange(depth)[None, :], np.maximum(paths, 0)]  # [C, D]
     scores = jnp.zeros((paths.shape[0],), jnp.float32)
     for d in range(depth):
         has = paths[:, d] >= 0
         if not has.any():
             break
-        scores = jnp.where(has, scores + top_logprobs[d][np.maximum(paths[:, d], 0)], scores)
+        scores = jnp.where(has, scores + per_depth[:, d], scores)
     order = jnp.arange(paths.shape[0], dtype=jnp.int32)
     (order,) = _sort_by_node_order(jnp.zeros(paths.shape[:1], bool), scores, jnp.asarray(paths), topk, order)
     chosen = order[:budget]
