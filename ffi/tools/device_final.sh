@@ -3,7 +3,7 @@
 # `priority` sweep (the while-loop figure first) until BUDGET_S seconds after the start, then, if time is left,
 # four rows with command buffers.  The tests check both many-row kernels; if they all pass, the sweep runs the
 # wide kernel (KDTREE_VERIFY_VARIANT=1, not yet the default), else the two-group kernel (0).
-#   BUDGET_S=190 bash ffi/tools/device_final.sh
+#   BUDGET_S=300 bash ffi/tools/device_final.sh     (TESTS_S: the tests' own limit, default 200 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BUDGET_S=${BUDGET_S:-150}
@@ -14,10 +14,15 @@ KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
 grep -E "ptxas info.*(Compiling|Used)|spill" "$OUT/build.log" | grep -A2 -E "verify_attention|merge_splits" | grep -E "Used|spill" | sed 's/ptxas info    : //' | paste - - | cut -c1-110
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 115 python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
-grep -E "passed|failed|error|^[0-9.]+s " "$OUT/gpu_tests.log" | tail -8; echo "tests done at $(( $(date +%s) - T0 )) s"
+# The whole file took longer than 115 s on 16 workers once both many-row kernels were tested (26 of them
+# had passed when that limit cut the run); TESTS_S raises it.
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_S:-200}" python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
+tests_rc=$?
+grep -E "passed|failed|error|^[0-9.]+s " "$OUT/gpu_tests.log" | tail -8; echo "tests rc=$tests_rc, done at $(( $(date +%s) - T0 )) s"
 export KDTREE_VERIFY_VARIANT=1
-if ! grep -q " passed" "$OUT/gpu_tests.log" || grep -qE "[0-9]+ (failed|error)" "$OUT/gpu_tests.log"; then
+if [ $tests_rc -eq 124 ]; then
+  echo "GPU TESTS CUT BY THEIR TIME LIMIT (not failed): the sweep runs the two-group kernel (KDTREE_VERIFY_VARIANT=0)"; export KDTREE_VERIFY_VARIANT=0
+elif [ $tests_rc -ne 0 ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
   echo "GPU TESTS FAILED: the sweep runs the two-group kernel (KDTREE_VERIFY_VARIANT=0)"; export KDTREE_VERIFY_VARIANT=0
 fi
