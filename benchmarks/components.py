@@ -25,12 +25,13 @@ def median_seconds(fn, *args, reps: int = 5):
     return float(np.median(times)), out
 
 
-def attention_loop(batch, impl: str, iters: int):
-    """jit(q, pages, model): `iters` rounds of every layer's verify-attention op (each round's q depends
-    on the last output, so nothing is hoisted)."""
+def attention_loop(impl: str, iters: int):
+    """jit(q, pages, model, batch): `iters` rounds of every layer's verify-attention op (each round's q
+    depends on the last output, so nothing is hoisted). The model, pages and batch are jit arguments,
+    not closed over: a closure would bake them into the program as constants."""
 
     @jax.jit
-    def run(q, pages, model):
+    def run(q, pages, model, batch):
         def body(i, q):
             for layer, block in enumerate(model.layers):
                 out = block.self_attn.attend(q, pages, layer, batch, impl)

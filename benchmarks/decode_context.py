@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, median_seconds, moe_loop  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -175,18 +175,6 @@ def make_state(cfg, dcfg, n_feature_layers: int, context: int, max_len: int, ste
 
 # Component loops. Modules and caches are jit arguments, never closed over (a closure bakes them in as
 # constants). Each round's input depends on the last round's output, so nothing is hoisted.
-
-def attention_loop(impl: str):
-    @jax.jit
-    def run(q, pages, target, batch):
-        def body(i, q):
-            for layer, block in enumerate(target.layers):
-                out = block.self_attn.attend(q, pages, layer, batch, impl)
-                q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
-            return q
-        return jax.lax.fori_loop(0, ITERS, body, q)
-    return run
-
 
 @jax.jit
 def moe_counts(x, target):
@@ -521,7 +509,7 @@ def main(argv=None):
                                            causal_mask(1, nodes), st.cache.slot_table[:, context:context + nodes])
                     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim),
                                           jnp.bfloat16)
-                    jobs[("attn", context, nodes, impl)] = Job("attn", attention_loop(impl),
+                    jobs[("attn", context, nodes, impl)] = Job("attn", attention_loop(impl, ITERS),
                                                                (q, st.cache.pages, target, batch))
             if shared:
                 jobs[("drafter", context)] = Job("drafter", drafter_loop(TOPK), (

@@ -148,7 +148,7 @@ def time_attention(model, pages, table, context: int, nodes: int, iters: int, im
     batch = AttentionBatch(table, kv_lens, causal_mask(1, nodes), table[:, context:context + nodes])
     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim), jnp.bfloat16)
     q = jax.device_put(q, NamedSharding(mesh, P(None, None, MESH_AXIS, None)))
-    t_attn, _ = median_seconds(attention_loop(batch, impl, iters), q, pages, model, reps=3)
+    t_attn, _ = median_seconds(attention_loop(impl, iters), q, pages, model, batch, reps=3)
     return t_attn / iters
 
 
