@@ -310,21 +310,16 @@ def tree_only_main(args) -> None:
         follow = jnp.where(jnp.any(tree.parents[0][None, :] == jnp.arange(budget + 1)[:, None], axis=1),
                            tree.tokens[0][first_child], 0)
         logits_follow = logits.at[0, jnp.arange(budget + 1), follow].add(100.0)
-        for mode in ("static", "levels"):
-            limit = trees.STATIC_CANDIDATE_LIMIT
-            trees.STATIC_CANDIDATE_LIMIT = limit if mode == "static" else 0
-            trees._static_candidates.cache_clear()
-
+        candidates = trees._static_candidates(budget, depth, TOPK, trees.STATIC_CANDIDATE_MAX)
+        for mode in ("static", "levels") if candidates is not None else ("levels",):
             @jax.jit
             def tree_loop(bonus, top_lp, top_tok):
                 def body(i, bonus):
-                    t = trees.build_ddtree(top_lp, top_tok, bonus, start, budget)
+                    t = trees._build_ddtree_jit(top_lp, top_tok, bonus, start, budget, method=mode)
                     return t.tokens[:, -1] + t.mask[:, -1, 0].astype(jnp.int32)
                 return jax.lax.fori_loop(0, ITERS, body, bonus)
 
             exe = tree_loop.lower(jnp.array([1], jnp.int32), top_lp, top_tok).compile()
-            trees.STATIC_CANDIDATE_LIMIT = limit
-            trees._static_candidates.cache_clear()
             timings[(nodes, "tree_" + mode)] = median_seconds(exe, jnp.array([1], jnp.int32), top_lp, top_tok,
                                                               reps=9)[0] / ITERS
         for name, fn in (("accept_closed_form", acceptance.accept_greedy), ("accept_walk", old_greedy)):
@@ -343,8 +338,7 @@ def tree_only_main(args) -> None:
             return jax.lax.fori_loop(0, ITERS, lambda i, x: x + 1, x)
         timings[(nodes, "empty_loop")] = median_seconds(empty_loop, jnp.array([1], jnp.int32), reps=9)[0] / ITERS
         row = {"nodes": nodes, "budget": budget, "accepted_when_following": accepted,
-               "static_candidates": None if trees._static_candidates(budget, depth, TOPK) is None
-               else int(trees._static_candidates(budget, depth, TOPK)[0].shape[0])}
+               "static_candidates": None if candidates is None else int(candidates[0].shape[0])}
         row.update({k[1] + "_us": v * 1e6 for k, v in timings.items() if k[0] == nodes})
         rows.append(row)
         log(json.dumps(row))

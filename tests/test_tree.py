@@ -261,21 +261,13 @@ def test_validation_errors():
 
 
 @pytest.mark.parametrize("topk,budget", [(4, 16), (4, 32), (8, 32)])
-def test_ddtree_static_candidates_equal_level_search(monkeypatch, topk, budget):
+def test_ddtree_static_candidates_equal_level_search(topk, budget):
     """The engine's geometry (D = 15): the one-sort build over the static candidate set and the
     level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
-    from kdtree_jax.spec import tree as trees
+    from kdtree_jax.spec.tree import _build_ddtree_jit
 
-    rng = np.random.default_rng(budget + topk)
-    draft = random_draft(rng, 6, 15, topk)
-    built = {}
-    for limit in (0, 4096):
-        monkeypatch.setattr(trees, "STATIC_CANDIDATE_LIMIT", limit)
-        trees._static_candidates.cache_clear()
-        trees._build_ddtree_jit.clear_cache()
-        built[limit] = build_ddtree(*draft, budget)
-    assert trees._static_candidates(budget, 15, topk) is not None  # at 4096 the one-sort path ran
-    trees._static_candidates.cache_clear()
-    trees._build_ddtree_jit.clear_cache()
-    for a, b in zip(jax.tree.leaves(built[0]), jax.tree.leaves(built[4096])):
+    draft = random_draft(np.random.default_rng(budget + topk), 6, 15, topk)
+    one_sort = _build_ddtree_jit(*draft, budget, method="static")
+    levels = _build_ddtree_jit(*draft, budget, method="levels")
+    for a, b in zip(jax.tree.leaves(one_sort), jax.tree.leaves(levels)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -262,12 +262,14 @@ def _sort_by_node_order(invalid, scores, paths, topk: int, *payload):
 # the one sort wins 2x at 54 candidates (T = 9) and ties at 3,097 (T = 33); on a 2-core CPU at batch 50
 # it wins at 285 (budget 16, 2.6 vs 4.7 ms) and loses from 948 (budget 24, 9.8 vs 6.9 ms).
 STATIC_CANDIDATE_LIMIT = 512
+# method="static" (benchmarks, tests) forces the one sort up to this many candidates.
+STATIC_CANDIDATE_MAX = 4096
 
 
 @lru_cache(maxsize=64)
-def _static_candidates(budget: int, depth: int, topk: int):
+def _static_candidates(budget: int, depth: int, topk: int, limit: int):
     """Every rank path that can be among the best `budget` nodes whatever the log-probs, or None if
-    there are more than STATIC_CANDIDATE_LIMIT of them.
+    there are more than `limit` of them.
 
     Node (r_1, ..., r_d) comes after each (r'_1, ..., r'_k) with k <= d and r'_i <= r_i (lower ranks and
     a prefix score at least as high, and an earlier rank path on a tie): that is
@@ -282,7 +284,7 @@ def _static_candidates(budget: int, depth: int, topk: int):
             p = prod * (r + 1)
             if count + p > budget:
                 break  # larger ranks only grow the count
-            if len(paths) >= STATIC_CANDIDATE_LIMIT:
+            if len(paths) >= limit:
                 raise OverflowError
             index = len(paths)
             path = prefix + (r,)
@@ -325,19 +327,29 @@ def _ddtree_one_static(top_logprobs, budget: int, candidates):
     return node_depth, jnp.asarray(paths)[chosen], node_parents, scores[chosen]
 
 
-def _ddtree_one(top_logprobs, budget: int):
+def _ddtree_one(top_logprobs, budget: int, method: str = "auto"):
     """One sequence: the best `budget` nodes in order, as (depth, rank path, parent index, score).
+    method "auto": one sort of the static candidate set when it is small (each level of the search is a
+    few kernel launches), else the level-by-level search; "static" / "levels" force one (same result)."""
+    depth, topk = top_logprobs.shape
+    if method != "levels":
+        limit = STATIC_CANDIDATE_LIMIT if method == "auto" else STATIC_CANDIDATE_MAX
+        candidates = _static_candidates(budget, depth, topk, limit)
+        if candidates is not None:
+            return _ddtree_one_static(top_logprobs, budget, candidates)
+        if method == "static":
+            raise ValueError(f"more than {limit} static candidates at budget {budget}, D = {depth}, K = {topk}")
+    return _ddtree_one_levels(top_logprobs, budget)
 
-    Level by level: the best `budget` nodes of depth d all have parents among the best `budget` nodes
+
+def _ddtree_one_levels(top_logprobs, budget: int):
+    """`_ddtree_one` level by level: the best `budget` nodes of depth d all have parents among the best `budget` nodes
     of depth d - 1 (a node's first child is never behind the first child of a node ahead of it), so
     each level keeps its best `budget` nodes (fewer valid ones if K**d < budget) and proposes children
     of those only. The answer is then the best `budget` of all kept nodes: the node order puts every
     node behind its ancestors, so those form a tree. D small sorts instead of `budget` heap pops.
     """
     depth, topk = top_logprobs.shape
-    candidates = _static_candidates(budget, depth, topk)
-    if candidates is not None:  # few enough: one sort instead of D (each level is a few kernel launches)
-        return _ddtree_one_static(top_logprobs, budget, candidates)
     keep = budget
     cand_parent, cand_rank = _candidate_layout(keep, topk)
 
@@ -375,10 +387,10 @@ def _ddtree_one(top_logprobs, budget: int):
     return node_depth, paths.reshape(-1, depth)[chosen], parents, scores.reshape(-1)[chosen]
 
 
-@partial(jax.jit, static_argnames=("budget",))
-def _build_ddtree_jit(top_logprobs, top_tokens, root_token, start_pos, budget: int) -> Tree:
+@partial(jax.jit, static_argnames=("budget", "method"))
+def _build_ddtree_jit(top_logprobs, top_tokens, root_token, start_pos, budget: int, method: str = "auto") -> Tree:
     batch, depth, _ = top_logprobs.shape
-    node_depth, paths, parents, scores = jax.vmap(partial(_ddtree_one, budget=budget))(top_logprobs)
+    node_depth, paths, parents, scores = jax.vmap(partial(_ddtree_one, budget=budget, method=method))(top_logprobs)
     # A node's token: rank paths[depth - 1] at its own depth.
     own_rank = jnp.take_along_axis(paths, (node_depth - 1)[..., None], axis=2)[..., 0]
     tokens = top_tokens[jnp.arange(batch)[:, None], node_depth - 1, own_rank]
