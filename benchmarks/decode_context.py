@@ -342,7 +342,8 @@ def tree_only_main(args) -> None:
         row.update({k[1] + "_us": v * 1e6 for k, v in timings.items() if k[0] == nodes})
         rows.append(row)
         log(json.dumps(row))
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "decode_context_h200_tree")
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   "tree_build_smoke" if args.smoke else "tree_build_h200")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": jax.devices()[0].device_kind, "commit": git_commit(), "depth": depth, "topk": TOPK,
             "vocab": vocab, "timing": f"median of 9 calls of a {ITERS}-round jitted fori_loop, per round"}
