@@ -96,6 +96,31 @@ def rank_configs(smoke: bool, layers: int):
     return cfg.replace(num_hidden_layers=layers), dcfg, tp, dfull
 
 
+def layers_that_fit(cfg, dcfg, contexts: list[int], max_len_of, reserve_gb: float) -> int:
+    """The most target layers whose weights and KV pools (one pool per context, all held at once) fit in
+    the device's memory limit, leaving `reserve_gb` for the drafter, workspaces and temporaries."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise SystemExit("--layers fit needs a device that reports its memory limit (a GPU); pass a number")
+
+    def weight_bytes(n):
+        abstract = nnx.eval_shape(lambda: Transformer(cfg.replace(num_hidden_layers=n), jnp.bfloat16,
+                                                      rngs=nnx.Rngs(0)))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
+
+    first = cfg.first_k_dense_replace + 1  # the dense layers and one MoE layer
+    per_layer_weights = weight_bytes(first + 1) - weight_bytes(first)  # one more MoE layer
+    base = weight_bytes(first) - first * per_layer_weights  # embedding, head, and the dense layers' excess
+    per_layer_kv = sum(max_len_of(c) for c in contexts) * cfg.cache_dim * 2
+    free = stats["bytes_limit"] - reserve_gb * 2**30 - base
+    n = int(free // (per_layer_weights + per_layer_kv))
+    log(f"--layers fit: limit {stats['bytes_limit'] / 2**30:.1f} GiB, {per_layer_weights / 2**30:.2f} GiB of weights "
+        f"+ {per_layer_kv / 2**30:.2f} GiB of KV per layer, {reserve_gb} GiB reserved -> {n} layers")
+    if n < first:
+        raise SystemExit(f"only {n} layers fit; pass --layers explicitly or fewer --contexts")
+    return n
+
+
 def on_device(build):
     """Build a module with random weights directly on the device (never on the host)."""
     abstract = nnx.eval_shape(build)
@@ -382,7 +407,11 @@ class Job:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4, help="target layers (per-layer costs do not change with it)")
+    p.add_argument("--layers", default="4",
+                   help="target layers, or 'fit': as many as the device's memory holds with every context's pool "
+                        "(per-layer costs do not change with it; the fixed per-step costs weigh less with more)")
+    p.add_argument("--reserve-gb", type=float, default=12.0,
+                   help="with --layers fit: memory left for the drafter, workspaces and temporaries")
     p.add_argument("--contexts", default="4096,16384,65536,131072,200000")
     p.add_argument("--nodes", default="9,33")
     p.add_argument("--steps", type=int, default=8, help="speculative steps per timed loop")
@@ -413,7 +442,17 @@ def main(argv=None):
     contexts = [64] if args.smoke else [int(c) for c in args.contexts.split(",")]
     node_list = [int(t) for t in args.nodes.split(",")]
     impls = args.impls.split(",")
-    cfg, dcfg, tp, dfull = rank_configs(args.smoke, 2 if args.smoke else args.layers)
+    if args.layers != "fit" and not args.layers.isdigit():
+        p.error(f"--layers must be a number or 'fit', got {args.layers!r}")
+    cfg, dcfg, tp, dfull = rank_configs(args.smoke, 2 if args.smoke or args.layers == "fit" else int(args.layers))
+    max_nodes = max(node_list)
+    width = dcfg.block_size
+
+    def max_len_of(context):  # the pool's rows for one context: the context plus room for every step's writes
+        return -(-(context + (args.steps + 2) * (width + max_nodes)) // 64) * 64
+
+    if args.layers == "fit" and not args.smoke:
+        cfg = cfg.replace(num_hidden_layers=layers_that_fit(cfg, dcfg, contexts, max_len_of, args.reserve_gb))
     layers = cfg.num_hidden_layers
     log(f"{device}: {layers} layers of {cfg.hidden_size} wide, {cfg.n_routed_experts} experts, "
         f"vocab slice {cfg.vocab_size}; drafter per rank {dcfg}")
@@ -426,8 +465,6 @@ def main(argv=None):
 
     moe_layers = [l.mlp for l in target.layers if l.is_moe]
     num_moe, moe_slots = len(moe_layers), (moe_layers[0].num_slots if moe_layers else 0)
-    max_nodes = max(node_list)
-    width = dcfg.block_size
     n_feat = len(drafter.target_layer_ids)
 
     # Byte counts (per step) ---------------------------------------------------------------------------
@@ -469,8 +506,7 @@ def main(argv=None):
     # States, one per context (T-independent: room for the largest tree) -----------------------------------
     states = {}
     for context in contexts:
-        max_len = -(-(context + (args.steps + 2) * (width + max_nodes)) // 64) * 64
-        states[context] = make_state(cfg, dcfg, n_feat, context, max_len, args.steps, num_moe, moe_slots,
+        states[context] = make_state(cfg, dcfg, n_feat, context, max_len_of(context), args.steps, num_moe, moe_slots,
                                      jax.random.key(context))
     jax.block_until_ready(states)
     log(f"states ready ({time.perf_counter() - t_start:.0f} s)")
