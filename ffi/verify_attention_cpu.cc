@@ -1,17 +1,54 @@
-// CPU handler of the verify-attention op: plain loops, float32 accumulation, float32 or bfloat16 inputs,
-// any latent/rope split.  It is the executable spec the CUDA kernel is compared with on machines without
-// a GPU, so it is written for clarity, not speed (tests use short sequences).
+// CPU handler of the verify-attention op (contract: DESIGN.md, "The kernel contract"; oracle:
+// kdtree_jax/ops/reference.py): float32 or bfloat16 q / kv_pool / out, any latent/rope split, float32
+// accumulation. `impl="auto"` runs it on every CPU, so speculative decoding on a CPU is only worth doing
+// if this is at least as fast as XLA's own version of the reference.
+//
+// Per sequence the op is two small matrix products: scores = Q·Kᵀ over all D = Dc + Dr dims and
+// out = softmax(scores)·V over the Dc latent dims (V = the first Dc dims of the same rows), with R = T·H
+// query rows against the sequence's L rows. Its speed is how busy the inner loops keep the FMA units,
+// hence this structure:
+//   * Work items are (sequence, chunk of kChunkRows query rows). XLA's intra-op thread pool runs them and
+//     the calling thread takes items too, so nothing waits on a pool that is busy elsewhere. Each row's
+//     arithmetic is the same whichever chunk or thread holds it: results are bit-identical from call to
+//     call.
+//   * A chunk walks its sequence in blocks of kBlock positions with an online (flash-attention) softmax.
+//     Each block's rows are gathered from the pool and widened to float32 once for all rows of the
+//     chunk, so scratch is a few hundred KB per thread whatever L is.
+//   * The chunk's query rows are stored transposed (row index fastest): one vector holds one dimension
+//     of several query rows, scores come out as [position][row-vector], and the mask and the softmax are
+//     lane-wise vector operations with no horizontal sums.
+//   * Both products are register-tiled (kPosTile positions × kRowVecs row vectors for the scores,
+//     kPvRows rows × kPvVecs column vectors for P·V) so one load feeds several FMAs. They are written
+//     with GCC/Clang vector extensions because auto-vectorisers do not reliably keep a loop nest's
+//     accumulator tile in registers.
+//   * The same template is compiled for AVX-512, AVX2+FMA and the baseline ISA (SSE2 / NEON), each with
+//     tiles sized for its register file; on x86 the variant is chosen once at run time from the CPU's
+//     features (no -march flag: the wheel runs on any x86-64 or arm64 machine).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "verify_attention.h"
 
 namespace ffi = xla::ffi;
 
+#if defined(__GNUC__) || defined(__clang__)
+// The kernels must be inlined into the per-ISA entry points below to be compiled for that ISA.
+#define KDTREE_INLINE inline __attribute__((always_inline))
+#else
+#define KDTREE_INLINE inline
+#endif
+
 namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -28,26 +65,414 @@ uint16_t float_to_bf16(float value) {  // round to nearest even, NaN stays NaN
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-// Reads element `index` of a float32 or bfloat16 buffer as float.
-float load_as_float(const void* data, ffi::DataType dtype, int64_t index) {
-  if (dtype == ffi::DataType::F32) return static_cast<const float*>(data)[index];
-  return bf16_to_float(static_cast<const uint16_t*>(data)[index]);
-}
+bool supported(ffi::DataType dtype) { return dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16; }
 
-void store_from_float(void* data, ffi::DataType dtype, int64_t index, float value) {
+// Widens `count` contiguous float32 or bfloat16 values to float32 (loops simple enough to vectorise).
+KDTREE_INLINE void widen_row(const void* src, ffi::DataType dtype, int64_t count, float* dst) {
   if (dtype == ffi::DataType::F32) {
-    static_cast<float*>(data)[index] = value;
-  } else {
-    static_cast<uint16_t*>(data)[index] = float_to_bf16(value);
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  const uint16_t* bits = static_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < count; ++d) {
+    const uint32_t widened = static_cast<uint32_t>(bits[d]) << 16;
+    std::memcpy(dst + d, &widened, sizeof(float));
   }
 }
 
-bool supported(ffi::DataType dtype) { return dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16; }
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-ffi::Error VerifyAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, ffi::Buffer<ffi::S32, 0> layer,
-                              ffi::Buffer<ffi::S32, 2> kv_slots, ffi::Buffer<ffi::S32, 1> kv_lens,
-                              ffi::Buffer<ffi::U32, 3> tree_mask, float softmax_scale, int64_t rope_dim,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32, 3>> lse) {
+// One call's inputs, read-only for every worker.
+struct Problem {
+  const void* q;
+  ffi::DataType q_type;
+  const void* kv_layer;  // row 0 of the chosen layer
+  ffi::DataType kv_type;
+  const int32_t* slots;
+  const int32_t* lens;
+  const uint32_t* mask;
+  void* out;
+  float* lse;
+  int64_t batch, num_queries, num_heads, width, latent, num_slots, max_len, words;
+  int64_t rows;  // T·H query rows per sequence; row r is query token r / H, head r % H
+  float scale;
+};
+
+// Items 0..n-1 handed out in order to whoever asks; `wait_all` returns once every item is finished.
+// Lives in a shared_ptr: a pool task that starts after the call returned finds nothing left to claim
+// and only touches this object.
+class WorkQueue {
+ public:
+  explicit WorkQueue(int64_t items) : items_(items) {}
+  int64_t claim() {
+    const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
+    return item < items_ ? item : -1;
+  }
+  void finish() {
+    if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == items_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      all_done_.notify_all();
+    }
+  }
+  void wait_all() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    all_done_.wait(lock, [this] { return done_.load(std::memory_order_acquire) == items_; });
+  }
+
+ private:
+  const int64_t items_;
+  std::atomic<int64_t> next_{0}, done_{0};
+  std::mutex mutex_;
+  std::condition_variable all_done_;
+};
+
+// Vector helpers over GCC/Clang vector-extension types: V holds floats, I int32 of the same lane count.
+template <class V>
+constexpr int lanes_of() { return static_cast<int>(sizeof(V) / sizeof(float)); }
+
+template <class V>
+KDTREE_INLINE V load(const float* p) {  // unaligned
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <class V>
+KDTREE_INLINE void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// A constant in every lane (x − 0 is x for every x, −0 included, so this folds to a vector constant).
+// Lanes of run-time values are broadcast by writing `scalar * vector` in place instead: the kernels are
+// compiled for the baseline ISA before being inlined into the AVX-512 entry point, and GCC 12 turns a
+// run-time splat made there into one masked insert per lane.
+template <class V>
+KDTREE_INLINE V splat(float x) {
+  return x - V{};
+}
+
+template <class V, class I>
+KDTREE_INLINE V select(I take_a, V a, V b) {  // lane-wise take_a ? a : b (take_a lanes are 0 or -1)
+  return (V)(((I)a & take_a) | ((I)b & ~take_a));
+}
+
+template <class V, class I>
+KDTREE_INLINE V vmax(V a, V b) { return select<V, I>(a > b, a, b); }
+
+// e^x lane-wise, within ~2 ulp (Cephes' expf: x = k·ln2 + f with |f| <= ln2/2, e^f by a polynomial, 2^k
+// written into the exponent bits). Exactly 0 below -87, so e^-inf = 0: masked scores rely on it.
+template <class V, class I>
+KDTREE_INLINE V vexp(V x) {
+  const I underflow = x < splat<V>(-87.0f);
+  x = select<V, I>(x > splat<V>(88.0f), splat<V>(88.0f), x);
+  x = select<V, I>(underflow, splat<V>(0.0f), x);  // keeps k below in range; the lane becomes 0 at the end
+  // Adding 1.5·2^23 rounds x·log2(e) to an integer k that then sits in the low mantissa bits.
+  const V magic = splat<V>(12582912.0f);
+  const V shifted = x * splat<V>(1.44269504088896341f) + magic;
+  const V k = shifted - magic;
+  const I k_int = (I)shifted - (I)magic;
+  V f = x - k * splat<V>(0.693359375f);
+  f = f - k * splat<V>(-2.12194440e-4f);
+  V poly = splat<V>(1.9875691500e-4f);
+  poly = poly * f + splat<V>(1.3981999507e-3f);
+  poly = poly * f + splat<V>(8.3334519073e-3f);
+  poly = poly * f + splat<V>(4.1665795894e-2f);
+  poly = poly * f + splat<V>(1.6666665459e-1f);
+  poly = poly * f + splat<V>(5.0000001201e-1f);
+  const V e_f = poly * (f * f) + f + splat<V>(1.0f);
+  const V two_k = (V)((k_int + 127) << 23);
+  return select<V, I>(underflow, splat<V>(0.0f), e_f * two_k);
+}
+
+// Per-worker buffers, sized once per call (a few hundred KB; nothing grows with L except through T).
+struct Scratch {
+  std::vector<float> qt;    // [width][kChunkRows]  the chunk's query rows, transposed; missing rows 0
+  std::vector<float> bias;  // [T][kChunkRows]  0 where query token j is visible to the row, else -inf
+  std::vector<float> kv;    // [kBlock][kv_stride]  the block's pool rows as float32; padding 0
+  std::vector<float> p;     // [kBlock][kChunkRows]  scores, then probabilities
+  std::vector<float> o;     // [kChunkRows][o_stride]  unnormalised output rows
+  std::vector<float> m, l, alpha;  // [kChunkRows]  running max, running sum, this block's rescale
+};
+
+// The kernel for one ISA. V/I: float/int32 vector types; tiles as described at the top of the file.
+template <class V, class I, int kRowVecs, int kPosTile, int kBlock, int kPvRows, int kPvVecs>
+struct Kernel {
+  static constexpr int kLanes = lanes_of<V>();
+  static constexpr int kChunkRows = kLanes * kRowVecs;
+  static constexpr int kPvCols = kLanes * kPvVecs;
+  static_assert(kBlock % kPosTile == 0 && kChunkRows % kPvRows == 0, "tiles must divide blocks");
+
+  // The output is computed in whole kPvCols-wide column tiles, reading V past Dc (rope dims, then zero
+  // padding) for columns that are never stored.
+  static int64_t o_stride(const Problem& pb) { return round_up(pb.latent, kPvCols); }
+  static int64_t kv_stride(const Problem& pb) { return std::max(round_up(pb.width, kLanes), o_stride(pb)); }
+
+  static KDTREE_INLINE void size(const Problem& pb, Scratch& s) {
+    s.qt.assign(pb.width * kChunkRows, 0.0f);
+    s.bias.assign(pb.num_queries * kChunkRows, 0.0f);
+    s.kv.assign(kBlock * kv_stride(pb), 0.0f);
+    s.p.assign(kBlock * kChunkRows, 0.0f);
+    s.o.assign(kChunkRows * o_stride(pb), 0.0f);
+    s.m.assign(kChunkRows, 0.0f);
+    s.l.assign(kChunkRows, 0.0f);
+    s.alpha.assign(kChunkRows, 0.0f);
+  }
+
+  static KDTREE_INLINE void run(const Problem& pb, int64_t item, Scratch& s) {
+    const int64_t chunks = (pb.rows + kChunkRows - 1) / kChunkRows;
+    const int64_t b = item / chunks, row0 = item % chunks * kChunkRows;
+    const int64_t num_rows = std::min<int64_t>(kChunkRows, pb.rows - row0);
+    const int64_t kv_len = pb.lens[b];
+    const int64_t valid = std::clamp<int64_t>(kv_len, 0, pb.max_len);
+    const int64_t first = kv_len - pb.num_queries;  // position of query token 0 (may be negative)
+    const int64_t kvs = kv_stride(pb), os = o_stride(pb);
+
+    load_queries(pb, b, row0, num_rows, s);
+    build_bias(pb, b, row0, num_rows, first, s);
+    std::fill(s.o.begin(), s.o.end(), 0.0f);
+    std::fill(s.m.begin(), s.m.end(), kNegInf);
+    std::fill(s.l.begin(), s.l.end(), 0.0f);
+
+    for (int64_t start = 0; start < valid; start += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, valid - start);
+      const int64_t n_tiles = round_up(n, kPosTile);
+      gather_block(pb, b, start, n, n_tiles, s.kv.data(), kvs);
+      scores(pb, s.kv.data(), kvs, n_tiles, s);
+      apply_mask(start, n_tiles, first, valid, s);
+      softmax_update(n_tiles, s);
+      accumulate_pv(s.kv.data(), kvs, n, round_up(num_rows, kPvRows), os, s);
+    }
+    write_rows(pb, b, row0, num_rows, os, s);
+  }
+
+  static KDTREE_INLINE void load_queries(const Problem& pb, int64_t b, int64_t row0, int64_t num_rows, Scratch& s) {
+    const size_t elem = pb.q_type == ffi::DataType::F32 ? 4 : 2;
+    std::vector<float>& qt = s.qt;
+    float row[1024];  // widened in pieces: width is not bounded
+    for (int64_t i = 0; i < kChunkRows; ++i) {
+      if (i >= num_rows) {
+        for (int64_t d = 0; d < pb.width; ++d) qt[d * kChunkRows + i] = 0.0f;
+        continue;
+      }
+      const char* src = static_cast<const char*>(pb.q) + ((b * pb.rows + row0 + i) * pb.width) * elem;
+      for (int64_t d0 = 0; d0 < pb.width; d0 += 1024) {
+        const int64_t count = std::min<int64_t>(1024, pb.width - d0);
+        widen_row(src + d0 * elem, pb.q_type, count, row);
+        for (int64_t d = 0; d < count; ++d) qt[(d0 + d) * kChunkRows + i] = row[d];
+      }
+    }
+  }
+
+  static KDTREE_INLINE void build_bias(const Problem& pb, int64_t b, int64_t row0, int64_t num_rows, int64_t first,
+                                       Scratch& s) {
+    const int64_t T = pb.num_queries;
+    for (int64_t i = 0; i < kChunkRows; ++i) {
+      const uint32_t* mask_row =
+          i < num_rows ? pb.mask + (b * T + (row0 + i) / pb.num_heads) * pb.words : nullptr;
+      for (int64_t j = 0; j < T; ++j) {
+        const bool visible = mask_row == nullptr || kdtree::position_visible(first + j, first, T, mask_row);
+        s.bias[j * kChunkRows + i] = visible ? 0.0f : kNegInf;
+      }
+    }
+  }
+
+  // Rows [n, n_tiles) are zeroed: the score tiles read them (their scores are then masked).
+  static KDTREE_INLINE void gather_block(const Problem& pb, int64_t b, int64_t start, int64_t n, int64_t n_tiles,
+                                         float* kv, int64_t kvs) {
+    const size_t elem = pb.kv_type == ffi::DataType::F32 ? 4 : 2;
+    const int32_t* slots = pb.slots + b * pb.max_len + start;
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t slot = std::clamp<int64_t>(slots[p], 0, pb.num_slots - 1);
+      widen_row(static_cast<const char*>(pb.kv_layer) + slot * pb.width * elem, pb.kv_type, pb.width, kv + p * kvs);
+    }
+    std::fill(kv + n * kvs, kv + n_tiles * kvs, 0.0f);
+  }
+
+  // p[pos][row] = scale · q_row · kv_pos over all `width` dims, kPosTile positions × kRowVecs vectors at a
+  // time: per dim, kRowVecs query loads and kPosTile broadcasts feed kPosTile·kRowVecs FMAs.
+  static KDTREE_INLINE void scores(const Problem& pb, const float* kv, int64_t kvs, int64_t n_tiles, Scratch& s) {
+    const float* qt = s.qt.data();
+    for (int64_t p0 = 0; p0 < n_tiles; p0 += kPosTile) {
+      V acc[kPosTile][kRowVecs];
+      for (int j = 0; j < kPosTile; ++j)
+        for (int r = 0; r < kRowVecs; ++r) acc[j][r] = splat<V>(0.0f);
+      const float* k = kv + p0 * kvs;
+      for (int64_t d = 0; d < pb.width; ++d) {
+        V q[kRowVecs];
+        for (int r = 0; r < kRowVecs; ++r) q[r] = load<V>(qt + d * kChunkRows + r * kLanes);
+#pragma GCC unroll 16
+        for (int j = 0; j < kPosTile; ++j)
+          for (int r = 0; r < kRowVecs; ++r) acc[j][r] += k[j * kvs + d] * q[r];
+      }
+      for (int j = 0; j < kPosTile; ++j)
+        for (int r = 0; r < kRowVecs; ++r) store(s.p.data() + (p0 + j) * kChunkRows + r * kLanes, pb.scale * acc[j][r]);
+    }
+  }
+
+  // Prefix positions are visible to every row; query tokens through the rows' mask bits; positions past
+  // the valid length (the last tile's padding) to none.
+  static KDTREE_INLINE void apply_mask(int64_t start, int64_t n_tiles, int64_t first, int64_t valid, Scratch& s) {
+    for (int64_t p = std::max<int64_t>(0, first - start); p < n_tiles; ++p) {
+      float* row = s.p.data() + p * kChunkRows;
+      const int64_t pos = start + p;
+      if (pos >= valid) {
+        std::fill(row, row + kChunkRows, kNegInf);
+        continue;
+      }
+      const float* bias = s.bias.data() + (pos - first) * kChunkRows;
+      for (int r = 0; r < kRowVecs; ++r) store(row + r * kLanes, load<V>(row + r * kLanes) + load<V>(bias + r * kLanes));
+    }
+  }
+
+  // Online softmax, lane-wise: new max, rescale factor for what was accumulated, probabilities, sums.
+  // A row that has seen nothing yet keeps max -inf; it is shifted by 0 instead so that e^(-inf) = 0 and
+  // no -inf - -inf appears.
+  static KDTREE_INLINE void softmax_update(int64_t n_tiles, Scratch& s) {
+    for (int r = 0; r < kRowVecs; ++r) {
+      float* col = s.p.data() + r * kLanes;
+      const V m_old = load<V>(s.m.data() + r * kLanes);
+      V m_new = m_old;
+      for (int64_t p = 0; p < n_tiles; ++p) m_new = vmax<V, I>(m_new, load<V>(col + p * kChunkRows));
+      const V shift = select<V, I>(m_new == splat<V>(kNegInf), splat<V>(0.0f), m_new);
+      V sum = splat<V>(0.0f);
+      for (int64_t p = 0; p < n_tiles; ++p) {
+        const V prob = vexp<V, I>(load<V>(col + p * kChunkRows) - shift);
+        store(col + p * kChunkRows, prob);
+        sum += prob;
+      }
+      const V alpha = vexp<V, I>(m_old - shift);
+      store(s.alpha.data() + r * kLanes, alpha);
+      store(s.l.data() + r * kLanes, load<V>(s.l.data() + r * kLanes) * alpha + sum);
+      store(s.m.data() + r * kLanes, m_new);
+    }
+  }
+
+  // o[row] = alpha[row] · o[row] + Σ_pos p[pos][row] · v_pos, in tiles of kPvRows rows × kPvVecs column
+  // vectors: per position, kPvVecs loads of v and kPvRows broadcasts feed kPvRows·kPvVecs FMAs. The
+  // column tile is the outer loop so its slice of the block stays in L1 across the row tiles.
+  static KDTREE_INLINE void accumulate_pv(const float* kv, int64_t kvs, int64_t n, int64_t pv_rows, int64_t os,
+                                          Scratch& s) {
+    const float* prob = s.p.data();
+    for (int64_t c = 0; c < os; c += kPvCols) {
+      for (int64_t i0 = 0; i0 < pv_rows; i0 += kPvRows) {
+        V acc[kPvRows][kPvVecs];
+        for (int i = 0; i < kPvRows; ++i) {
+          const float alpha = s.alpha[i0 + i];
+          for (int v = 0; v < kPvVecs; ++v) acc[i][v] = alpha * load<V>(s.o.data() + (i0 + i) * os + c + v * kLanes);
+        }
+        for (int64_t p = 0; p < n; ++p) {
+          V val[kPvVecs];
+          for (int v = 0; v < kPvVecs; ++v) val[v] = load<V>(kv + p * kvs + c + v * kLanes);
+#pragma GCC unroll 16
+          for (int i = 0; i < kPvRows; ++i) {
+            const float w = prob[p * kChunkRows + i0 + i];
+            for (int v = 0; v < kPvVecs; ++v) acc[i][v] += w * val[v];
+          }
+        }
+        for (int i = 0; i < kPvRows; ++i)
+          for (int v = 0; v < kPvVecs; ++v) store(s.o.data() + (i0 + i) * os + c + v * kLanes, acc[i][v]);
+      }
+    }
+  }
+
+  static KDTREE_INLINE void write_rows(const Problem& pb, int64_t b, int64_t row0, int64_t num_rows, int64_t os,
+                                       Scratch& s) {
+    for (int64_t i = 0; i < num_rows; ++i) {
+      const int64_t row = b * pb.rows + row0 + i;
+      const float sum = s.l[i];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // sum > 0 iff the row saw something
+      const float* o = s.o.data() + i * os;
+      if (pb.q_type == ffi::DataType::F32) {
+        float* dst = static_cast<float*>(pb.out) + row * pb.latent;
+        for (int64_t c = 0; c < pb.latent; ++c) dst[c] = o[c] * inv;
+      } else {
+        uint16_t* dst = static_cast<uint16_t*>(pb.out) + row * pb.latent;
+        for (int64_t c = 0; c < pb.latent; ++c) dst[c] = float_to_bf16(o[c] * inv);
+      }
+      pb.lse[row] = sum > 0.0f ? s.m[i] + std::log(sum) : kNegInf;
+    }
+  }
+
+  // A worker: takes items until none is left. Scratch is allocated only once an item is claimed.
+  static KDTREE_INLINE void drain(const Problem& pb, WorkQueue& queue) {
+    int64_t item = queue.claim();
+    if (item < 0) return;
+    Scratch s;
+    size(pb, s);
+    do {
+      run(pb, item, s);
+      queue.finish();
+    } while ((item = queue.claim()) >= 0);
+  }
+};
+
+typedef float F32x4 __attribute__((vector_size(16)));
+typedef int32_t I32x4 __attribute__((vector_size(16)));
+// Baseline (SSE2: 16 registers; NEON: 32): 8-row chunks, 4×2 score and P·V tiles.
+using BaselineKernel = Kernel<F32x4, I32x4, 2, 4, 64, 4, 2>;
+
+struct Variant {
+  int64_t chunk_rows;
+  void (*drain)(const Problem&, WorkQueue&);
+};
+
+void drain_baseline(const Problem& pb, WorkQueue& queue) { BaselineKernel::drain(pb, queue); }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+// AVX2 (16 ymm): 16-row chunks; scores 6 positions × 2 row vectors (12 accumulators), P·V 4 rows × 2.
+using Avx2Kernel = Kernel<F32x8, I32x8, 2, 6, 48, 4, 2>;
+// AVX-512 (32 zmm): 32-row chunks; scores 8 positions × 2 row vectors, P·V 4 rows × 4 vectors (16 each).
+using Avx512Kernel = Kernel<F32x16, I32x16, 2, 8, 64, 4, 4>;
+
+__attribute__((target("avx2,fma"))) void drain_avx2(const Problem& pb, WorkQueue& queue) {
+  Avx2Kernel::drain(pb, queue);
+}
+__attribute__((target("avx512f,avx2,fma"))) void drain_avx512(const Problem& pb, WorkQueue& queue) {
+  Avx512Kernel::drain(pb, queue);
+}
+#endif
+
+// The best variant the CPU runs, chosen once. KDTREE_VERIFY_CPU_ISA=baseline|avx2|avx512 picks a
+// lower one instead (tests check every variant the machine can run; an unavailable one means baseline).
+const Variant& pick_variant() {
+  static const Variant variant = [] {
+    const char* forced = std::getenv("KDTREE_VERIFY_CPU_ISA");
+    const auto allowed = [forced](const char* isa) { return forced == nullptr || std::strcmp(forced, isa) == 0; };
+    (void)allowed;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
+      return Variant{Avx512Kernel::kChunkRows, drain_avx512};
+    }
+    if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return Variant{Avx2Kernel::kChunkRows, drain_avx2};
+    }
+#endif
+    return Variant{BaselineKernel::kChunkRows, drain_baseline};
+  }();
+  return variant;
+}
+
+// Runs every item on the calling thread plus up to (pool threads - 1) pool tasks.
+void run_items(ffi::ThreadPool& pool, const Problem& pb, const Variant& variant, int64_t items) {
+  auto queue = std::make_shared<WorkQueue>(items);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([queue, &pb, drain = variant.drain] { drain(pb, *queue); });
+  }
+  variant.drain(pb, *queue);
+  queue->wait_all();
+}
+
+ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool,
+                              ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 2> kv_slots,
+                              ffi::Buffer<ffi::S32, 1> kv_lens, ffi::Buffer<ffi::U32, 3> tree_mask,
+                              float softmax_scale, int64_t rope_dim, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::F32, 3>> lse) {
   // Shapes were validated in Python; re-check what an out-of-bounds access would depend on.
   const auto qd = q.dimensions();
   const auto pd = kv_pool.dimensions();
@@ -58,73 +483,37 @@ ffi::Error VerifyAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, ffi::Buf
       out->element_type() != q.element_type()) {
     return ffi::Error::InvalidArgument("verify_attention (CPU): q/kv_pool/out must be float32 or bfloat16");
   }
-  const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2], width = qd[3];
-  const int64_t latent = width - rope_dim;
-  const int64_t num_layers = pd[0], num_slots = pd[1];
-  const int64_t max_len = kv_slots.dimensions()[1];
-  const int64_t words = tree_mask.dimensions()[2];
-  if (latent <= 0 || rope_dim < 0 || kv_slots.dimensions()[0] != batch || num_slots <= 0 || num_layers <= 0 ||
-      words * 32 < num_queries) {
+  Problem pb;
+  pb.batch = qd[0];
+  pb.num_queries = qd[1];
+  pb.num_heads = qd[2];
+  pb.width = qd[3];
+  pb.latent = pb.width - rope_dim;
+  pb.num_slots = pd[1];
+  pb.max_len = kv_slots.dimensions()[1];
+  pb.words = tree_mask.dimensions()[2];
+  const int64_t num_layers = pd[0];
+  if (pb.latent <= 0 || rope_dim < 0 || kv_slots.dimensions()[0] != pb.batch || pb.num_slots <= 0 ||
+      num_layers <= 0 || pb.words * 32 < pb.num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CPU): inconsistent shapes");
   }
-
+  pb.rows = pb.num_queries * pb.num_heads;
+  pb.scale = softmax_scale;
+  pb.q = q.untyped_data();
+  pb.q_type = q.element_type();
+  pb.kv_type = kv_pool.element_type();
   const int64_t layer_index = kdtree::clamp_layer(layer.typed_data()[0], num_layers);
-  const void* q_data = q.untyped_data();
-  const void* kv_data = kv_pool.untyped_data();
-  const auto q_type = q.element_type(), kv_type = kv_pool.element_type();
-  const int64_t layer_offset = layer_index * num_slots * width;
+  const size_t kv_elem = pb.kv_type == ffi::DataType::F32 ? 4 : 2;
+  pb.kv_layer = static_cast<const char*>(kv_pool.untyped_data()) + layer_index * pb.num_slots * pb.width * kv_elem;
+  pb.slots = kv_slots.typed_data();
+  pb.lens = kv_lens.typed_data();
+  pb.mask = tree_mask.typed_data();
+  pb.out = out->untyped_data();
+  pb.lse = lse->typed_data();
 
-  std::vector<float> keys;           // this sequence's latent rows, [Lmax, width] float32
-  std::vector<float> scores(max_len);
-  std::vector<float> query(width);
-  std::vector<double> acc(latent);   // one output row; double costs nothing here and keeps the sum exact
-
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t kv_len = kv_lens.typed_data()[b];
-    const int64_t valid = std::clamp<int64_t>(kv_len, 0, max_len);
-    const int64_t first = kv_len - num_queries;
-    keys.assign(valid * width, 0.0f);
-    for (int64_t p = 0; p < valid; ++p) {
-      const int64_t slot = std::clamp<int64_t>(kv_slots.typed_data()[b * max_len + p], 0, num_slots - 1);
-      for (int64_t d = 0; d < width; ++d) keys[p * width + d] = load_as_float(kv_data, kv_type, layer_offset + slot * width + d);
-    }
-    for (int64_t t = 0; t < num_queries; ++t) {
-      const uint32_t* mask_row = tree_mask.typed_data() + (b * num_queries + t) * words;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t row = (b * num_queries + t) * num_heads + h;
-        for (int64_t d = 0; d < width; ++d) query[d] = load_as_float(q_data, q_type, row * width + d);
-
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < valid; ++p) {
-          if (!kdtree::position_visible(p, first, num_queries, mask_row)) {
-            scores[p] = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          float dot = 0.0f;
-          for (int64_t d = 0; d < width; ++d) dot += query[d] * keys[p * width + d];
-          scores[p] = dot * softmax_scale;
-          max_score = std::max(max_score, scores[p]);
-        }
-
-        std::fill(acc.begin(), acc.end(), 0.0);
-        double denom = 0.0;
-        if (max_score > -std::numeric_limits<float>::infinity()) {
-          for (int64_t p = 0; p < valid; ++p) {
-            if (scores[p] == -std::numeric_limits<float>::infinity()) continue;
-            const double weight = std::exp(static_cast<double>(scores[p] - max_score));
-            denom += weight;
-            for (int64_t d = 0; d < latent; ++d) acc[d] += weight * keys[p * width + d];
-          }
-        }
-        for (int64_t d = 0; d < latent; ++d) {
-          const float value = denom > 0.0 ? static_cast<float>(acc[d] / denom) : 0.0f;
-          store_from_float(out->untyped_data(), q_type, row * latent + d, value);
-        }
-        lse->typed_data()[row] = denom > 0.0 ? max_score + static_cast<float>(std::log(denom))
-                                             : -std::numeric_limits<float>::infinity();
-      }
-    }
-  }
+  const Variant& variant = pick_variant();
+  const int64_t items = pb.batch * ((pb.rows + variant.chunk_rows - 1) / variant.chunk_rows);
+  if (items > 0) run_items(pool, pb, variant, items);
   return ffi::Error::Success();
 }
 
@@ -139,6 +528,7 @@ using Lse = ffi::Buffer<ffi::F32, 3>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cpu, VerifyAttentionCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()                // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()                 // q
                                   .Arg<ffi::AnyBuffer>()                 // kv_pool
                                   .Arg<Scalar32>()                     // layer

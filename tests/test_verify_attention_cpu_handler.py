@@ -1,0 +1,235 @@
+"""The FFI CPU handler at realistic lengths, against a float64 numpy formulation of the contract.
+
+tests/test_verify_attention.py checks the handler against the JAX oracle on short tables; here the tables
+are long (L ~ 1500-3000, many position blocks, lengths not multiples of any block), the widths are K2's
+(512 + 64) and an odd split (500 + 36), and the reference is written in numpy straight from DESIGN.md's
+contract (it does not call kdtree_jax.ops.reference). It also checks that no NaN from pool rows the
+sequence does not own leaks in, that repeated calls are bit-identical (the handler runs on XLA's thread
+pool), that a sequence's result does not depend on its place in the batch, that every SIMD variant the CPU
+can run agrees with the reference (each in a subprocess: the variant is chosen once per process), and
+that benchmarks/verify_attention_cpu.py --smoke writes a parseable result.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from kdtree_jax.ops import ffi as vffi  # noqa: E402
+from kdtree_jax.ops import verify_attention  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not vffi.available(), reason="compiled extension not built")
+
+
+def numpy_reference(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim):
+    """float64, one query token at a time, from the contract: positions [0, min(kv_len, Lmax)) are valid,
+    the last T of kv_len are the query tokens, prefix positions are seen by all, query token j by query i
+    when bit j of tree_mask[b, i] is set; slots clip into the pool, a negative layer counts from the end."""
+    q = np.asarray(q, np.float64)
+    pool = np.asarray(kv_pool, np.float64)
+    slots, lens, mask = np.asarray(kv_slots), np.asarray(kv_lens), np.asarray(tree_mask)
+    batch, num_queries, num_heads, width = q.shape
+    latent = width - rope_dim
+    num_layers, num_slots, _ = pool.shape
+    layer = int(layer)
+    layer = min(max(layer + num_layers if layer < 0 else layer, 0), num_layers - 1)
+    out = np.zeros((batch, num_queries, num_heads, latent))
+    lse = np.full((batch, num_queries, num_heads), -np.inf)
+    for b in range(batch):
+        valid = min(max(int(lens[b]), 0), slots.shape[1])
+        first = int(lens[b]) - num_queries
+        rows = pool[layer, np.clip(slots[b, :valid], 0, num_slots - 1)]  # [valid, width]
+        j = np.arange(valid) - first                                     # query-token index of each position
+        for i in range(num_queries):
+            bits = (mask[b, i, np.maximum(j, 0) // 32] >> (np.maximum(j, 0) % 32).astype(np.uint32)) & 1
+            visible = (j < 0) | ((j < num_queries) & (bits == 1))
+            if not visible.any():
+                continue
+            seen = rows[visible]
+            scores = q[b, i] @ seen.T * softmax_scale                       # [H, n]
+            top = scores.max(axis=1, keepdims=True)
+            weights = np.exp(scores - top)
+            total = weights.sum(axis=1, keepdims=True)
+            out[b, i] = weights @ seen[:, :latent] / total
+            lse[b, i] = (top + np.log(total))[:, 0]
+    return out, lse
+
+
+def random_tree_mask(rng, batch, num_queries):
+    """Sequence 0: a random tree's ancestor-or-self bits; the others: random bits with some rows empty."""
+    words = (num_queries + 31) // 32
+    bits = np.zeros((batch, num_queries, num_queries), bool)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, num_queries)]
+    for i in range(num_queries):
+        node = i
+        while node >= 0:
+            bits[0, i, node] = True
+            node = parents[node]
+    for b in range(1, batch):
+        bits[b] = rng.random((num_queries, num_queries)) < 0.4
+        bits[b, rng.random(num_queries) < 0.25] = False
+    packed = np.zeros((batch, num_queries, words), np.uint32)
+    for j in range(num_queries):
+        packed[:, :, j // 32] |= bits[:, :, j].astype(np.uint32) << np.uint32(j % 32)
+    return packed
+
+
+def make_inputs(seed, *, batch, num_queries, num_heads, max_len, latent, rope, dtype, lens):
+    """Fresh random inputs. Pool rows that no sequence reads (outside slots[b, :kv_len]) are NaN, and the
+    table entries past kv_len point at them: a read of a position that is not valid would show."""
+    rng = np.random.default_rng(seed)
+    width = latent + rope
+    num_layers, num_slots = 3, batch * max_len + 50
+    pool = rng.standard_normal((num_layers, num_slots, width)).astype(np.float32)
+    perm = rng.permutation(num_slots)
+    slots = np.zeros((batch, max_len), np.int32)
+    poisoned = np.ones(num_slots, bool)
+    for b in range(batch):
+        slots[b] = perm[b * max_len:(b + 1) * max_len]
+        poisoned[slots[b, :lens[b]]] = False
+    pool[:, poisoned] = np.nan
+    q = rng.standard_normal((batch, num_queries, num_heads, width)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), jnp.int32(rng.integers(num_layers)), jnp.asarray(slots),
+            jnp.asarray(np.asarray(lens, np.int32)), jnp.asarray(random_tree_mask(rng, batch, num_queries)))
+
+
+# name: (B, T, H, Lmax, Dc, Dr, dtype, kv_lens). Lens: full table, a length that is no multiple of 64,
+# prefix 0 (kv_len = T) or less: only (part of) the tree, where random mask rows leave queries with
+# nothing visible.
+CASES = {
+    "k2_bf16": (3, 33, 4, 2999, 512, 64, jnp.bfloat16, [2999, 1001, 33]),
+    "odd_f32": (3, 33, 3, 1531, 500, 36, jnp.float32, [1531, 1237, 20]),  # kv_len 20 < T: first < 0
+}
+
+
+@functools.cache
+def handler(softmax_scale, rope_dim):
+    return jax.jit(functools.partial(verify_attention, softmax_scale=softmax_scale, rope_dim=rope_dim, impl="ffi"))
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    batch, num_queries, num_heads, max_len, latent, rope, dtype, lens = CASES[request.param]
+    with jax.default_device(jax.devices("cpu")[0]):
+        inputs = make_inputs(len(request.param), batch=batch, num_queries=num_queries, num_heads=num_heads,
+                             max_len=max_len, latent=latent, rope=rope, dtype=dtype, lens=lens)
+        scale = (latent + rope) ** -0.5
+        out, lse = handler(scale, rope)(*inputs)
+        ref_out, ref_lse = numpy_reference(*inputs, softmax_scale=scale, rope_dim=rope)
+    return dict(name=request.param, inputs=inputs, scale=scale, rope=rope, dtype=dtype, out=out, lse=lse,
+                ref_out=ref_out, ref_lse=ref_lse)
+
+
+def check_accuracy(out, lse, ref_out, ref_lse, dtype):
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    empty = np.isneginf(ref_lse)
+    assert empty.any() and not empty.all(), "the case should have rows with and without anything visible"
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert np.all(out[empty] == 0.0)
+    assert np.isfinite(out).all() and np.isfinite(lse[~empty]).all(), "NaN/inf leaked into the result"
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=2e-5 if dtype == jnp.float32 else 1e-4)
+    # bfloat16 out: each value is rounded to 8 significant bits (relative error up to 2^-9).
+    tol = 2e-6 if dtype == jnp.float32 else 4e-3
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert err < tol, err
+    assert np.abs(out - ref_out).max() < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_matches_float64_numpy_reference(case):
+    assert case["out"].dtype == case["dtype"] and case["lse"].dtype == jnp.float32
+    check_accuracy(case["out"], case["lse"], case["ref_out"], case["ref_lse"], case["dtype"])
+
+
+def test_repeated_calls_are_bit_identical(case):
+    f = handler(case["scale"], case["rope"])
+    for _ in range(3):
+        out, lse = f(*case["inputs"])
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(case["out"]))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(case["lse"]))
+
+
+def test_result_does_not_depend_on_place_in_batch(case):
+    """Reversing the batch reverses the result bit for bit (work is split by sequence and row chunk)."""
+    q, pool, layer, slots, lens, mask = case["inputs"]
+    out, lse = handler(case["scale"], case["rope"])(q[::-1], pool, layer, slots[::-1], lens[::-1], mask[::-1])
+    np.testing.assert_array_equal(np.asarray(out)[::-1], np.asarray(case["out"]))
+    np.testing.assert_array_equal(np.asarray(lse)[::-1], np.asarray(case["lse"]))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _isas() -> list[str]:
+    flags = _cpu_flags()
+    isas = ["baseline"]
+    if {"avx2", "fma"} <= flags:
+        isas.append("avx2")
+    return isas  # avx512, where present, is what the tests above ran
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_every_simd_variant_matches_reference(isa):
+    env = dict(os.environ, KDTREE_VERIFY_CPU_ISA=isa, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-isa"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_benchmark_smoke(tmp_path):
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    import verify_attention_cpu
+
+    out = tmp_path / "va.json"
+    assert verify_attention_cpu.main(["--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("cpu", "cores", "date", "commit", "jax"):
+        assert key in data["meta"]
+    assert len(data["rows"]) >= 2
+    for row in data["rows"]:
+        assert row["handler_us"] > 0 and row["reference_us"] > 0
+    assert (tmp_path / "va.md").read_text().startswith("# Verify attention on the CPU")
+
+
+def _check_isa_main() -> int:
+    """Run in a subprocess with KDTREE_VERIFY_CPU_ISA set: both cases at reduced length."""
+    for name, (batch, num_queries, num_heads, _, latent, rope, dtype, lens) in sorted(CASES.items()):
+        lens = [min(n, 700) for n in lens]
+        inputs = make_inputs(7, batch=batch, num_queries=num_queries, num_heads=num_heads, max_len=700,
+                             latent=latent, rope=rope, dtype=dtype, lens=lens)
+        scale = (latent + rope) ** -0.5
+        out, lse = handler(scale, rope)(*inputs)
+        check_accuracy(out, lse, *numpy_reference(*inputs, softmax_scale=scale, rope_dim=rope), dtype)
+        print(name, os.environ.get("KDTREE_VERIFY_CPU_ISA"), "ok")
+    return 0
+
+
+if __name__ == "__main__" and "--check-isa" in sys.argv:
+    sys.exit(_check_isa_main())
