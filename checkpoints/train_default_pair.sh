@@ -3,7 +3,8 @@
 # standard-library corpus, then the drafter distilled from it, with the shipped tokenizer kept. The pair
 # comes back under $OUT as tar parts of <= 15 MiB (the device tool returns files of <= 16 MiB):
 #   cat $OUT/pair.tar.part-* | tar -xf - -C /tmp    ->  /tmp/default (a complete checkpoint)
-# Knobs: TARGET_MINUTES, TARGET_STEPS, TARGET_BATCH, DRAFTER_MINUTES, DEADLINE_S. The defaults fit one 600 s call:
+# Knobs: TARGET_MINUTES, TARGET_STEPS, TARGET_BATCH, DRAFTER_MINUTES, DEADLINE_S (the drafter stops in time for
+# it), GREEDY_SEQUENCES, GEN_BATCH, GEN_FRACTION, SPEC_DECODE_S (then SD_PROMPTS, SD_BUDGETS, SD_TEMPERATURES). The defaults fit one 600 s call:
 # 900 target steps at batch 64 (~6 epochs: the held-out loss bottoms out there and rises after, see
 # checkpoints/README.md), then 7.5 minutes of distillation. Pass KDTREE_COMMIT=<hash> so
 # that the summaries name the commit you run (the device copy's git metadata can be stale).
@@ -25,13 +26,20 @@ cp "$WORK/target.work/target_summary.json" "$OUT/" 2>/dev/null
 # The drafter gets what is left of DEADLINE_S (default 575 s, under the device's 600 s limit) after a
 # 25 s margin for packing, capped at DRAFTER_MINUTES: a slow build or target phase shortens the
 # distillation instead of losing the whole call to the limit.
-drafter_min=$(python3 -c "print(round(max(1.0, min(${DRAFTER_MINUTES:-7.5}, (${DEADLINE_S:-575} - $(( $(date +%s) - t0 )) - 25) / 60)), 2))")
+drafter_min=$(python3 -c "print(round(max(1.0, min(${DRAFTER_MINUTES:-7.5}, (${DEADLINE_S:-575} - ${SPEC_DECODE_S:-0} - $(( $(date +%s) - t0 )) - 25) / 60)), 2))")
 echo "drafter budget: $drafter_min min"
 python3 -m kdtree_jax.train drafter --target "$WORK/target" --out "$WORK/default" \
-  --minutes "$drafter_min" --batch 32 --anchors 16 --greedy-sequences 4096 --gen-batch 256 \
+  --minutes "$drafter_min" --batch 32 --anchors 16 --greedy-sequences "${GREEDY_SEQUENCES:-4096}" \
+  --gen-batch "${GEN_BATCH:-256}" --gen-fraction "${GEN_FRACTION:-0.2}" \
   --eval-every 500 > "$OUT/drafter.log" 2>&1
 echo "drafter: rc=$? at $(( $(date +%s) - t0 )) s"; tr '\r' '\n' < "$OUT/drafter.log" | grep -E "^step|done|data" | tail -12
 # The complete pair if the drafter finished, else the target alone (so a cut-short call loses nothing).
 if [ -d "$WORK/default/drafter" ]; then src=default; else src=target; fi
 tar -C "$WORK" -cf - "$src" | split -b 15M - "$OUT/pair.tar.part-"
+# SPEC_DECODE_S > 0: the trained pair's H200 speed in the same call (the drafter's budget leaves room for it).
+if [ "${SPEC_DECODE_S:-0}" -gt 0 ] && [ "$src" = default ]; then
+  timeout "$SPEC_DECODE_S" python3 benchmarks/spec_decode.py --checkpoint "$WORK/default" --prompts "${SD_PROMPTS:-4}" \
+    --max-new-tokens 128 --budgets "${SD_BUDGETS:-8,16,32,64,128,256}" --temperatures "${SD_TEMPERATURES:-0,0.7}" --out "$OUT" > "$OUT/spec_decode.log" 2>&1
+  echo "spec_decode: rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^\| (autoregressive|chain|DDTree)" "$OUT"/spec_decode_*.md | head -12
+fi
 ls -la "$OUT"
