@@ -9,12 +9,15 @@ when a case is slow: at most --budget seconds each, at least 3 calls).
   python benchmarks/verify_attention_cpu.py                  # writes results/verify_attention_cpu.{md,json}
   python benchmarks/verify_attention_cpu.py --smoke --out /tmp/x.json   # tiny, checks the script runs
   python benchmarks/verify_attention_cpu.py --before old.json         # adds old.json's handler times as "before"
+  python benchmarks/verify_attention_cpu.py --extension old/_verify_attention_ext.*.so --out old.json
+                                         # times another build of the extension (e.g. an earlier commit's)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -34,6 +37,17 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "v
 FULL_CASES = [(t, length, 4) for length in (256, 1024, 4096) for t in (1, 9, 17, 33, 65)] + [(33, 1024, 8)]
 SMOKE_CASES = [(1, 20, 2), (9, 40, 2)]
 LATENT, ROPE = 512, 64
+
+
+def use_extension(path: str) -> None:
+    """Make the op call the handlers of the extension module at `path` (before anything registered them)."""
+    from kdtree_jax.ops import ffi as vffi
+
+    spec = importlib.util.spec_from_file_location("kdtree_jax._verify_attention_ext", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    vffi._ext = module
+    vffi._register.cache_clear()
 
 
 def cpu_description() -> dict:
@@ -119,14 +133,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=RESULTS, help="the JSON path; the markdown goes next to it (.md)")
     p.add_argument("--before", default=None, help="a JSON written by this script for an earlier handler: its handler "
                                                      "times become the 'before' column")
+    p.add_argument("--extension", default=None, help="path of another build of kdtree_jax._verify_attention_ext "
+                                                        "to time instead of the installed one")
     args = p.parse_args(argv)
+    if args.extension:
+        use_extension(args.extension)
     cases, latent, rope = (SMOKE_CASES, 16, 8) if args.smoke else (FULL_CASES, LATENT, ROPE)
     reps = 3 if args.smoke else args.reps
 
     with jax.default_device(jax.devices("cpu")[0]):
         meta = dict(cpu_description(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                     commit=git_commit(), jax=jax.__version__, latent=latent, rope=rope, reps=reps,
-                    smoke=args.smoke)
+                    smoke=args.smoke, extension=args.extension)
         print(json.dumps(meta), flush=True)
         rows = []
         for num_queries, length, num_heads in cases:

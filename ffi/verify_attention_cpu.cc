@@ -65,6 +65,11 @@ uint16_t float_to_bf16(float value) {  // round to nearest even, NaN stays NaN
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
+float load_as_float(const void* data, ffi::DataType dtype, int64_t index) {
+  if (dtype == ffi::DataType::F32) return static_cast<const float*>(data)[index];
+  return bf16_to_float(static_cast<const uint16_t*>(data)[index]);
+}
+
 bool supported(ffi::DataType dtype) { return dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16; }
 
 // Widens `count` contiguous float32 or bfloat16 values to float32 (loops simple enough to vectorise).
@@ -218,10 +223,15 @@ struct Kernel {
     s.alpha.assign(kChunkRows, 0.0f);
   }
 
+  // A sequence's rows are cut into chunks_per_sequence() chunks of near-equal size (a score tile costs
+  // the same for 4 rows as for kChunkRows, so 36 rows go as 18 + 18, not 32 + 4).
+  static int64_t chunks_per_sequence(const Problem& pb) { return (pb.rows + kChunkRows - 1) / kChunkRows; }
+
   static KDTREE_INLINE void run(const Problem& pb, int64_t item, Scratch& s) {
-    const int64_t chunks = (pb.rows + kChunkRows - 1) / kChunkRows;
-    const int64_t b = item / chunks, row0 = item % chunks * kChunkRows;
-    const int64_t num_rows = std::min<int64_t>(kChunkRows, pb.rows - row0);
+    const int64_t chunks = chunks_per_sequence(pb);
+    const int64_t b = item / chunks, chunk = item % chunks;
+    const int64_t row0 = chunk * pb.rows / chunks;
+    const int64_t num_rows = (chunk + 1) * pb.rows / chunks - row0;
     const int64_t kv_len = pb.lens[b];
     const int64_t valid = std::clamp<int64_t>(kv_len, 0, pb.max_len);
     const int64_t first = kv_len - pb.num_queries;  // position of query token 0 (may be negative)
@@ -245,20 +255,12 @@ struct Kernel {
     write_rows(pb, b, row0, num_rows, os, s);
   }
 
+  // Once per item (kChunkRows·D values), so a plain scalar transpose.
   static KDTREE_INLINE void load_queries(const Problem& pb, int64_t b, int64_t row0, int64_t num_rows, Scratch& s) {
-    const size_t elem = pb.q_type == ffi::DataType::F32 ? 4 : 2;
-    std::vector<float>& qt = s.qt;
-    float row[1024];  // widened in pieces: width is not bounded
     for (int64_t i = 0; i < kChunkRows; ++i) {
-      if (i >= num_rows) {
-        for (int64_t d = 0; d < pb.width; ++d) qt[d * kChunkRows + i] = 0.0f;
-        continue;
-      }
-      const char* src = static_cast<const char*>(pb.q) + ((b * pb.rows + row0 + i) * pb.width) * elem;
-      for (int64_t d0 = 0; d0 < pb.width; d0 += 1024) {
-        const int64_t count = std::min<int64_t>(1024, pb.width - d0);
-        widen_row(src + d0 * elem, pb.q_type, count, row);
-        for (int64_t d = 0; d < count; ++d) qt[(d0 + d) * kChunkRows + i] = row[d];
+      const int64_t first_elem = (b * pb.rows + row0 + i) * pb.width;
+      for (int64_t d = 0; d < pb.width; ++d) {
+        s.qt[d * kChunkRows + i] = i < num_rows ? load_as_float(pb.q, pb.q_type, first_elem + d) : 0.0f;
       }
     }
   }
@@ -412,7 +414,7 @@ typedef int32_t I32x4 __attribute__((vector_size(16)));
 using BaselineKernel = Kernel<F32x4, I32x4, 2, 4, 64, 4, 2>;
 
 struct Variant {
-  int64_t chunk_rows;
+  int64_t (*chunks_per_sequence)(const Problem&);
   void (*drain)(const Problem&, WorkQueue&);
 };
 
@@ -446,13 +448,13 @@ const Variant& pick_variant() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx512Kernel::kChunkRows, drain_avx512};
+      return Variant{Avx512Kernel::chunks_per_sequence, drain_avx512};
     }
     if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx2Kernel::kChunkRows, drain_avx2};
+      return Variant{Avx2Kernel::chunks_per_sequence, drain_avx2};
     }
 #endif
-    return Variant{BaselineKernel::kChunkRows, drain_baseline};
+    return Variant{BaselineKernel::chunks_per_sequence, drain_baseline};
   }();
   return variant;
 }
@@ -512,7 +514,7 @@ ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pb.lse = lse->typed_data();
 
   const Variant& variant = pick_variant();
-  const int64_t items = pb.batch * ((pb.rows + variant.chunk_rows - 1) / variant.chunk_rows);
+  const int64_t items = pb.batch * variant.chunks_per_sequence(pb);
   if (items > 0) run_items(pool, pb, variant, items);
   return ffi::Error::Success();
 }
