@@ -109,7 +109,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += ["| T | L | H | before µs | handler µs | reference µs | speed-up vs before | reference / handler |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
-        lines += ["| T | L | H | handler µs | reference µs | reference / handler |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| T | L | H | handler µs | reference µs | reference / handler |",
+                  "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["reference_us"] / r["handler_us"]
         if has_before:
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="two tiny cases, small widths (checks the script runs)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per case (at most)")
-    p.add_argument("--budget", type=float, default=3.0, help="seconds of timed calls per case and impl (at least 3 calls)")
+    p.add_argument("--budget", type=float, default=3.0,
+                   help="seconds of timed calls per case and impl (at least 3 calls)")
     p.add_argument("--out", default=RESULTS, help="the JSON path; the markdown goes next to it (.md)")
     p.add_argument("--before", default=None, help="a JSON written by this script for an earlier handler: its handler "
                                                      "times become the 'before' column")

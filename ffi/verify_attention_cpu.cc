@@ -7,13 +7,14 @@
 // out = softmax(scores)·V over the Dc latent dims (V = the first Dc dims of the same rows), with R = T·H
 // query rows against the sequence's L rows. Its speed is how busy the inner loops keep the FMA units,
 // hence this structure:
-//   * Work items are (sequence, chunk of kChunkRows query rows). XLA's intra-op thread pool runs them and
+//   * Work items are (sequence, chunk of up to kChunkRows query rows). XLA's intra-op thread pool runs them and
 //     the calling thread takes items too, so nothing waits on a pool that is busy elsewhere. Each row's
 //     arithmetic is the same whichever chunk or thread holds it: results are bit-identical from call to
 //     call.
 //   * A chunk walks its sequence in blocks of kBlock positions with an online (flash-attention) softmax.
 //     Each block's rows are gathered from the pool and widened to float32 once for all rows of the
-//     chunk, so scratch is a few hundred KB per thread whatever L is.
+//     chunk, so scratch is a few hundred KB per thread whatever L is. Masked positions take part with
+//     probability 0 (as in the reference, a NaN in such a row would still reach the output).
 //   * The chunk's query rows are stored transposed (row index fastest): one vector holds one dimension
 //     of several query rows, scores come out as [position][row-vector], and the mask and the softmax are
 //     lane-wise vector operations with no horizontal sums.
@@ -164,7 +165,7 @@ KDTREE_INLINE V select(I take_a, V a, V b) {  // lane-wise take_a ? a : b (take_
 template <class V, class I>
 KDTREE_INLINE V vmax(V a, V b) { return select<V, I>(a > b, a, b); }
 
-// e^x lane-wise, within ~2 ulp (Cephes' expf: x = k·ln2 + f with |f| <= ln2/2, e^f by a polynomial, 2^k
+// e^x lane-wise, within about 1 ulp (Cephes' expf: x = k·ln2 + f with |f| <= ln2/2, e^f by a polynomial, 2^k
 // written into the exponent bits). Exactly 0 below -87, so e^-inf = 0: masked scores rely on it.
 template <class V, class I>
 KDTREE_INLINE V vexp(V x) {
@@ -322,7 +323,9 @@ struct Kernel {
         continue;
       }
       const float* bias = s.bias.data() + (pos - first) * kChunkRows;
-      for (int r = 0; r < kRowVecs; ++r) store(row + r * kLanes, load<V>(row + r * kLanes) + load<V>(bias + r * kLanes));
+      for (int r = 0; r < kRowVecs; ++r) {
+        store(row + r * kLanes, load<V>(row + r * kLanes) + load<V>(bias + r * kLanes));
+      }
     }
   }
 
