@@ -7,10 +7,11 @@
 // out = softmax(scores)·V over the Dc latent dims (V = the first Dc dims of the same rows), with R = T·H
 // query rows against the sequence's L rows. Its speed is how busy the inner loops keep the FMA units,
 // hence this structure:
-//   * Work items are (sequence, chunk of up to kChunkRows query rows). XLA's intra-op thread pool runs them and
-//     the calling thread takes items too, so nothing waits on a pool that is busy elsewhere. Each row's
-//     arithmetic is the same whichever chunk or thread holds it: results are bit-identical from call to
-//     call.
+//   * Work items are (sequence, chunk of up to kChunkRows query rows), and when that gives too few items
+//     to keep the threads busy (decode), also a split of the positions, merged afterwards by LSE. XLA's
+//     intra-op thread pool runs them and the calling thread takes items too, so nothing waits on a pool
+//     that is busy elsewhere. The cut depends on static shapes only and each row's arithmetic is the same
+//     whichever thread runs it: results are bit-identical from call to call.
 //   * A chunk walks its sequence in blocks of kBlock positions with an online (flash-attention) softmax.
 //     Each block's rows are gathered from the pool and widened to float32 once for all rows of the
 //     chunk, so scratch is a few hundred KB per thread whatever L is. Masked positions take part with
@@ -88,7 +89,7 @@ KDTREE_INLINE void widen_row(const void* src, ffi::DataType dtype, int64_t count
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-// One call's inputs, read-only for every worker.
+// One call's inputs and how its work is cut, read-only for every worker (except the output buffers).
 struct Problem {
   const void* q;
   ffi::DataType q_type;
@@ -102,7 +103,55 @@ struct Problem {
   int64_t batch, num_queries, num_heads, width, latent, num_slots, max_len, words;
   int64_t rows;  // T·H query rows per sequence; row r is query token r / H, head r % H
   float scale;
+  // Work items: (sequence, chunk of rows, split of the positions), numbered in that order.
+  int64_t chunks;  // row chunks per sequence
+  int64_t blocks;  // position blocks of the table (ceil(Lmax / kBlock))
+  int64_t splits;  // position splits: split s takes blocks [s·blocks/splits, (s+1)·blocks/splits)
+  // With more than one split, each item leaves its rows' unnormalised state here ([B·rows, splits] rows of
+  // `latent` values, and max / sum each) and merge_splits writes the output.
+  float* part_o;
+  float* part_max;
+  float* part_sum;
 };
+
+// Writes one output row, `values` times `factor`, in the output's dtype.
+void write_output_row(const Problem& pb, int64_t row, const float* values, float factor) {
+  if (pb.q_type == ffi::DataType::F32) {
+    float* dst = static_cast<float*>(pb.out) + row * pb.latent;
+    for (int64_t c = 0; c < pb.latent; ++c) dst[c] = values[c] * factor;
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(pb.out) + row * pb.latent;
+    for (int64_t c = 0; c < pb.latent; ++c) dst[c] = float_to_bf16(values[c] * factor);
+  }
+}
+
+// Combines the splits of every row in a fixed order (the LSE merge of split-KV attention).
+void merge_splits(const Problem& pb) {
+  std::vector<float> acc(pb.latent), weight(pb.splits);
+  for (int64_t row = 0; row < pb.batch * pb.rows; ++row) {
+    const float* row_max = pb.part_max + row * pb.splits;
+    const float* row_sum = pb.part_sum + row * pb.splits;
+    const float top = *std::max_element(row_max, row_max + pb.splits);
+    if (top == kNegInf) {  // nothing visible in any split
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      write_output_row(pb, row, acc.data(), 0.0f);
+      pb.lse[row] = kNegInf;
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t sp = 0; sp < pb.splits; ++sp) {
+      weight[sp] = std::exp(row_max[sp] - top);  // 0 for a split that saw nothing
+      total += weight[sp] * row_sum[sp];
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t sp = 0; sp < pb.splits; ++sp) {
+      const float* o = pb.part_o + (row * pb.splits + sp) * pb.latent;
+      for (int64_t c = 0; c < pb.latent; ++c) acc[c] += weight[sp] * o[c];
+    }
+    write_output_row(pb, row, acc.data(), 1.0f / total);
+    pb.lse[row] = top + std::log(total);
+  }
+}
 
 // Items 0..n-1 handed out in order to whoever asks; `wait_all` returns once every item is finished.
 // Lives in a shared_ptr: a pool task that starts after the call returned finds nothing left to claim
@@ -207,6 +256,7 @@ struct Kernel {
   static constexpr int kChunkRows = kLanes * kRowVecs;
   static constexpr int kPvCols = kLanes * kPvVecs;
   static_assert(kBlock % kPosTile == 0 && kChunkRows % kPvRows == 0, "tiles must divide blocks");
+  static constexpr int64_t block() { return kBlock; }
 
   // The output is computed in whole kPvCols-wide column tiles, reading V past Dc (rope dims, then zero
   // padding) for columns that are never stored.
@@ -229,10 +279,10 @@ struct Kernel {
   static int64_t chunks_per_sequence(const Problem& pb) { return (pb.rows + kChunkRows - 1) / kChunkRows; }
 
   static KDTREE_INLINE void run(const Problem& pb, int64_t item, Scratch& s) {
-    const int64_t chunks = chunks_per_sequence(pb);
-    const int64_t b = item / chunks, chunk = item % chunks;
-    const int64_t row0 = chunk * pb.rows / chunks;
-    const int64_t num_rows = (chunk + 1) * pb.rows / chunks - row0;
+    const int64_t split = item % pb.splits, chunk = item / pb.splits % pb.chunks;
+    const int64_t b = item / pb.splits / pb.chunks;
+    const int64_t row0 = chunk * pb.rows / pb.chunks;
+    const int64_t num_rows = (chunk + 1) * pb.rows / pb.chunks - row0;
     const int64_t kv_len = pb.lens[b];
     const int64_t valid = std::clamp<int64_t>(kv_len, 0, pb.max_len);
     const int64_t first = kv_len - pb.num_queries;  // position of query token 0 (may be negative)
@@ -244,8 +294,10 @@ struct Kernel {
     std::fill(s.m.begin(), s.m.end(), kNegInf);
     std::fill(s.l.begin(), s.l.end(), 0.0f);
 
-    for (int64_t start = 0; start < valid; start += kBlock) {
-      const int64_t n = std::min<int64_t>(kBlock, valid - start);
+    const int64_t begin = split * pb.blocks / pb.splits * kBlock;
+    const int64_t end = std::min(valid, (split + 1) * pb.blocks / pb.splits * kBlock);
+    for (int64_t start = begin; start < end; start += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, end - start);
       const int64_t n_tiles = round_up(n, kPosTile);
       gather_block(pb, b, start, n, n_tiles, s.kv.data(), kvs);
       scores(pb, s.kv.data(), kvs, n_tiles, s);
@@ -253,7 +305,11 @@ struct Kernel {
       softmax_update(n_tiles, s);
       accumulate_pv(s.kv.data(), kvs, n, round_up(num_rows, kPvRows), os, s);
     }
-    write_rows(pb, b, row0, num_rows, os, s);
+    if (pb.splits == 1) {
+      write_rows(pb, b, row0, num_rows, os, s);
+    } else {
+      write_partial(pb, b, row0, num_rows, split, os, s);
+    }
   }
 
   // Once per item (kChunkRows·D values), so a plain scalar transpose.
@@ -384,17 +440,19 @@ struct Kernel {
                                        Scratch& s) {
     for (int64_t i = 0; i < num_rows; ++i) {
       const int64_t row = b * pb.rows + row0 + i;
-      const float sum = s.l[i];
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // sum > 0 iff the row saw something
-      const float* o = s.o.data() + i * os;
-      if (pb.q_type == ffi::DataType::F32) {
-        float* dst = static_cast<float*>(pb.out) + row * pb.latent;
-        for (int64_t c = 0; c < pb.latent; ++c) dst[c] = o[c] * inv;
-      } else {
-        uint16_t* dst = static_cast<uint16_t*>(pb.out) + row * pb.latent;
-        for (int64_t c = 0; c < pb.latent; ++c) dst[c] = float_to_bf16(o[c] * inv);
-      }
+      const float sum = s.l[i];  // > 0 iff the row saw something
+      write_output_row(pb, row, s.o.data() + i * os, sum > 0.0f ? 1.0f / sum : 0.0f);
       pb.lse[row] = sum > 0.0f ? s.m[i] + std::log(sum) : kNegInf;
+    }
+  }
+
+  static KDTREE_INLINE void write_partial(const Problem& pb, int64_t b, int64_t row0, int64_t num_rows, int64_t split,
+                                          int64_t os, Scratch& s) {
+    for (int64_t i = 0; i < num_rows; ++i) {
+      const int64_t slot = (b * pb.rows + row0 + i) * pb.splits + split;
+      std::copy(s.o.data() + i * os, s.o.data() + i * os + pb.latent, pb.part_o + slot * pb.latent);
+      pb.part_max[slot] = s.m[i];
+      pb.part_sum[slot] = s.l[i];
     }
   }
 
@@ -418,6 +476,7 @@ using BaselineKernel = Kernel<F32x4, I32x4, 2, 4, 64, 4, 2>;
 
 struct Variant {
   int64_t (*chunks_per_sequence)(const Problem&);
+  int64_t block;  // kBlock
   void (*drain)(const Problem&, WorkQueue&);
 };
 
@@ -451,15 +510,26 @@ const Variant& pick_variant() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx512Kernel::chunks_per_sequence, drain_avx512};
+      return Variant{Avx512Kernel::chunks_per_sequence, Avx512Kernel::block(), drain_avx512};
     }
     if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx2Kernel::chunks_per_sequence, drain_avx2};
+      return Variant{Avx2Kernel::chunks_per_sequence, Avx2Kernel::block(), drain_avx2};
     }
 #endif
-    return Variant{BaselineKernel::chunks_per_sequence, drain_baseline};
+    return Variant{BaselineKernel::chunks_per_sequence, BaselineKernel::block(), drain_baseline};
   }();
   return variant;
+}
+
+// Few row chunks (decode: T·H rows fill one chunk) would leave threads idle, so the positions are split
+// too, until there are about kSplitItems items, each split at least kMinSplitBlocks blocks long (its work
+// must outweigh the merge). Static shapes only: the result does not depend on the machine's thread count.
+constexpr int64_t kSplitItems = 8, kMinSplitBlocks = 4;
+
+int64_t choose_splits(int64_t row_items, int64_t blocks) {
+  if (row_items >= kSplitItems) return 1;
+  const int64_t wanted = (kSplitItems + row_items - 1) / row_items;
+  return std::max<int64_t>(1, std::min(wanted, blocks / kMinSplitBlocks));
 }
 
 // Runs every item on the calling thread plus up to (pool threads - 1) pool tasks.
@@ -517,8 +587,23 @@ ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pb.lse = lse->typed_data();
 
   const Variant& variant = pick_variant();
-  const int64_t items = pb.batch * variant.chunks_per_sequence(pb);
+  pb.chunks = variant.chunks_per_sequence(pb);
+  pb.blocks = (pb.max_len + variant.block - 1) / variant.block;
+  pb.splits = choose_splits(pb.batch * pb.chunks, pb.blocks);
+  std::vector<float> part_o, part_max, part_sum;
+  if (pb.splits > 1) {  // then batch·rows·splits < kSplitItems·kChunkRows·2: a few MB at most
+    const int64_t partial_rows = pb.batch * pb.rows * pb.splits;
+    part_o.resize(partial_rows * pb.latent);
+    part_max.resize(partial_rows);
+    part_sum.resize(partial_rows);
+  }
+  pb.part_o = part_o.data();
+  pb.part_max = part_max.data();
+  pb.part_sum = part_sum.data();
+
+  const int64_t items = pb.batch * pb.chunks * pb.splits;
   if (items > 0) run_items(pool, pb, variant, items);
+  if (items > 0 && pb.splits > 1) merge_splits(pb);
   return ffi::Error::Success();
 }
 

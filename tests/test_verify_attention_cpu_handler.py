@@ -1,7 +1,8 @@
 """The FFI CPU handler at realistic lengths, against a float64 numpy formulation of the contract.
 
 tests/test_verify_attention.py checks the handler against the JAX oracle on short tables; here the tables
-are long (L ~ 1500-3000, many position blocks, lengths not multiples of any block), the widths are K2's
+are long (L ~ 1500-3000, many position blocks, lengths not multiples of any block; decode-sized batches,
+for which the handler also splits the positions over threads), the widths are K2's
 (512 + 64) and an odd split (500 + 36), and the reference is written in numpy straight from DESIGN.md's
 contract (it does not call kdtree_jax.ops.reference). It also checks that no NaN from pool rows the
 sequence does not own leaks in, that repeated calls are bit-identical (the handler runs on XLA's thread
@@ -111,6 +112,8 @@ def make_inputs(seed, *, batch, num_queries, num_heads, max_len, latent, rope, d
 CASES = {
     "k2_bf16": (3, 33, 4, 2999, 512, 64, jnp.bfloat16, [2999, 1001, 33]),
     "odd_f32": (3, 33, 3, 1531, 500, 36, jnp.float32, [1531, 1237, 20]),  # kv_len 20 < T: first < 0
+    # Decode: one row chunk per sequence, so the handler splits the positions and merges the splits.
+    "decode_bf16": (2, 1, 8, 2500, 512, 64, jnp.bfloat16, [2500, 0]),
 }
 
 
