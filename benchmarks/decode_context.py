@@ -97,8 +97,9 @@ def rank_configs(smoke: bool, layers: int):
 
 
 def layers_that_fit(cfg, dcfg, contexts: list[int], max_len_of, reserve_gb: float) -> int:
-    """The most target layers whose weights and KV pools (one pool per context, all held at once) fit in
-    the device's memory limit, leaving `reserve_gb` for the drafter, workspaces and temporaries."""
+    """The most target layers whose weights and KV pools (one pool per context, all held at once, plus the
+    copy a timed run makes) fit in the device's memory limit, leaving `reserve_gb` for the drafter,
+    workspaces and temporaries."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         raise SystemExit("--layers fit needs a device that reports its memory limit (a GPU); pass a number")
@@ -111,7 +112,10 @@ def layers_that_fit(cfg, dcfg, contexts: list[int], max_len_of, reserve_gb: floa
     first = cfg.first_k_dense_replace + 1  # the dense layers and one MoE layer
     per_layer_weights = weight_bytes(first + 1) - weight_bytes(first)  # one more MoE layer
     base = weight_bytes(first) - first * per_layer_weights  # embedding, head, and the dense layers' excess
-    per_layer_kv = sum(max_len_of(c) for c in contexts) * cfg.cache_dim * 2
+    # Every context's pool is held at once, and each timed run copies the pool it donates to the loop (an
+    # H200 run at 27 layers ran out of memory on that copy at 200k): one more pool of the largest context.
+    rows = sum(max_len_of(c) for c in contexts) + max(max_len_of(c) for c in contexts)
+    per_layer_kv = rows * cfg.cache_dim * 2
     free = stats["bytes_limit"] - reserve_gb * 2**30 - base
     n = int(free // (per_layer_weights + per_layer_kv))
     log(f"--layers fit: limit {stats['bytes_limit'] / 2**30:.1f} GiB, {per_layer_weights / 2**30:.2f} GiB of weights "
