@@ -4,7 +4,8 @@ One sequence (B=1) with L context positions before the T query tokens (kv_len = 
 over the query tokens, K2's latent geometry (576 = 512 + 64) in bfloat16, the pool [4 layers, S slots,
 576] and the sequence's slots a random permutation (scattered rows, as in a paged cache). Each case is
 compiled once, run once to warm up, then timed with block_until_ready: the median of --reps calls (fewer
-when a case is slow: at most --budget seconds each, at least 3 calls).
+when a case is slow: about --budget seconds per impl, at least 4 calls), made in two rounds of
+consecutive calls per impl.
 
   python benchmarks/verify_attention_cpu.py                  # writes results/verify_attention_cpu.{md,json}
   python benchmarks/verify_attention_cpu.py --smoke --out /tmp/x.json   # tiny, checks the script runs
@@ -75,25 +76,32 @@ def make_inputs(num_queries: int, length: int, num_heads: int, latent: int, rope
     return q, pool, jnp.int32(1), slots, lens, causal_mask(1, num_queries)
 
 
-def median_us(fn, args, reps: int, budget_s: float) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    start = time.perf_counter()
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e6
+def median_us(fns: dict, args, reps: int, budget_s: float, rounds: int = 2) -> dict:
+    """Median µs per call of each function. The calls are made in `rounds` rounds, each function timed
+    over a run of consecutive calls per round (as in a model, where the op follows itself layer after
+    layer), so that a slow spell of the machine (shared cores) is unlikely to hit only one of them."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = {name: [] for name in fns}
+    per_round = max(2, -(-reps // rounds))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for rep in range(per_round):
+                if rep >= 2 and time.perf_counter() - start > budget_s / rounds:
+                    break
+                t = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(ts)) * 1e6 for name, ts in times.items()}
 
 
 def bench_case(num_queries, length, num_heads, latent, rope, reps, budget_s):
     args = make_inputs(num_queries, length, num_heads, latent, rope)
     scale = (latent + rope) ** -0.5
-    row = dict(T=num_queries, L=length, H=num_heads)
-    for impl, key in (("ffi", "handler_us"), ("reference", "reference_us")):
-        fn = jax.jit(lambda *a, impl=impl: verify_attention(*a, softmax_scale=scale, rope_dim=rope, impl=impl))
-        row[key] = median_us(fn, args, reps, budget_s)
-    return row
+    fns = {key: jax.jit(lambda *a, impl=impl: verify_attention(*a, softmax_scale=scale, rope_dim=rope, impl=impl))
+           for impl, key in (("ffi", "handler_us"), ("reference", "reference_us"))}
+    return dict(T=num_queries, L=length, H=num_heads, **median_us(fns, args, reps, budget_s))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -102,10 +110,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['cpu']} ({meta['cores']} cores), jax {meta['jax']}, {meta['date']}, commit {meta['commit']}.",
              f"B=1, bfloat16 pool [4, S, {meta['latent'] + meta['rope']}] (latent {meta['latent']} + rope "
              f"{meta['rope']}), scattered slots, causal mask over T query tokens after L context positions; "
-             f"median of up to {meta['reps']} calls under jit after a warm-up (block_until_ready).", ""]
+             f"median of up to {meta['reps']} calls under jit after a warm-up (block_until_ready), in two rounds "
+             f"of consecutive calls per impl.", ""]
     if has_before:
-        lines += [f"'before' is the handler at {meta.get('before_commit', '?')} (scalar loops, double accumulation).",
-                  ""]
+        lines += [f"'before' is the handler of commit {meta.get('before_commit', '?')} (scalar loops, double "
+                  f"accumulation, one thread), timed by this script with --extension on a build of that commit "
+                  f"({meta.get('before_date', '?')}).", ""]
         lines += ["| T | L | H | before µs | handler µs | reference µs | speed-up vs before | reference / handler |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
@@ -157,6 +167,7 @@ def main(argv=None) -> int:
         with open(args.before) as f:
             before = json.load(f)
         meta["before_commit"] = before["meta"]["commit"]
+        meta["before_date"] = before["meta"]["date"]
         old = {(r["T"], r["L"], r["H"]): r["handler_us"] for r in before["rows"]}
         for r in rows:
             if (r["T"], r["L"], r["H"]) in old:
