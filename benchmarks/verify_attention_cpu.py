@@ -112,6 +112,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['rope']}), scattered slots, causal mask over T query tokens after L context positions; "
              f"median of up to {meta['reps']} calls under jit after a warm-up (block_until_ready), in two rounds "
              f"of consecutive calls per impl.", ""]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
     if has_before:
         lines += [f"'before' is the handler of commit {meta.get('before_commit', '?')} (scalar loops, double "
                   f"accumulation, one thread), timed by this script with --extension on a build of that commit "
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
                                                      "times become the 'before' column")
     p.add_argument("--extension", default=None, help="path of another build of kdtree_jax._verify_attention_ext "
                                                         "to time instead of the installed one")
+    p.add_argument("--note", default="", help="a sentence for the markdown (e.g. on the machine's load)")
     args = p.parse_args(argv)
     if args.extension:
         use_extension(args.extension)
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
     with jax.default_device(jax.devices("cpu")[0]):
         meta = dict(cpu_description(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                     commit=git_commit(), jax=jax.__version__, latent=latent, rope=rope, reps=reps,
-                    smoke=args.smoke, extension=args.extension)
+                    smoke=args.smoke, extension=args.extension, note=args.note)
         print(json.dumps(meta), flush=True)
         rows = []
         for num_queries, length, num_heads in cases:
