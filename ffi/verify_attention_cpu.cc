@@ -239,7 +239,7 @@ KDTREE_INLINE V vexp(V x) {
   return select<V, I>(underflow, splat<V>(0.0f), e_f * two_k);
 }
 
-// Per-worker buffers, sized once per call (a few hundred KB; nothing grows with L except through T).
+// Per-worker buffers, sized once per call: about 0.4 MB at K2 widths plus T·kChunkRows mask floats, whatever L.
 struct Scratch {
   std::vector<float> qt;    // [width][kChunkRows]  the chunk's query rows, transposed; missing rows 0
   std::vector<float> bias;  // [T][kChunkRows]  0 where query token j is visible to the row, else -inf
