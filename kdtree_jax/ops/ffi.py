@@ -1,7 +1,8 @@
 """The compiled verify-attention op: loads the nanobind extension, registers its XLA FFI targets and calls them.
 
-One target name, two handlers: `kdtree_verify_attention` on "cpu" (plain loops, float32 accumulation, any
-dims, float32/bfloat16) and on "CUDA" (the split-KV flash-decode kernel, bf16 with Dc=512, Dr=64).
+One target name, two handlers: `kdtree_verify_attention` on "cpu" (register-tiled flash-style loops over
+XLA's intra-op thread pool, float32 accumulation, any dims, float32/bfloat16; faster than the pure-JAX
+reference on a CPU, `benchmarks/results/verify_attention_cpu.md`) and on "CUDA" (the split-KV flash-decode kernel, bf16 with Dc=512, Dr=64).
 `jax.lax.platform_dependent` picks the branch when the program is lowered, so one traced function runs on
 either platform. On a GPU with other dtypes/dims the CUDA branch falls back to the pure-JAX reference (with
 a one-time warning) because the kernel is specialised to the 576-wide K2/DeepSeek latent row.
