@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-windows", type=int, default=0, help="held-out windows for the loss (0: all)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--impl", default="auto")
-    p.add_argument("--dtype", default=None, help="load the checkpoint in this dtype (default: as saved)")
+    p.add_argument("--dtype", default="auto",
+                   help="dtype to load the checkpoint in: "auto": float32 on a CPU (faster there, and greedy speculative output then equals greedy autoregressive output token for token), as saved on a GPU; or a dtype name")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--skip-loss", action="store_true")

@@ -261,16 +261,31 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
     return nnx.merge(graphdef, state)
 
 
+def compute_dtype_for_backend(saved_dtype, backend: str | None = None):
+    """The dtype to run a checkpoint in: float32 on a CPU, the saved dtype on an accelerator.
+
+    XLA:CPU has no native bfloat16 matmuls (it converts around them: the default pair decodes ~3x slower in
+    bfloat16 than in float32 there), and in bfloat16 a T-node verify pass can round a near-tie differently
+    from a one-token step, so greedy speculative output drifts from greedy autoregressive output. Upcasting
+    bfloat16 weights is exact. On a GPU bfloat16 is the fast path (and the verify kernel's dtype).
+    """
+    backend = backend or jax.default_backend()
+    return jnp.dtype(jnp.float32) if backend == "cpu" else jnp.dtype(saved_dtype)
+
+
 def load_checkpoint(path, *, dtype=None, shardings=None):
     """(target, drafter or None, tokenizer) from a checkpoint directory.
 
-    dtype: parameter dtype of the restored models (None: as saved; otherwise Orbax casts while reading).
+    dtype: parameter dtype of the restored models (None: as saved; "auto": `compute_dtype_for_backend`;
+    otherwise Orbax casts while reading).
     shardings: None (default device), or a callable (abstract_module) -> pytree of jax.sharding.Sharding
     matching nnx.state(module) (or one Sharding for everything, or None for the default device). It is
     called for the target and for the drafter. Each array is read straight into its sharding.
     """
     path = os.path.abspath(os.fspath(path))
     meta = read_metadata(path)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = compute_dtype_for_backend(meta["target"]["dtype"])
     cfg = ModelConfig.from_dict(meta["target"]["config"])
     t_dtype = jnp.dtype(dtype if dtype is not None else meta["target"]["dtype"])
     target = _restore_module(path, lambda: Transformer(cfg, t_dtype, rngs=nnx.Rngs(0)), meta["target"]["pieces"],

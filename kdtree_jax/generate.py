@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
                         "drafter's top choices deeper (a soft-label-distilled drafter is under-confident for greedy "
                         "verification); 1.0: its probabilities as they are. Default: the checkpoint's recommendation "
-                        "(0.5 for the embedded pair), else 1.0")
+                        "(0.6 for the embedded pair), else 1.0")
     p.add_argument("--tree", default="ddtree",
                    help="'ddtree' (best-first, dynamic), 'chain' (DFlash: the drafter's top-1 path) or a static "
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the target distribution (sampling)")
     p.add_argument("--top-k-sampling", type=int, default=0, help="top-k filter of the target distribution (0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype to run a kdtree_jax checkpoint in: 'auto' is float32 on a CPU (XLA:CPU emulates "
+                        "bfloat16 matmuls, so float32 is faster there, and greedy speculative output then equals "
+                        "greedy autoregressive output token for token) and the checkpoint's own dtype on a GPU")
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"],
                    help="verify-attention implementation")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
@@ -66,7 +70,7 @@ def _parse_tree(value: str):
     return shape
 
 
-def load_models(checkpoint: str | None):
+def load_models(checkpoint: str | None, dtype: str = "auto"):
     """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature)."""
     import kdtree_jax
     from kdtree_jax.checkpoint import recommended_tree_temperature
@@ -88,16 +92,17 @@ def load_models(checkpoint: str | None):
         return (target, None, load_tokenizer(checkpoint), f"HF checkpoint {checkpoint} (no drafter: autoregressive)",
                 1.0)
     try:
-        target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint)
+        target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint, dtype=dtype)
     except ValueError as e:
         raise SystemExit(f"--checkpoint {checkpoint!r}: {e}")
-    return target, drafter, tokenizer, f"checkpoint {checkpoint}", recommended_tree_temperature(checkpoint)
+    return (target, drafter, tokenizer, f"checkpoint {checkpoint} ({jnp.dtype(target.dtype).name})",
+            recommended_tree_temperature(checkpoint))
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
-    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint)
+    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
     if args.tree_temperature is None:
         args.tree_temperature = recommended
     ids = tokenizer.encode(args.prompt)

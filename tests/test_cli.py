@@ -14,13 +14,36 @@ def test_cli_json_in_process(capsys):
     assert len(out["tokens"]) == 6
     assert out["stats"]["steps"] >= 1 and out["stats"]["tau"] >= 1.0
     assert isinstance(out["text"], str)
-    # The tree temperature defaults to the checkpoint's recommendation (the embedded pair's: 0.5).
+    # The tree temperature defaults to the checkpoint's recommendation (the embedded pair's: 0.6).
     from kdtree_jax.checkpoint import recommended_tree_temperature
     from kdtree_jax.generate import DEFAULT_CHECKPOINT
-    assert out["stats"]["tree_temperature"] == recommended_tree_temperature(DEFAULT_CHECKPOINT) == 0.5
+    assert out["stats"]["tree_temperature"] == recommended_tree_temperature(DEFAULT_CHECKPOINT) == 0.6
     assert cli_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4", "--json",
                      "--tree-temperature", "0.8"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["tree_temperature"] == 0.8
+
+
+def test_cli_runs_in_float32_on_cpu_unless_told(capsys):
+    """The embedded pair is stored in bfloat16; on a CPU `auto` runs it in float32 (exact upcast), where
+    greedy speculative decoding is token-for-token autoregressive decoding."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdtree_jax.checkpoint import compute_dtype_for_backend
+    from kdtree_jax.generate import load_models
+
+    assert compute_dtype_for_backend("bfloat16", "cpu") == jnp.float32
+    assert compute_dtype_for_backend("bfloat16", "gpu") == jnp.bfloat16
+    if jax.default_backend() == "cpu":
+        target, drafter, _, description, _ = load_models(None)
+        assert target.dtype == jnp.float32 and drafter.dtype == jnp.float32 and "float32" in description
+        target, drafter, _, description, _ = load_models(None, "bfloat16")
+        assert target.dtype == jnp.bfloat16 and "bfloat16" in description
+    speculative = ["--prompt", "class Parser:", "--max-new-tokens", "24", "--json"]
+    assert cli_main(speculative) == 0
+    spec_tokens = json.loads(capsys.readouterr().out)["tokens"]
+    assert cli_main(speculative + ["--budget", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == spec_tokens
 
 
 def test_cli_as_a_module_prints_text_and_summary():
