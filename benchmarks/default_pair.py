@@ -122,13 +122,15 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--impl", default="auto")
     p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: "auto": float32 on a CPU (faster there, and greedy speculative output then equals greedy autoregressive output token for token), as saved on a GPU; or a dtype name")
+                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU (faster there, and greedy "
+                        "speculative output then equals greedy autoregressive output token for token) and as "
+                        "saved on a GPU; or a dtype name")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--skip-loss", action="store_true")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) configuration")
     p.add_argument("--samples", type=int, default=2, help="decoded samples to include in the report")
-    p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200.json"),
+    p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200_s4pair.json"),
                    help="spec_decode.py's JSON from a GPU run: fills the report's H200 tok/s column (greedy rows)")
     p.add_argument("--render-only", action="store_true",
                    help="rewrite <out>.md from <out>.json (e.g. after a new --h200-results) without decoding")

@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="pair to measure (default: checkpoints/default)")
     p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: "auto": float32 on a CPU (faster there, and greedy speculative output then equals greedy autoregressive output token for token), as saved on a GPU; or a dtype name")
+                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU (faster there, and greedy "
+                        "speculative output then equals greedy autoregressive output token for token) and as "
+                        "saved on a GPU; or a dtype name")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
