@@ -287,7 +287,9 @@ def run(target, drafter, prompt_batches, *, tree, budget, topk, max_new_tokens, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=common.DEFAULT_CHECKPOINT)
-    p.add_argument("--dtype", default=None, help="load the checkpoint in this dtype (default: as saved)")
+    p.add_argument("--dtype", default="auto",
+                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU and as saved on a GPU "
+                        "(kdtree_jax.checkpoint.compute_dtype_for_backend); or a dtype name")
     p.add_argument("--prompts", type=int, default=16, help="held-out evaluation prompts")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -37,13 +37,15 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="1.0,0.7,0.5,0.4", help="tree temperatures to compare")
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--impl", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU and as saved on a GPU")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tree_temperature_cpu"))
     p.add_argument("--smoke", action="store_true", help="2 prompts x 8 new tokens, budget 4, two temperatures")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.prompt_len, args.max_new, args.budgets, args.temperatures = 2, 24, 8, "4", "1.0,0.5"
 
-    target, drafter, tokenizer = load_checkpoint(args.checkpoint)
+    target, drafter, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype)
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len, seed=args.prompt_seed)
 
     def run(tree, budget, temperature):
