@@ -23,8 +23,12 @@ branch when the program is lowered for a GPU.
 On a CPU, XLA lowers ragged_dot to one dense product over every expert after transposing all expert
 weights ([E, H, I] -> [H, E*I]); inside a decode loop that copies every expert's weights at every step.
 For a few rows, "auto" on a CPU reads just the rows' own experts instead (a gather and three batched
-products: `gathered_mlp`). One MoE layer of the default pair (E = 8, H = I = 256, float32, 2 cores): 20 vs
-152 us at 2 rows, 98 vs 329 at 18, 233 vs 527 at 34; ragged_dot wins from ~48 rows. `CPU_GATHER_*` bound it.
+products: `gathered_mlp`), whose cost grows with the gathered weights. One MoE layer of the default pair
+alone (E = 8, H = I = 256, float32, 2 cores): 20 vs 152 us at 2 rows, 98 vs 329 at 18, 233 vs 527 at 34. In
+the whole decode loop the gathered copies compete with everything else and the crossover comes much
+earlier (median batch-1 tok/s of 4 prompts, gathered vs ragged_dot, runs on a shared 2-core VM that vary by
+~20%): autoregressive, 2 rows, 663-692 vs 367-386; DDTree 8, 18 rows, 594-771 vs 719-750 (no clear
+winner); the chain's 32 rows, 592 vs 690. `CPU_GATHER_*` keep it to the clear case, a few rows.
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ CUDA_SPLIT_ROWS = 1024
 PARTIAL_BYTES = 64 << 20
 
 
-# "auto" on a CPU gathers the rows' experts up to this many rows per expert (the crossover with ragged_dot
-# measured ~6 per expert, above) and while the gathered weights stay under this many bytes.
+# "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
+# and down weights stay under this many bytes (the default pair: up to 10 rows; see the module docstring).
 CPU_GATHER_ROWS_PER_EXPERT = 4
-CPU_GATHER_MAX_BYTES = 64 << 20
+CPU_GATHER_MAX_BYTES = 8 << 20
 
 
 @functools.cache
