@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kdtree_jax import corpus, load_checkpoint  # noqa: E402
-from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
+from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax.spec.engine import generate  # noqa: E402
 from kdtree_jax.train import EOS, causal_forward  # noqa: E402
@@ -121,10 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-windows", type=int, default=0, help="held-out windows for the loss (0: all)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--impl", default="auto")
-    p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU (faster there, and greedy "
-                        "speculative output then equals greedy autoregressive output token for token) and as "
-                        "saved on a GPU; or a dtype name")
+    add_dtype_argument(p)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--skip-loss", action="store_true")

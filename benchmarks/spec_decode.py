@@ -46,7 +46,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import kdtree_jax  # noqa: E402
-from kdtree_jax.checkpoint import recommended_tree_temperature  # noqa: E402
+from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
@@ -217,10 +217,7 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="pair to measure (default: checkpoints/default)")
-    p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU (faster there, and greedy "
-                        "speculative output then equals greedy autoregressive output token for token) and as "
-                        "saved on a GPU; or a dtype name")
+    add_dtype_argument(p)
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -73,6 +73,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode as common  # noqa: E402  (benchmarks/spec_decode.py: prompts, pair loading, stats)
 
+from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
 from kdtree_jax.model.drafter import DrafterCache  # noqa: E402
 from kdtree_jax.spec import tree as trees  # noqa: E402
 from kdtree_jax.spec.engine import generate  # noqa: E402
@@ -287,9 +288,7 @@ def run(target, drafter, prompt_batches, *, tree, budget, topk, max_new_tokens, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=common.DEFAULT_CHECKPOINT)
-    p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU and as saved on a GPU "
-                        "(kdtree_jax.checkpoint.compute_dtype_for_backend); or a dtype name")
+    add_dtype_argument(p)
     p.add_argument("--prompts", type=int, default=16, help="held-out evaluation prompts")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from default_pair import ROOT, heldout_prompts, run_config  # noqa: E402
 
 from kdtree_jax import load_checkpoint  # noqa: E402
+from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 
 
@@ -37,8 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="1.0,0.7,0.5,0.4", help="tree temperatures to compare")
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--impl", default="auto")
-    p.add_argument("--dtype", default="auto",
-                   help="dtype to load the checkpoint in: 'auto' is float32 on a CPU and as saved on a GPU")
+    add_dtype_argument(p)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tree_temperature_cpu"))
     p.add_argument("--smoke", action="store_true", help="2 prompts x 8 new tokens, budget 4, two temperatures")
     args = p.parse_args(argv)

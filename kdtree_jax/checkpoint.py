@@ -273,6 +273,15 @@ def compute_dtype_for_backend(saved_dtype, backend: str | None = None):
     return jnp.dtype(jnp.float32) if backend == "cpu" else jnp.dtype(saved_dtype)
 
 
+def add_dtype_argument(parser, **kwargs) -> None:
+    """`--dtype` (default "auto") for the command lines that load a checkpoint: generate and the pair benchmarks."""
+    parser.add_argument("--dtype", default="auto", **kwargs,
+                        help="dtype to run the checkpoint in: 'auto' is float32 on a CPU (XLA:CPU emulates bfloat16 "
+                             "matmuls, so float32 is faster there, and greedy speculative output then equals greedy "
+                             "autoregressive output token for token) and the checkpoint's own dtype on a GPU"
+                             + ("" if "choices" in kwargs else "; or a dtype name"))
+
+
 def load_checkpoint(path, *, dtype=None, shardings=None):
     """(target, drafter or None, tokenizer) from a checkpoint directory.
 

@@ -14,6 +14,7 @@ import types
 
 import jax.numpy as jnp
 
+from kdtree_jax.checkpoint import add_dtype_argument
 from kdtree_jax.spec import engine
 
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "default")
@@ -50,10 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the target distribution (sampling)")
     p.add_argument("--top-k-sampling", type=int, default=0, help="top-k filter of the target distribution (0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="dtype to run a kdtree_jax checkpoint in: 'auto' is float32 on a CPU (XLA:CPU emulates "
-                        "bfloat16 matmuls, so float32 is faster there, and greedy speculative output then equals "
-                        "greedy autoregressive output token for token) and the checkpoint's own dtype on a GPU")
+    add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"],
                    help="verify-attention implementation")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
