@@ -205,6 +205,60 @@ __device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t*
   if (lane_chunk == 0) prefetch_l2(row + 8 * 128);
 }
 
+// Both many-position kernels' prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones
+// too, so that the group count in the loop's wait is the same for every block), the next kPrefetch tiles
+// prefetched into L2, and the slots of the tiles after those requested into the ring (in the first group: the
+// loop's first iteration reads them).  The slots the prologue itself needs are loaded directly, all before the
+// first copy: one memory round trip.
+template <class Cfg, class RequestSlots>
+__device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
+                                                  int tile_begin, int tile_end, int valid, int my_row,
+                                                  uint32_t kv_smem, RequestSlots& request_slots) {
+  constexpr int kRing = Cfg::kRing, kFirst = kRing - 1 + Cfg::kPrefetch;
+  int32_t raw[kFirst];
+  bool ok[kFirst];
+#pragma unroll
+  for (int st = 0; st < kFirst; ++st) {
+    const int pos = (tile_begin + st) * Cfg::kTile + my_row;
+    ok[st] = tile_begin + st < tile_end && pos < valid;
+    raw[st] = ok[st] ? __ldg(slots + pos) : 0;
+  }
+#pragma unroll
+  for (int st = kRing - 1; st < Cfg::kSlotAhead; ++st) request_slots(tile_begin + st);
+#pragma unroll
+  for (int st = 0; st < kRing - 1; ++st) {
+    if (tile_begin + st < tile_end) {
+      load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * Cfg::kStageBytes);
+    }
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
+}
+
+// Both kernels' per-tile refill, once `tile` has landed: copy tile + kRing - 1 into the stage just freed,
+// prefetch tile + kRing - 1 + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
+// empty or not), then advance the ring's read and write offsets.
+template <class Cfg, class RequestSlots>
+__device__ __forceinline__ void advance_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
+                                                    int tile, int tile_end, int valid, int my_row, uint32_t kv_smem,
+                                                    uint32_t& read_off, uint32_t& write_off, RequestSlots& request_slots) {
+  constexpr int kTile = Cfg::kTile;
+  const int t_copy = tile + Cfg::kRing - 1, t_fetch = tile + Cfg::kRing - 1 + Cfg::kPrefetch;
+  if (t_copy < tile_end) {
+    const int32_t raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
+    load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
+  }
+  if (t_fetch < tile_end) {
+    const int32_t raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
+    prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
+  }
+  request_slots(tile + Cfg::kSlotAhead);
+  cp_async_commit();
+  read_off = read_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : read_off + Cfg::kStageBytes;
+  write_off = write_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : write_off + Cfg::kStageBytes;
+}
+
 template <bool kDirect, int kGroups>
 __global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kMinBlocksPerSm)
 verify_attention_kernel(const Params p) {
@@ -264,33 +318,7 @@ verify_attention_kernel(const Params p) {
       cp_async_4(slot_ring_smem + ((t & (C::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
     }
   };
-  // Prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones too, so that the group
-  // count in the loop's wait is the same for every block), the next kPrefetch tiles prefetched into L2, and the
-  // slots of the tiles after those requested into the ring (in the first group: the loop's first iteration
-  // reads them).  The slots the prologue itself needs are loaded directly, all before the first copy: one
-  // memory round trip.
-  {
-    constexpr int kFirst = kRing - 1 + C::kPrefetch;
-    int32_t raw[kFirst];
-    bool ok[kFirst];
-#pragma unroll
-    for (int st = 0; st < kFirst; ++st) {
-      const int pos = (tile_begin + st) * kTile + my_row;
-      ok[st] = tile_begin + st < tile_end && pos < valid;
-      raw[st] = ok[st] ? __ldg(slots + pos) : 0;
-    }
-#pragma unroll
-    for (int st = kRing - 1; st < C::kSlotAhead; ++st) request_slots(tile_begin + st);
-#pragma unroll
-    for (int st = 0; st < kRing - 1; ++st) {
-      if (tile_begin + st < tile_end) {
-        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * C::kStageBytes);
-      }
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<C::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
-  }
+  start_kv_pipeline<C>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, kv_smem, request_slots);
 
   // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
   const uint32_t* mask_a = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g, p.rows - 1) / p.num_heads) * p.mask_words;
@@ -317,21 +345,8 @@ verify_attention_kernel(const Params p) {
     // partial scores of the previous tile.
     __syncthreads();
     const uint32_t stage_base = kv_smem + read_off;
-    {
-      const int t_copy = tile + kRing - 1, t_fetch = tile + kRing - 1 + C::kPrefetch;
-      if (t_copy < tile_end) {
-        const int32_t raw = slot_ring[(t_copy & (C::kSlotRing - 1)) * kTile + my_row];
-        load_kv_tile<C::kThreadsPerRow, C::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
-      }
-      if (t_fetch < tile_end) {
-        const int32_t raw = slot_ring[(t_fetch & (C::kSlotRing - 1)) * kTile + my_row];
-        prefetch_kv_row<C::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
-      }
-      request_slots(tile + C::kSlotAhead);
-    }
-    cp_async_commit();
-    read_off = read_off + C::kStageBytes == C::kKvBytes ? 0 : read_off + C::kStageBytes;
-    write_off = write_off + C::kStageBytes == C::kKvBytes ? 0 : write_off + C::kStageBytes;
+    advance_kv_pipeline<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, kv_smem, read_off, write_off,
+                           request_slots);
 
     // Partial scores over this warp's dims: 16 rows x kTile positions.  With 16-position tiles the even and
     // odd k-steps go to separate accumulators (two chains of 5 and 4 MMAs instead of one of 9); with 32 the
@@ -581,28 +596,7 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
       cp_async_4(slot_ring_smem + ((t & (W::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
     }
   };
-  {  // prologue: as in verify_attention_kernel
-    constexpr int kFirst = kRing - 1 + W::kPrefetch;
-    int32_t raw[kFirst];
-    bool ok[kFirst];
-#pragma unroll
-    for (int st = 0; st < kFirst; ++st) {
-      const int pos = (tile_begin + st) * kTile + my_row;
-      ok[st] = tile_begin + st < tile_end && pos < valid;
-      raw[st] = ok[st] ? __ldg(slots + pos) : 0;
-    }
-#pragma unroll
-    for (int st = kRing - 1; st < W::kSlotAhead; ++st) request_slots(tile_begin + st);
-#pragma unroll
-    for (int st = 0; st < kRing - 1; ++st) {
-      if (tile_begin + st < tile_end) {
-        load_kv_tile<W::kThreadsPerRow, W::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * W::kStageBytes);
-      }
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<W::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
-  }
+  start_kv_pipeline<W>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, kv_smem, request_slots);
 
   // Softmax role: row rr of the block (8 lanes per row), positions pp .. pp + 3 of each tile.
   const int rr = warp * 4 + lane / 8, pp = (lane % 8) * 4;
@@ -627,21 +621,8 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
     cp_async_wait<kRing - 2>();
     __syncthreads();  // B1: the tile has landed; everybody is done with the previous tile's P and V
     const uint32_t stage_base = kv_smem + read_off;
-    {
-      const int t_copy = tile + kRing - 1, t_fetch = tile + kRing - 1 + W::kPrefetch;
-      if (t_copy < tile_end) {
-        const int32_t raw = slot_ring[(t_copy & (W::kSlotRing - 1)) * kTile + my_row];
-        load_kv_tile<W::kThreadsPerRow, W::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
-      }
-      if (t_fetch < tile_end) {
-        const int32_t raw = slot_ring[(t_fetch & (W::kSlotRing - 1)) * kTile + my_row];
-        prefetch_kv_row<W::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
-      }
-      request_slots(tile + W::kSlotAhead);
-    }
-    cp_async_commit();
-    read_off = read_off + W::kStageBytes == W::kKvBytes ? 0 : read_off + W::kStageBytes;
-    write_off = write_off + W::kStageBytes == W::kKvBytes ? 0 : write_off + W::kStageBytes;
+    advance_kv_pipeline<W>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, kv_smem, read_off, write_off,
+                           request_slots);
 
     // Partial scores: 32 rows x positions [16 ph, 16 ph + 16) over dims slice ds.
     {
