@@ -162,6 +162,39 @@ def test_decode_context_tree_only_smoke(tmp_path):
     assert {"tree_static_us", "tree_levels_us", "accept_closed_form_random_us", "accept_walk_random_us"} <= set(row)
 
 
+def test_decode_context_layers_that_fit(monkeypatch):
+    """--layers fit: n layers fit and n + 1 do not, counting the model's whole weights (abstract shapes), every
+    context's pool and the timed run's copy of the largest pool per layer, in the device's limit less the
+    reserve (a fake device reports the limit)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import decode_context
+
+    cfg, dcfg, _, _ = decode_context.rank_configs(False, 2)
+    max_len_of = {65536: 66048, 200000: 200512}.get
+    kv_per_layer = (66048 + 200512 + 200512) * cfg.cache_dim * 2
+
+    def need(layers):  # bytes of a `layers`-deep model and its pools
+        model = nnx.eval_shape(lambda: decode_context.Transformer(cfg.replace(num_hidden_layers=layers), jnp.bfloat16,
+                                                                  rngs=nnx.Rngs(0)))
+        weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+        return weights + layers * kv_per_layer
+
+    reserve = 16 << 30
+    limit = 128 << 30
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": limit})
+    monkeypatch.setattr(decode_context.jax, "devices", lambda *a: [device])
+    n = decode_context.layers_that_fit(cfg, dcfg, [65536, 200000], max_len_of, reserve_gb=16)
+    assert need(n) <= limit - reserve < need(n + 1)
+    device.memory_stats = lambda: {}
+    with pytest.raises(SystemExit):
+        decode_context.layers_that_fit(cfg, dcfg, [65536], max_len_of, reserve_gb=16)
+
+
 def test_tree_temperature_smoke(tmp_path):
     import tree_temperature
 
