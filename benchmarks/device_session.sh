@@ -5,7 +5,9 @@
 # Results name $KDTREE_COMMIT when it is set: pass the commit you run, as the device copy's git metadata
 # can be stale. SESSION_S bounds the whole script (build included): decode_context gets what the build
 # leaves, minus a margin, as its --deadline-s, and writes the rows it finished.
-#   env: SESSION_S (default 360), SD_LIMIT (0: skip spec_decode), DC_CONTEXTS, DC_NODES, DC_LAYERS (a number or fit), DC_IMPLS,
+#   env: SESSION_S (default 360), SD_LIMIT (0: skip spec_decode), DC_SKIP=1 (skip decode_context),
+#        PROFILE_SHAPES ("B T H L;..." : Nsight Compute on those verify-kernel shapes first, ffi/tools/probe_verify.sh),
+#        DC_CONTEXTS, DC_NODES, DC_LAYERS (a number or fit), DC_IMPLS,
 #        DC_MEM_FRACTION (XLA's share of device memory, default 0.92),
 #        DC_EXTRA (more arguments), SKIP_BUILD=1 (a CPU dry run: OUT=/tmp/ds SKIP_BUILD=1 DC_EXTRA=--smoke bash ...)
 set -uo pipefail
@@ -16,9 +18,15 @@ t_begin=$(date +%s)
 SESSION_S=${SESSION_S:-360}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${SKIP_BUILD:-0}" = 0 ]; then
-  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  KDTREE_JAX_PTXAS_VERBOSE=1 python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 fi
 echo "build: $(( $(date +%s) - t_begin )) s"
+if [ -n "${PROFILE_SHAPES:-}" ]; then
+  mkdir -p /tmp/profile && IFS=';' read -ra shapes <<< "$PROFILE_SHAPES"
+  OUT=/tmp/profile SKIP_BUILD=1 timeout 150 bash ffi/tools/probe_verify.sh "${shapes[@]}" 2>&1 | grep -v "^total\|^-r\|^d" | tail -70
+  tar -czf "$OUT/profile.tgz" -C /tmp/profile .
+  echo "profile: done at $(( $(date +%s) - t_begin )) s"
+fi
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t=$(date +%s)
@@ -30,6 +38,7 @@ if [ "${SD_LIMIT:-0}" != 0 ]; then
   stage spec_decode "$SD_LIMIT" python3 benchmarks/spec_decode.py --prompts ${SD_PROMPTS:-4} --max-new-tokens 128 \
     --budgets ${SD_BUDGETS:-8,32,128} --cache-dir /tmp/jax_cache --out "$OUT"
 fi
+[ "${DC_SKIP:-0}" = 1 ] && { ls -la "$OUT"; exit 0; }
 left=$(( SESSION_S - ($(date +%s) - t_begin) ))
 # The script stops starting points at its deadline and saves; the stage's hard limit is a little later.
 # DC_LAYERS=fit: as many layers as the memory holds; XLA's default 75% pool would waste a quarter of it.

@@ -10,7 +10,7 @@ t0=$(date +%s)
 KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-grep -E "ptxas info.*(Compiling|Used)|spill" "$OUT/build.log" | grep -A2 -E "verify_attention_kernel|merge_splits" | grep -E "Used|spill" | sed 's/ptxas info    : //' | paste - - | cut -c1-120
+grep -E "ptxas info.*(Compiling|Used)|spill" "$OUT/build.log" | grep -A2 -E "verify_attention(_wide)?_kernel|merge_splits" | grep -E "Used|spill" | sed 's/ptxas info    : //' | paste - - | cut -c1-120
 t0=$(date +%s)
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
 tail -4 "$OUT/gpu_tests.log"; echo "tests: $(( $(date +%s) - t0 )) s"
