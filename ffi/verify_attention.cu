@@ -39,6 +39,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -175,30 +176,60 @@ __device__ __forceinline__ void copy_row_chunks(uint32_t dst, const char* src, i
   (cp_async_16_at<kChunk * kThreadsPerRow * 16>(dst, src, src_bytes), ...);
 }
 
+// f(std::integral_constant<int, k>{}) for k = 0, 1, ...: a loop whose index is a compile-time constant.
+template <class F, int... k>
+__device__ __forceinline__ void for_each_index(F&& f, std::integer_sequence<int, k...>) {
+  (f(std::integral_constant<int, k>{}), ...);
+}
+
 __device__ __forceinline__ int64_t clamp_slot(int32_t raw, int64_t num_slots) {  // never out of bounds
   return raw < 0 ? 0 : (raw >= num_slots ? num_slots - 1 : raw);
+}
+
+// One thread's share of a KV tile copy: its row's source and destination and its byte count (0: zeros past the
+// end).  Computed before any copy is issued and issued chunk by chunk, so that a kernel can interleave the
+// chunks with its MMAs (see the wide kernel).
+struct KvCopy {
+  const char* src;
+  uint32_t dst;
+  int bytes;
+};
+template <int kThreadsPerRow>
+__device__ __forceinline__ KvCopy plan_kv_copy(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok,
+                                               uint32_t stage_base) {
+  const int64_t slot = clamp_slot(raw, p.num_slots);
+  const int lane_chunk = threadIdx.x % kThreadsPerRow;
+  return KvCopy{reinterpret_cast<const char*>(layer_rows + slot * kWidth) + lane_chunk * 16,
+                stage_base + (threadIdx.x / kThreadsPerRow) * kRowBytes + lane_chunk * 16, ok ? 16 : 0};
+}
+template <int kThreadsPerRow, int kChunk>
+__device__ __forceinline__ void issue_kv_chunk(const KvCopy& c) {
+  cp_async_16_at<kChunk * kThreadsPerRow * 16>(c.dst, c.src, c.bytes);
 }
 
 // Issue this thread's copies of its row of a KV tile into stage buffer `stage_base` (zeros past the end).
 template <int kThreadsPerRow, int kChunksPerThread>
 __device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok,
                                              uint32_t stage_base) {
-  const int64_t slot = clamp_slot(raw, p.num_slots);
-  const int lane_chunk = threadIdx.x % kThreadsPerRow;
-  const char* src = reinterpret_cast<const char*>(layer_rows + slot * kWidth) + lane_chunk * 16;
-  const uint32_t dst = stage_base + (threadIdx.x / kThreadsPerRow) * kRowBytes + lane_chunk * 16;
-  copy_row_chunks<kThreadsPerRow>(dst, src, ok ? 16 : 0, std::make_integer_sequence<int, kChunksPerThread>{});
+  const KvCopy c = plan_kv_copy<kThreadsPerRow>(p, layer_rows, raw, ok, stage_base);
+  copy_row_chunks<kThreadsPerRow>(c.dst, c.src, c.bytes, std::make_integer_sequence<int, kChunksPerThread>{});
 }
 
 // Prefetch this thread's share of its row of a KV tile into L2: 128-byte lines, 9 per 1152-byte row
 // (kThreadsPerRow == 8: line c for thread c of the row, and line 8 for thread 0).
-// Only the blocks of the first row tile prefetch: the blocks of the other row tiles of a split read the same rows
-// at about the same time, and their prefetches would only add L2 requests (ncu, 2026-11-29, 64k T = 16: L2
-// throughput 31% -> 50% of peak with every block prefetching, for an 8% shorter kernel).
+// Each row is prefetched by one block of the split: the blocks of a split's row tiles read the same rows at about
+// the same time, so more prefetches would only add L2 requests (ncu, 2026-11-29, 64k T = 16: L2 throughput 31% ->
+// 50% of peak with every block prefetching every row, for an 8% shorter kernel).  Row r of a tile goes to row tile
+// r % gridDim.x, so that no block carries all of it (ncu, 2026-11-30: when the first row tile prefetched every
+// row, its blocks, the kernel's critical path, waited on the slot reads for 3% of all samples).
+// Whether this block prefetches the tile row `row` (see prefetch_kv_row); loop-invariant, so computed once.
+__device__ __forceinline__ bool prefetches_row(int row) {
+  return row % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x);
+}
 template <int kThreadsPerRow>
 __device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok) {
   static_assert(kThreadsPerRow == 8, "9 lines over 8 threads");
-  if (!ok || blockIdx.x != 0) return;
+  if (!ok) return;
   const int lane_chunk = threadIdx.x % kThreadsPerRow;
   const char* row = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, p.num_slots) * kWidth);
   prefetch_l2(row + lane_chunk * 128);
@@ -212,7 +243,7 @@ __device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t*
 // first copy: one memory round trip.
 template <class Cfg, class RequestSlots>
 __device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
-                                                  int tile_begin, int tile_end, int valid, int my_row,
+                                                  int tile_begin, int tile_end, int valid, int my_row, bool prefetcher,
                                                   uint32_t kv_smem, RequestSlots& request_slots) {
   constexpr int kRing = Cfg::kRing, kFirst = kRing - 1 + Cfg::kPrefetch;
   int32_t raw[kFirst];
@@ -233,30 +264,54 @@ __device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_
     cp_async_commit();
   }
 #pragma unroll
-  for (int st = kRing - 1; st < kFirst; ++st) prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw[st], ok[st]);
+  for (int st = kRing - 1; st < kFirst; ++st) {
+    prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw[st], ok[st] && prefetcher);
+  }
 }
 
 // Both kernels' per-tile refill, once `tile` has landed: copy tile + kRing - 1 into the stage just freed,
 // prefetch tile + kRing - 1 + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
-// empty or not), then advance the ring's read and write offsets.
-template <class Cfg, class RequestSlots>
-__device__ __forceinline__ void advance_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
-                                                    int tile, int tile_end, int valid, int my_row, uint32_t kv_smem,
-                                                    uint32_t& read_off, uint32_t& write_off, RequestSlots& request_slots) {
+// empty or not), then advance the ring's read and write offsets.  In three steps so that a kernel can spread the
+// copies over its MMAs: begin (both slot reads, before any copy: a shared load queued behind the copies waits
+// for all of them), the copy chunks, finish.
+struct KvRefill {
+  KvCopy copy;
+  bool do_copy;
+  int32_t fetch_raw;
+  bool fetch_ok;
+};
+template <class Cfg>
+__device__ __forceinline__ KvRefill begin_kv_refill(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
+                                                    int tile, int tile_end, int valid, int my_row, bool prefetcher,
+                                                    uint32_t kv_smem, uint32_t write_off) {
   constexpr int kTile = Cfg::kTile;
   const int t_copy = tile + Cfg::kRing - 1, t_fetch = tile + Cfg::kRing - 1 + Cfg::kPrefetch;
-  if (t_copy < tile_end) {
-    const int32_t raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
-    load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(p, layer_rows, raw, t_copy * kTile + my_row < valid, kv_smem + write_off);
-  }
-  if (t_fetch < tile_end) {
-    const int32_t raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
-    prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw, t_fetch * kTile + my_row < valid);
-  }
+  // Ring entries of tiles past the split's end hold stale slots: read, never used.
+  const int32_t copy_raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
+  const int32_t fetch_raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
+  return KvRefill{plan_kv_copy<Cfg::kThreadsPerRow>(p, layer_rows, copy_raw, t_copy * kTile + my_row < valid, kv_smem + write_off),
+                  t_copy < tile_end, fetch_raw, prefetcher && t_fetch < tile_end && t_fetch * kTile + my_row < valid};
+}
+template <class Cfg, class RequestSlots>
+__device__ __forceinline__ void finish_kv_refill(const Params& p, const uint16_t* layer_rows, const KvRefill& r, int tile,
+                                                 uint32_t& read_off, uint32_t& write_off, RequestSlots& request_slots) {
+  prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, r.fetch_raw, r.fetch_ok);
   request_slots(tile + Cfg::kSlotAhead);
   cp_async_commit();
   read_off = read_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : read_off + Cfg::kStageBytes;
   write_off = write_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : write_off + Cfg::kStageBytes;
+}
+template <class Cfg, class RequestSlots>
+__device__ __forceinline__ void advance_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
+                                                    int tile, int tile_end, int valid, int my_row, bool prefetcher,
+                                                    uint32_t kv_smem, uint32_t& read_off, uint32_t& write_off,
+                                                    RequestSlots& request_slots) {
+  const KvRefill r = begin_kv_refill<Cfg>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem, write_off);
+  if (r.do_copy) {
+    copy_row_chunks<Cfg::kThreadsPerRow>(r.copy.dst, r.copy.src, r.copy.bytes,
+                                         std::make_integer_sequence<int, Cfg::kChunksPerThread>{});
+  }
+  finish_kv_refill<Cfg>(p, layer_rows, r, tile, read_off, write_off, request_slots);
 }
 
 template <bool kDirect, int kGroups>
@@ -318,7 +373,8 @@ verify_attention_kernel(const Params p) {
       cp_async_4(slot_ring_smem + ((t & (C::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
     }
   };
-  start_kv_pipeline<C>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, kv_smem, request_slots);
+  const bool prefetcher = prefetches_row(my_row);
+  start_kv_pipeline<C>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
 
   // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
   const uint32_t* mask_a = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g, p.rows - 1) / p.num_heads) * p.mask_words;
@@ -345,8 +401,8 @@ verify_attention_kernel(const Params p) {
     // partial scores of the previous tile.
     __syncthreads();
     const uint32_t stage_base = kv_smem + read_off;
-    advance_kv_pipeline<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, kv_smem, read_off, write_off,
-                           request_slots);
+    advance_kv_pipeline<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem, read_off,
+                           write_off, request_slots);
 
     // Partial scores over this warp's dims: 16 rows x kTile positions.  With 16-position tiles the even and
     // odd k-steps go to separate accumulators (two chains of 5 and 4 MMAs instead of one of 9); with 32 the
@@ -596,7 +652,8 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
       cp_async_4(slot_ring_smem + ((t & (W::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
     }
   };
-  start_kv_pipeline<W>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, kv_smem, request_slots);
+  const bool prefetcher = prefetches_row(my_row);
+  start_kv_pipeline<W>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
 
   // Softmax role: row rr of the block (8 lanes per row), positions pp .. pp + 3 of each tile.
   const int rr = warp * 4 + lane / 8, pp = (lane % 8) * 4;
@@ -621,8 +678,11 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
     cp_async_wait<kRing - 2>();
     __syncthreads();  // B1: the tile has landed; everybody is done with the previous tile's P and V
     const uint32_t stage_base = kv_smem + read_off;
-    advance_kv_pipeline<W>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, kv_smem, read_off, write_off,
-                           request_slots);
+    // The next tile's copies go out one chunk per k-step of Q·Kᵀ below, between its MMAs: issued back to back,
+    // the 9 copies filled the load/store queue, and the ldmatrix loads behind them waited (ncu, 2026-11-30:
+    // 11% of the stall samples at the copies and the loads after them).
+    const KvRefill refill = begin_kv_refill<W>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem,
+                                                   write_off);
 
     // Partial scores: 32 rows x positions [16 ph, 16 ph + 16) over dims slice ds.
     {
@@ -631,16 +691,19 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
+      static_assert(W::kChunksPerThread == kKSteps, "one copy chunk per k-step");
+      for_each_index([&](auto step) {
+        constexpr int ks = decltype(step)::value;
         uint32_t kb[4];
         ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
+        if (refill.do_copy) issue_kv_chunk<W::kThreadsPerRow, ks>(refill.copy);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
           mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
         }
-      }
+      }, std::make_integer_sequence<int, kKSteps>{});
+      finish_kv_refill<W>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
