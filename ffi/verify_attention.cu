@@ -14,7 +14,8 @@
 //     KDTREE_VERIFY_VARIANT=0.)
 //   * T*H > 16: verify_attention_wide_kernel, 32 rows per block, 8 warps that all work on all 32 rows (two m16
 //     tiles): each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row
-//     (see the comment above the kernel).
+//     (see the comment above the kernel).  verify_attention_ws_kernel (KDTREE_VERIFY_VARIANT=2, opt-in) splits
+//     the same work between score warps and value warps that run one tile apart.
 // KV tiles arrive by cp.async (16 B per copy, every thread of the block copies, a row's copies from one base
 // address with immediate offsets).  The slots of a tile come through a small shared ring filled by cp.async in
 // the commit group of an earlier tile, so no index load is left in the loop (ncu, 2026-11-29: the in-loop slot
@@ -76,6 +77,7 @@ struct Config {
   static constexpr int kThreads = kGroups * kWarps * 32;
   static constexpr int kTile = kGroups == 1 ? 16 : 32;  // KV positions per loop iteration (one ring slot)
   static constexpr int kRing = kGroups == 1 ? 5 : 2;    // ring slots: kRing - 1 tiles in flight
+  static constexpr int kLead = kRing - 1;                // iteration t copies tile t + kLead
   static constexpr int kSub = kTile / 16;               // k16 steps of P·V (pairs of n8 score blocks) per tile
   static constexpr int kBlocksN = kTile / 8;            // n8 score blocks per tile
   static constexpr int kScoreStride = kTile + 8;        // floats per partial-score row (+8: conflict-free float2)
@@ -89,7 +91,7 @@ struct Config {
   // instead of a DRAM round trip per tile: the 2-slot ring of the two-group kernel leaves a tile one
   // iteration to land).
   static constexpr int kPrefetch = kGroups == 1 ? 2 : 3;
-  static constexpr int kSlotAhead = 2 * (kRing - 1) + kPrefetch;  // tile whose slots iteration t requests: t + kSlotAhead
+  static constexpr int kSlotAhead = 2 * kLead + kPrefetch;  // tile whose slots iteration t requests: t + kSlotAhead
   static constexpr int kSlotRing = 8;                              // >= kRing + kPrefetch, a power of two
   static_assert(kSlotRing >= kRing + kPrefetch && (kSlotRing & (kSlotRing - 1)) == 0, "slot ring");
   static constexpr int kKvBytes = kRing * kStageBytes;
@@ -236,16 +238,17 @@ __device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t*
   if (lane_chunk == 0) prefetch_l2(row + 8 * 128);
 }
 
-// Both many-position kernels' prologue: the first kRing - 1 tiles in flight (one commit group each, empty ones
-// too, so that the group count in the loop's wait is the same for every block), the next kPrefetch tiles
-// prefetched into L2, and the slots of the tiles after those requested into the ring (in the first group: the
-// loop's first iteration reads them).  The slots the prologue itself needs are loaded directly, all before the
-// first copy: one memory round trip.
+// The many-position kernels' prologue: the first kLead tiles in flight (one commit group each, empty ones too, so
+// that the group count in the loop's wait is the same for every block), the next kPrefetch tiles prefetched into
+// L2, and the slots of the tiles after those requested into the ring (in the first group: the loop's first
+// iteration reads them).  The slots the prologue itself needs are loaded directly, all before the first copy:
+// one memory round trip.  The slot ring must hold the entries of tiles t + kLead .. t + kSlotAhead at once.
 template <class Cfg, class RequestSlots>
 __device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
                                                   int tile_begin, int tile_end, int valid, int my_row, bool prefetcher,
                                                   uint32_t kv_smem, RequestSlots& request_slots) {
-  constexpr int kRing = Cfg::kRing, kFirst = kRing - 1 + Cfg::kPrefetch;
+  constexpr int kLead = Cfg::kLead, kFirst = kLead + Cfg::kPrefetch;
+  static_assert(Cfg::kSlotRing >= Cfg::kSlotAhead - kLead + 1, "slot ring too small for the lead and prefetch");
   int32_t raw[kFirst];
   bool ok[kFirst];
 #pragma unroll
@@ -255,22 +258,22 @@ __device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_
     raw[st] = ok[st] ? __ldg(slots + pos) : 0;
   }
 #pragma unroll
-  for (int st = kRing - 1; st < Cfg::kSlotAhead; ++st) request_slots(tile_begin + st);
+  for (int st = kLead; st < Cfg::kSlotAhead; ++st) request_slots(tile_begin + st);
 #pragma unroll
-  for (int st = 0; st < kRing - 1; ++st) {
+  for (int st = 0; st < kLead; ++st) {
     if (tile_begin + st < tile_end) {
       load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * Cfg::kStageBytes);
     }
     cp_async_commit();
   }
 #pragma unroll
-  for (int st = kRing - 1; st < kFirst; ++st) {
+  for (int st = kLead; st < kFirst; ++st) {
     prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw[st], ok[st] && prefetcher);
   }
 }
 
-// Both kernels' per-tile refill, once `tile` has landed: copy tile + kRing - 1 into the stage just freed,
-// prefetch tile + kRing - 1 + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
+// The per-tile refill, once `tile` has landed: copy tile + kLead into the stage just freed,
+// prefetch tile + kLead + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
 // empty or not), then advance the ring's read and write offsets.  In three steps so that a kernel can spread the
 // copies over its MMAs: begin (both slot reads, before any copy: a shared load queued behind the copies waits
 // for all of them), the copy chunks, finish.
@@ -285,7 +288,7 @@ __device__ __forceinline__ KvRefill begin_kv_refill(const Params& p, const uint1
                                                     int tile, int tile_end, int valid, int my_row, bool prefetcher,
                                                     uint32_t kv_smem, uint32_t write_off) {
   constexpr int kTile = Cfg::kTile;
-  const int t_copy = tile + Cfg::kRing - 1, t_fetch = tile + Cfg::kRing - 1 + Cfg::kPrefetch;
+  const int t_copy = tile + Cfg::kLead, t_fetch = tile + Cfg::kLead + Cfg::kPrefetch;
   // Ring entries of tiles past the split's end hold stale slots: read, never used.
   const int32_t copy_raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
   const int32_t fetch_raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
@@ -319,7 +322,6 @@ __global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kM
 verify_attention_kernel(const Params p) {
   using C = Config<kGroups>;
   constexpr int kTile = C::kTile, kSub = C::kSub, kBlocksN = C::kBlocksN, kScoreStride = C::kScoreStride;
-  constexpr int kRing = C::kRing;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t kv_smem = smem_addr(smem);
 
@@ -394,9 +396,9 @@ verify_attention_kernel(const Params p) {
   float* my_part = score_part + warp * kRows * kScoreStride;
 
   // Ring slots (byte offsets) of the tile computed and of the tile requested; advanced without a division.
-  uint32_t read_off = 0, write_off = (kRing - 1) * C::kStageBytes;
+  uint32_t read_off = 0, write_off = C::kLead * C::kStageBytes;
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    cp_async_wait<kRing - 2>();  // this tile's copies (this thread's) have landed ...
+    cp_async_wait<C::kLead - 1>();  // this tile's copies (this thread's) have landed ...
     // ... and everybody's; everybody is also done with tile - 1 (its slot is refilled next) and with the
     // partial scores of the previous tile.
     __syncthreads();
@@ -571,12 +573,12 @@ verify_attention_kernel(const Params p) {
 // Three barriers per 32-position tile (tile landed / partial scores written / P written).  Same copy pipeline
 // as the other kernels: a 2-slot ring of 32-position tiles, slots through the shared slot ring, L2 prefetch.
 struct WideConfig {
-  static constexpr int kThreads = 256, kWarpsW = 8, kRowsW = 32;
-  static constexpr int kTile = 32, kRing = 2;
+  static constexpr int kThreads = 256, kRowsW = 32;
+  static constexpr int kTile = 32, kRing = 2, kLead = kRing - 1;
   static constexpr int kThreadsPerRow = kThreads / kTile;                  // 8
   static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
   static constexpr int kPrefetch = 3;
-  static constexpr int kSlotAhead = 2 * (kRing - 1) + kPrefetch;
+  static constexpr int kSlotAhead = 2 * kLead + kPrefetch;
   static constexpr int kSlotRing = 8;
   static_assert(kSlotRing >= kRing + kPrefetch, "slot ring");
   static constexpr int kStageBytes = kTile * kRowBytes;
@@ -598,7 +600,7 @@ struct WideConfig {
 template <bool kDirect>
 __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide_kernel(const Params p) {
   using W = WideConfig;
-  constexpr int kTile = W::kTile, kRing = W::kRing;
+  constexpr int kTile = W::kTile;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t kv_smem = smem_addr(smem);
   float* part = reinterpret_cast<float*>(smem + W::kPartOff);        // [slice][row][kPartStride]
@@ -673,9 +675,9 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   const uint32_t p_lane = p_smem + ((lane % 8) + (mat % 2) * 8) * (W::kPStride * 2) + (mat / 2) * 16;
   float* my_part = part + ds * W::kRowsW * W::kPartStride;
 
-  uint32_t read_off = 0, write_off = (kRing - 1) * W::kStageBytes;
+  uint32_t read_off = 0, write_off = W::kLead * W::kStageBytes;
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    cp_async_wait<kRing - 2>();
+    cp_async_wait<W::kLead - 1>();
     __syncthreads();  // B1: the tile has landed; everybody is done with the previous tile's P and V
     const uint32_t stage_base = kv_smem + read_off;
     // The next tile's copies go out one chunk per k-step of Q·Kᵀ below, between its MMAs: issued back to back,
@@ -823,6 +825,287 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The warp-specialised kernel (T*H > 16; opt-in, KDTREE_VERIFY_VARIANT=2): 32 query rows per block and 8 warps in
+// two roles that work on different KV tiles at the same time, so that one role's waits (the softmax's shared-memory
+// round trips and shuffles, its barriers, the copies) hide behind the other role's MMAs.  The wide kernel runs
+// Q·Kᵀ, softmax and P·V one after the other on every warp between block-wide barriers (ncu, 2026-11-30: 0.30
+// instructions issued per cycle and scheduler; a 32-position tile took ~2,870 cycles for ~830 of MMA issue).
+//   * Score warps 0-3 (one per scheduler): Q·Kᵀ of tile i over dim slice w (144 dims; Q fragments of both m16
+//     tiles in registers) for the tile's 16 positions, the four slices' partial scores summed through shared
+//     memory, then the softmax of tile i (thread t: row t / 4, positions 4 (t % 4) .. + 3), writing P (bf16) and
+//     each row's rescale factor into one of two buffers.  They also run the copy pipeline: a 4-stage ring of
+//     16-position tiles, tile i + 2 copied while tile i is computed (one chunk per k-step, as in the wide
+//     kernel), slots through the slot ring, L2 prefetch.
+//   * Value warps 4-7: O += P·V of tile i over output dims [128 (w - 4), + 128) of all 32 rows (128 fp32
+//     accumulators a thread), one tile behind the score warps.
+// Hand-offs are named barriers, each with at most one phase outstanding: the score warps arrive on "P full" of
+// buffer i % 2 when P(i) is written; the value warps arrive on "P empty" of that buffer and "stage empty" (two ids
+// by tile parity) when P·V(i) is done, and the score warps wait for those before they overwrite P (at tile i + 2)
+// or refill the stage (with tile i + 4, at tile i + 2).  Arrivals and waits are matched one for one, including at
+// the end of a split.  Shared memory 91,136 B.
+struct WsConfig {
+  static constexpr int kThreads = 256, kRowsW = 32, kScoreThreads = 128;
+  static constexpr int kTile = 16, kRing = 4, kLead = 2;  // tile i + 2 is copied while tile i is computed
+  static constexpr int kThreadsPerRow = kScoreThreads / kTile;             // 8
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;  // 9
+  static constexpr int kPrefetch = 4;
+  static constexpr int kSlotAhead = 2 * kLead + kPrefetch;
+  static constexpr int kSlotRing = 8;
+  static constexpr int kStageBytes = kTile * kRowBytes;
+  static constexpr int kKvBytes = kRing * kStageBytes;                  // 74,752
+  static constexpr int kPartStride = kTile + 8;                         // floats per row of a slice's partial scores
+  static constexpr int kPartBytes = kWarps * kRowsW * kPartStride * 4;  // 12,288
+  static constexpr int kPStride = kTile + 8;                            // bf16 per row of P (48 B: ldmatrix conflict-free)
+  static constexpr int kPBufBytes = kRowsW * kPStride * 2;              // 1,536 per buffer, two buffers
+  static constexpr int kScaleBytes = 2 * kRowsW * 4;                    // rescale factor per row, per buffer
+  static constexpr int kStatBytes = 2 * kRowsW * 4;                     // final max and sum per row
+  static constexpr int kSlotBytes = kSlotRing * kTile * 4;
+  static constexpr int kPartOff = kKvBytes, kPOff = kPartOff + kPartBytes, kScaleOff = kPOff + 2 * kPBufBytes;
+  static constexpr int kStatOff = kScaleOff + kScaleBytes, kSlotOff = kStatOff + kStatBytes;
+  static constexpr int kSmemBytes = kSlotOff + kSlotBytes;              // 91,136 B
+  static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+  static_assert(kPOff % 16 == 0 && kSlotOff % 16 == 0, "alignment");
+  static_assert(kChunksPerThread == kKSteps, "one copy chunk per k-step");
+  // Named barrier ids (0 is __syncthreads).
+  static constexpr int kBarScoreLanded = 1, kBarScorePart = 2, kBarPFull = 3, kBarPEmpty = 5, kBarStageEmpty = 7;
+};
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <bool kDirect>
+__global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_kernel(const Params p) {
+  using S = WsConfig;
+  constexpr int kTile = S::kTile, kAll = S::kThreads, kScorers = S::kScoreThreads;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t kv_smem = smem_addr(smem);
+  float* part = reinterpret_cast<float*>(smem + S::kPartOff);      // [slice][row][kPartStride]
+  uint16_t* pbuf = reinterpret_cast<uint16_t*>(smem + S::kPOff);   // [buffer][row][kPStride] bf16
+  const uint32_t p_smem = kv_smem + S::kPOff;
+  float* scale_s = reinterpret_cast<float*>(smem + S::kScaleOff);  // [buffer][row]
+  float* stat_s = reinterpret_cast<float*>(smem + S::kStatOff);    // [2][row]: max (base 2), sum
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, qd = lane % 4, mat = lane / 8;
+  const bool scorer = warp < kWarps;
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int row0 = blockIdx.x * S::kRowsW;
+
+  const int kv_len = p.kv_lens[b];
+  const int valid = min(max(kv_len, 0), p.max_len);
+  const int first = kv_len - p.num_queries;
+  const int num_tiles = (valid + kTile - 1) / kTile;
+  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * tiles_per_split, num_tiles);
+  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+  const int n = tile_end - tile_begin;
+
+  if (scorer) {
+    const int ds = warp;  // dim slice
+    const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
+    const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
+    const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+    uint32_t qf[2][kKSteps][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int ra = row0 + mt * 16 + g, rb = ra + 8;
+      const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
+      const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const int k2 = (ds * kKSlice + ks * 16) / 2 + qd;
+        qf[mt][ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
+        qf[mt][ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
+        qf[mt][ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
+        qf[mt][ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
+      }
+    }
+    const uint32_t slot_ring_smem = kv_smem + S::kSlotOff;
+    const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + S::kSlotOff);
+    const int my_row = static_cast<int>(threadIdx.x) / S::kThreadsPerRow;
+    auto request_slots = [&](int t) {
+      if (threadIdx.x < kTile && t < tile_end) {
+        const int pos = t * kTile + static_cast<int>(threadIdx.x);
+        const bool ok = pos < valid;
+        cp_async_4(slot_ring_smem + ((t & (S::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
+      }
+    };
+    const bool prefetcher = prefetches_row(my_row);
+    start_kv_pipeline<S>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
+
+    // Softmax role: row rr of the block (4 threads a row), positions pp .. pp + 3 of each tile.
+    const int rr = threadIdx.x / 4, pp = (threadIdx.x % 4) * 4;
+    const uint32_t* mask_r = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + rr, p.rows - 1) / p.num_heads) * p.mask_words;
+    float m_run = -INFINITY, l_run = 0.f;
+    const uint32_t k_lane = ((lane % 8) + (mat / 2) * 8) * kRowBytes + (ds * kKSlice + (mat % 2) * 8) * 2;
+    float* my_part = part + ds * S::kRowsW * S::kPartStride;
+
+    uint32_t read_off = 0, write_off = S::kLead * S::kStageBytes;
+    for (int i = 0; i < n; ++i) {
+      const int tile = tile_begin + i;
+      cp_async_wait<S::kLead - 1>();
+      named_barrier_sync(S::kBarScoreLanded, kScorers);  // tile i landed (every score thread's copies)
+      const uint32_t stage_base = kv_smem + read_off;
+      // The stage refilled now (with tile i + 2) held tile i - 2: wait until the value warps are done with it.
+      if (i >= S::kRing - S::kLead) named_barrier_sync(S::kBarStageEmpty + (i & 1), kAll);
+      const KvRefill refill = begin_kv_refill<S>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher,
+                                                 kv_smem, write_off);
+      float s[2][2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+      for_each_index([&](auto step) {
+        constexpr int ks = decltype(step)::value;
+        uint32_t kb[4];
+        ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
+        if (refill.do_copy) issue_kv_chunk<S::kThreadsPerRow, ks>(refill.copy);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
+          mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
+        }
+      }, std::make_integer_sequence<int, kKSteps>{});
+      finish_kv_refill<S>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          const int col = nb * 8 + 2 * qd;
+          *reinterpret_cast<float2*>(my_part + (mt * 16 + g) * S::kPartStride + col) = make_float2(s[mt][nb][0], s[mt][nb][1]);
+          *reinterpret_cast<float2*>(my_part + (mt * 16 + g + 8) * S::kPartStride + col) = make_float2(s[mt][nb][2], s[mt][nb][3]);
+        }
+      named_barrier_sync(S::kBarScorePart, kScorers);  // partial scores written
+
+      // Softmax of row rr, positions pp .. pp + 3 (as in the wide kernel, 4 threads a row).
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int sl = 0; sl < kWarps; ++sl) {
+        const float4 t = *reinterpret_cast<const float4*>(part + (sl * S::kRowsW + rr) * S::kPartStride + pp);
+        x[0] += t.x; x[1] += t.y; x[2] += t.z; x[3] += t.w;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] *= p.scale_log2;
+      const int tile_pos = tile * kTile;
+      if (tile_pos + kTile > min(first, valid)) {
+        const int j0 = tile_pos - first;
+        const int w0 = max(j0, 0) >> 5;
+        const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r + w0) : 0u;
+        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r + w0 + 1) : 0u;
+        const uint64_t bits = (static_cast<uint64_t>(hi) << 32) | lo;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = tile_pos + pp + e;
+          const int j = pos - first;
+          const bool visible = pos < valid && (j < 0 || ((bits >> (j - 32 * w0)) & 1u));
+          if (!visible) x[e] = -INFINITY;
+        }
+      }
+      float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(m_run, tile_max);
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      const float sc = fast_exp2(m_run - base);
+      m_run = new_max;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = fast_exp2(x[e] - base);
+      l_run = l_run * sc + ((x[0] + x[1]) + (x[2] + x[3]));
+      const int buf = i & 1;
+      if (i >= 2) named_barrier_sync(S::kBarPEmpty + buf, kAll);  // the value warps are done with P(i - 2)
+      *reinterpret_cast<uint2*>(pbuf + (buf * S::kRowsW + rr) * S::kPStride + pp) =
+          make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]));
+      if (threadIdx.x % 4 == 0) scale_s[buf * S::kRowsW + rr] = sc;
+      named_barrier_arrive(S::kBarPFull + buf, kAll);  // P(i) and its rescale factors are written
+    }
+    cp_async_wait<0>();
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if (threadIdx.x % 4 == 0) {
+      stat_s[rr] = m_run;
+      stat_s[S::kRowsW + rr] = l_run;
+    }
+  }
+
+  float acc[2][16][4];  // value warps: O rows 16 mt + g (+8), dims 128 vw + 8 nb + 2 qd (+1)
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb) acc[mt][nb][0] = acc[mt][nb][1] = acc[mt][nb][2] = acc[mt][nb][3] = 0.f;
+  const int vw = warp - kWarps;
+  if (!scorer) {
+    const uint32_t v_lane = ((lane % 8) + (mat % 2) * 8) * kRowBytes + (vw * 128 + (mat / 2) * 8) * 2;
+    const uint32_t p_lane = p_smem + ((lane % 8) + (mat % 2) * 8) * (S::kPStride * 2) + (mat / 2) * 16;
+    uint32_t read_off = 0;
+    for (int i = 0; i < n; ++i) {
+      const int buf = i & 1;
+      named_barrier_sync(S::kBarPFull + buf, kAll);  // P(i) written; tile i landed before it
+      const uint32_t stage_base = kv_smem + read_off;
+      const float* f_s = scale_s + buf * S::kRowsW;
+      const float f[2][2] = {{f_s[g], f_s[g + 8]}, {f_s[16 + g], f_s[24 + g]}};
+      if (__any_sync(0xffffffffu, f[0][0] != 1.f || f[0][1] != 1.f || f[1][0] != 1.f || f[1][1] != 1.f)) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nb = 0; nb < 16; ++nb) {
+            acc[mt][nb][0] *= f[mt][0]; acc[mt][nb][1] *= f[mt][0];
+            acc[mt][nb][2] *= f[mt][1]; acc[mt][nb][3] *= f[mt][1];
+          }
+      }
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(p_lane + buf * S::kPBufBytes + mt * 16 * (S::kPStride * 2), pa[mt]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(stage_base + v_lane + j * 32, vb);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(acc[mt][2 * j], pa[mt], vb[0], vb[1]);
+          mma_bf16(acc[mt][2 * j + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+      // Matched one for one with the score warps' waits at tile i + 2 (none past the split's end).
+      if (i + 2 < n) {
+        named_barrier_arrive(S::kBarPEmpty + buf, kAll);
+        named_barrier_arrive(S::kBarStageEmpty + buf, kAll);
+      }
+      read_off = read_off + S::kStageBytes == S::kKvBytes ? 0 : read_off + S::kStageBytes;
+    }
+  }
+  __syncthreads();  // the score warps' final max and sum
+  if (scorer) return;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rl = mt * 16 + g + 8 * h, r = row0 + rl;
+      if (r >= p.rows) continue;
+      const float sum = stat_s[S::kRowsW + rl];
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
+      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
+                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
+      if (kDirect) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + vw * 128 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (vw == 0 && qd == 0) p.lse[row_index] = lse_row;
+      } else {
+        float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + vw * 128 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) dst[nb * 4] = make_float2(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (vw == 0 && qd == 0) p.lse_part[row_index] = lse_row;
+      }
+    }
+  }
+}
+
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
 // Grid (rows, B, 4 column quarters); 16 warps, warp w takes splits w, w+16, ...; lane l owns 4 columns.
 // Each thread keeps 8 16-byte loads in flight, and the first round is issued before the weights are known
@@ -926,9 +1209,13 @@ cudaError_t ensure_smem_limit(int device) {
     if (err == cudaSuccess) err = set_kernel_attributes<false, 1>();
     if (err == cudaSuccess) err = set_kernel_attributes<true, 2>();
     if (err == cudaSuccess) err = set_kernel_attributes<false, 2>();
-    for (const void* fn : {reinterpret_cast<const void*>(verify_attention_wide_kernel<true>),
-                           reinterpret_cast<const void*>(verify_attention_wide_kernel<false>)}) {
-      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, WideConfig::kSmemBytes);
+    const std::pair<const void*, int> many_row_kernels[] = {
+        {reinterpret_cast<const void*>(verify_attention_wide_kernel<true>), WideConfig::kSmemBytes},
+        {reinterpret_cast<const void*>(verify_attention_wide_kernel<false>), WideConfig::kSmemBytes},
+        {reinterpret_cast<const void*>(verify_attention_ws_kernel<true>), WsConfig::kSmemBytes},
+        {reinterpret_cast<const void*>(verify_attention_ws_kernel<false>), WsConfig::kSmemBytes}};
+    for (const auto& [fn, bytes] : many_row_kernels) {
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     }
     // The merge runs right after the main kernel: the same carveout spares the multiprocessors a shared
@@ -942,20 +1229,29 @@ cudaError_t ensure_smem_limit(int device) {
   return smem_status[device];
 }
 
-// kGroups 1 or 2: verify_attention_kernel; 0: the wide kernel (32 rows per block, like two groups).
+// kGroups 1 or 2: verify_attention_kernel; kWideKernel / kWsKernel: the wide / warp-specialised kernel (32 rows
+// per block, like two groups).
+constexpr int kWideKernel = 0, kWsKernel = 3;
 template <int kGroups>
 void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = true, bool merge = true) {
-  constexpr int kRowsPerBlock = kGroups == 0 ? WideConfig::kRowsW : kGroups * kRows;
+  constexpr int kRowsPerBlock = kGroups == kWideKernel || kGroups == kWsKernel ? 32 : kGroups * kRows;
   const dim3 grid(static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
   if (!main) {  // (bench_verify_attention: the merge alone)
-  } else if constexpr (kGroups == 0) {
+  } else if constexpr (kGroups == kWideKernel) {
     constexpr int threads = WideConfig::kThreads, smem = WideConfig::kSmemBytes;
     if (p.num_splits == 1) {
       verify_attention_wide_kernel<true><<<grid, threads, smem, stream>>>(p);
       return;
     }
     verify_attention_wide_kernel<false><<<grid, threads, smem, stream>>>(p);
+  } else if constexpr (kGroups == kWsKernel) {
+    constexpr int threads = WsConfig::kThreads, smem = WsConfig::kSmemBytes;
+    if (p.num_splits == 1) {
+      verify_attention_ws_kernel<true><<<grid, threads, smem, stream>>>(p);
+      return;
+    }
+    verify_attention_ws_kernel<false><<<grid, threads, smem, stream>>>(p);
   } else if (p.num_splits == 1) {
     verify_attention_kernel<true, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
     return;
@@ -973,7 +1269,9 @@ void launch_any(const Params& p, int64_t batch, cudaStream_t stream, int64_t row
   if (row_groups == 1) {
     launch<1>(p, batch, stream, main, merge);
   } else if (variant == 1) {
-    launch<0>(p, batch, stream, main, merge);
+    launch<kWideKernel>(p, batch, stream, main, merge);
+  } else if (variant == 2) {
+    launch<kWsKernel>(p, batch, stream, main, merge);
   } else {
     launch<2>(p, batch, stream, main, merge);
   }
@@ -1008,7 +1306,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
-  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant != 0 && variant != 1) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant < 0 || variant > 2) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
       pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }
@@ -1188,7 +1486,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, VerifyAttentionCuda,
                                   .Attr<int64_t>("rope_dim")
                                   .Attr<int64_t>("num_splits")
                                   .Attr<int64_t>("row_groups")
-                                  .Attr<int64_t>("variant")  // with row_groups 2: 1 = wide kernel, 0 = two groups
+                                  .Attr<int64_t>("variant")  // with row_groups 2: 1 = wide, 2 = warp-specialised, 0 = two groups
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<Lse>()             // lse
                                   .Ret<OutPart>()         // per-split out (scratch)

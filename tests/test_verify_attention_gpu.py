@@ -77,12 +77,12 @@ def test_cuda_matches_reference(shape, num_splits):
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
 
 
-# Shapes with more than 16 query rows, where two kernels exist: the two-group kernel (KDTREE_VERIFY_VARIANT=0)
-# and the wide kernel (1); each is checked whatever the default is.
+# Shapes with more than 16 query rows, where three kernels exist: the two-group kernel (KDTREE_VERIFY_VARIANT=0),
+# the wide kernel (1) and the warp-specialised kernel (2); each is checked whatever the default is.
 WIDE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] > 16]
 
 
-@pytest.mark.parametrize("variant", ["0", "1"])
+@pytest.mark.parametrize("variant", ["0", "1", "2"])
 @pytest.mark.parametrize("num_splits", [0, 5])
 @pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monkeypatch):
@@ -141,9 +141,9 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from test_verify_attention import make_case, jitted
     # T*H = 56 runs the many-row kernels (variant 1: the wide kernel; 0: the two-group kernel; 32-position
-    # tiles, 2-slot ring), T*H = 8 the one-group kernel (16-position tiles, 5-slot ring): every pipeline, with
-    # and without the merge.
-    for num_queries, variant in ((7, "1"), (7, "0"), (1, "1")):
+    # tiles, 2-slot ring; 2: the warp-specialised kernel, 16-position tiles, 4-slot ring, named barriers),
+    # T*H = 8 the one-group kernel (16-position tiles, 5-slot ring): every pipeline, with and without the merge.
+    for num_queries, variant in ((7, "1"), (7, "0"), (7, "2"), (1, "1")):
         os.environ["KDTREE_VERIFY_VARIANT"] = variant
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
@@ -154,14 +154,14 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_compute_sanitizer_is_clean(tool):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     script = SANITIZER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    # racecheck instruments only our kernels (shared-memory hazards: the three verify kernels and the merge, whose
-    # names all hold "verify_attention"); memcheck checks every kernel.
-    only_ours = ["--kernel-name", "kns=verify_attention"] if tool == "racecheck" else []
+    # racecheck (shared-memory hazards) and synccheck (barrier misuse: the warp-specialised kernel's named
+    # barriers) instrument only our kernels, whose names all hold "verify_attention"; memcheck checks every kernel.
+    only_ours = ["--kernel-name", "kns=verify_attention"] if tool in ("racecheck", "synccheck") else []
     res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
                           sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     log = res.stdout + res.stderr

@@ -93,9 +93,10 @@ DEFAULT_VARIANT = 1
 def choose_variant() -> int:
     """The kernel for more than 16 query rows: 1 = the wide kernel (32 rows per block, every warp on all 32
     rows: each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row);
-    0 = the two-group kernel (two groups of 4 warps, 16 rows each). KDTREE_VERIFY_VARIANT=0|1 overrides."""
+    0 = the two-group kernel (two groups of 4 warps, 16 rows each); 2 = the warp-specialised kernel (score warps
+    and value warps one 16-position tile apart; opt-in until measured). KDTREE_VERIFY_VARIANT=0|1|2 overrides."""
     forced = os.environ.get("KDTREE_VERIFY_VARIANT")
-    return int(forced) if forced in ("0", "1") else DEFAULT_VARIANT
+    return int(forced) if forced in ("0", "1", "2") else DEFAULT_VARIANT
 
 
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
