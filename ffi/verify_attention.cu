@@ -317,6 +317,173 @@ __device__ __forceinline__ void advance_kv_pipeline(const Params& p, const uint1
   finish_kv_refill<Cfg>(p, layer_rows, r, tile, read_off, write_off, request_slots);
 }
 
+// A split's share of sequence b's KV positions, in whole tiles, from the *device* kv_len: valid positions,
+// the position of query token 0, and the split's tiles [tile_begin, tile_end).
+struct SplitTiles {
+  int valid, first, tile_begin, tile_end;
+};
+template <int kTile>
+__device__ __forceinline__ SplitTiles split_tiles(const Params& p, int b, int split) {
+  const int kv_len = p.kv_lens[b];
+  const int valid = min(max(kv_len, 0), p.max_len);
+  const int num_tiles = (valid + kTile - 1) / kTile;
+  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * tiles_per_split, num_tiles);
+  return SplitTiles{valid, kv_len - p.num_queries, tile_begin, min(tile_begin + tiles_per_split, num_tiles)};
+}
+
+// Q fragments (the A operand of m16n8k16) of one m16 row tile, rows r0 + g and r0 + g + 8, over the 144-dim
+// slice ds; zeros past the last row.
+__device__ __forceinline__ void load_q_fragments(const Params& p, int b, int r0, int ds, int g, int qd,
+                                                 uint32_t (&qf)[kKSteps][4]) {
+  const int ra = r0 + g, rb = r0 + g + 8;
+  const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
+  const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    const int k2 = (ds * kKSlice + ks * 16) / 2 + qd;  // in 32-bit words
+    qf[ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
+    qf[ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
+    qf[ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
+    qf[ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
+  }
+}
+
+// The slot ring: entry (tile % kSlotRing) holds the kTile slots of a tile; threads 0 .. kTile - 1 copy them
+// (cp.async, 4 bytes each, zeros past the valid positions) in the commit group of an earlier tile.
+template <class Cfg>
+struct SlotRequester {
+  uint32_t ring_smem;
+  const int32_t* slots;
+  int valid, tile_end;
+  __device__ __forceinline__ void operator()(int t) const {
+    if (threadIdx.x < Cfg::kTile && t < tile_end) {
+      const int pos = t * Cfg::kTile + static_cast<int>(threadIdx.x);
+      const bool ok = pos < valid;
+      cp_async_4(ring_smem + ((t & (Cfg::kSlotRing - 1)) * Cfg::kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
+    }
+  }
+};
+
+// Partial scores of 32 query rows (two m16 tiles) x 16 positions over one 144-dim slice: K fragments by ldmatrix
+// from k_addr, and the next tile's copy chunks issued one per k-step between the MMAs (issued back to back they
+// filled the load/store queue and the ldmatrix loads behind them waited: ncu, 2026-11-30).
+template <int kThreadsPerRow>
+__device__ __forceinline__ void score_slice(uint32_t k_addr, const uint32_t (&qf)[2][kKSteps][4], const KvRefill& refill,
+                                            float (&s)[2][2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+  for_each_index([&](auto step) {
+    constexpr int ks = decltype(step)::value;
+    uint32_t kb[4];
+    ldmatrix_x4(k_addr + ks * 32, kb);
+    if (refill.do_copy) issue_kv_chunk<kThreadsPerRow, ks>(refill.copy);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
+      mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
+    }
+  }, std::make_integer_sequence<int, kKSteps>{});
+}
+
+// Stores score_slice's partial scores: rows 16 mt + g (+ 8), columns col0 + 8 nb + 2 qd (+ 1) of my_part.
+template <int kPartStride>
+__device__ __forceinline__ void store_partials(float* my_part, int col0, int g, int qd, const float (&s)[2][2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      const int col = col0 + nb * 8 + 2 * qd;
+      *reinterpret_cast<float2*>(my_part + (mt * 16 + g) * kPartStride + col) = make_float2(s[mt][nb][0], s[mt][nb][1]);
+      *reinterpret_cast<float2*>(my_part + (mt * 16 + g + 8) * kPartStride + col) = make_float2(s[mt][nb][2], s[mt][nb][3]);
+    }
+}
+
+// Four scores of one row at positions tile_pos + pp .. + 3, summed over the four dim slices' partial scores
+// (rows kPartStride floats apart, slices kRowsPerSlice rows apart) and scaled to base 2; then -inf where the tree
+// mask or the valid length hides a position.  Only tiles that reach the query tokens or the end need the mask:
+// the query indices of a tile (<= 32 positions) span at most two mask words, loaded together.
+template <int kTile, int kPartStride, int kRowsPerSlice>
+__device__ __forceinline__ void row_scores(const Params& p, const float* part, const uint32_t* mask_r, int row,
+                                           int tile_pos, int pp, int first, int valid, float (&x)[4]) {
+  x[0] = x[1] = x[2] = x[3] = 0.f;
+#pragma unroll
+  for (int sl = 0; sl < kWarps; ++sl) {
+    const float4 t = *reinterpret_cast<const float4*>(part + (sl * kRowsPerSlice + row) * kPartStride + pp);
+    x[0] += t.x; x[1] += t.y; x[2] += t.z; x[3] += t.w;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] *= p.scale_log2;
+  if (tile_pos + kTile > min(first, valid)) {
+    const int j0 = tile_pos - first;
+    const int w0 = max(j0, 0) >> 5;
+    const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r + w0) : 0u;
+    const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r + w0 + 1) : 0u;
+    const uint64_t bits = (static_cast<uint64_t>(hi) << 32) | lo;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int pos = tile_pos + pp + i;
+      const int j = pos - first;
+      // j < T whenever pos < valid (valid <= kv_len = first + T); bit j - 32*w0 is in [0, 63).
+      const bool visible = pos < valid && (j < 0 || ((bits >> (j - 32 * w0)) & 1u));
+      if (!visible) x[i] = -INFINITY;
+    }
+  }
+}
+
+// Online softmax of one row whose tile positions are spread over kLanes adjacent lanes (4 each): updates the
+// row's running max (base 2) and this lane's share of the denominator, turns x into probabilities, and returns
+// the factor by which the row's output must be rescaled.
+template <int kLanes>
+__device__ __forceinline__ float online_softmax(float (&x)[4], float& m_run, float& l_run) {
+  float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+#pragma unroll
+  for (int o = 1; o < kLanes; o *= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+  const float new_max = fmaxf(m_run, tile_max);
+  // A row that has seen nothing yet keeps max -inf; subtract 0 then so that exp2(-inf) = 0, not NaN.
+  const float base = new_max == -INFINITY ? 0.f : new_max;
+  const float sc = fast_exp2(m_run - base);
+  m_run = new_max;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = fast_exp2(x[i] - base);
+  l_run = l_run * sc + ((x[0] + x[1]) + (x[2] + x[3]));
+  return sc;
+}
+
+// The epilogue of the 32-row kernels: rows row0 + 16 mt + g (+ 8) of the accumulators, output columns col0 +
+// 8 nb + 2 qd (+ 1), normalised by the row sums in stat_s ([max (base 2) | sum] per row), as final rows or per-split
+// partials; `writes_lse`: this thread also writes the rows' lse.
+template <bool kDirect, int kBlocks>
+__device__ __forceinline__ void write_rows(const Params& p, const float (&acc)[2][kBlocks][4], const float* stat_s,
+                                           int row0, int b, int split, int col0, int g, int qd, bool writes_lse) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rl = mt * 16 + g + 8 * h, r = row0 + rl;
+      if (r >= p.rows) continue;
+      const float sum = stat_s[32 + rl];
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
+      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
+                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
+      if (kDirect) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + col0 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < kBlocks; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (writes_lse) p.lse[row_index] = lse_row;
+      } else {
+        float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + col0 + 2 * qd);
+#pragma unroll
+        for (int nb = 0; nb < kBlocks; ++nb) dst[nb * 4] = make_float2(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
+        if (writes_lse) p.lse_part[row_index] = lse_row;
+      }
+    }
+  }
+}
+
 template <bool kDirect, int kGroups>
 __global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kMinBlocksPerSm)
 verify_attention_kernel(const Params p) {
@@ -335,13 +502,8 @@ verify_attention_kernel(const Params p) {
   const int row0 = (blockIdx.x * kGroups + group) * kRows;
 
   // This sequence's valid positions and this split's share of them (whole tiles).
-  const int kv_len = p.kv_lens[b];
-  const int valid = min(max(kv_len, 0), p.max_len);
-  const int first = kv_len - p.num_queries;  // position of query token 0
-  const int num_tiles = (valid + kTile - 1) / kTile;
-  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = min(split * tiles_per_split, num_tiles);
-  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+  const SplitTiles range = split_tiles<kTile>(p, b, split);
+  const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
   const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
   const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
@@ -350,31 +512,10 @@ verify_attention_kernel(const Params p) {
   // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).  Loaded
   // before the prologue's copies, which wait for their slots: both round trips overlap.
   uint32_t qf[kKSteps][4];
-  {
-    const int ra = row0 + g, rb = row0 + g + 8;
-    const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
-    const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const int k2 = (warp * kKSlice + ks * 16) / 2 + qd;  // in 32-bit words
-      qf[ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
-      qf[ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
-      qf[ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
-      qf[ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
-    }
-  }
-  // The slot ring: entry (tile % kSlotRing) holds the kTile slots of a tile; threads 0..kTile-1 copy them
-  // (cp.async, 4 bytes each, zeros past the valid positions) in the commit group of an earlier tile.
-  const uint32_t slot_ring_smem = kv_smem + C::kKvBytes + C::kScoreBytes;
+  load_q_fragments(p, b, row0, warp, g, qd, qf);
   const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + C::kKvBytes + C::kScoreBytes);
   const int my_row = static_cast<int>(threadIdx.x) / C::kThreadsPerRow;  // the row of a tile this thread copies
-  auto request_slots = [&](int t) {
-    if (threadIdx.x < kTile && t < tile_end) {
-      const int pos = t * kTile + static_cast<int>(threadIdx.x);
-      const bool ok = pos < valid;
-      cp_async_4(slot_ring_smem + ((t & (C::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
-    }
-  };
+  SlotRequester<C> request_slots{kv_smem + C::kKvBytes + C::kScoreBytes, slots, valid, tile_end};
   const bool prefetcher = prefetches_row(my_row);
   start_kv_pipeline<C>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
 
@@ -615,13 +756,8 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   const int split = blockIdx.y, b = blockIdx.z;
   const int row0 = blockIdx.x * W::kRowsW;
 
-  const int kv_len = p.kv_lens[b];
-  const int valid = min(max(kv_len, 0), p.max_len);
-  const int first = kv_len - p.num_queries;
-  const int num_tiles = (valid + kTile - 1) / kTile;
-  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = min(split * tiles_per_split, num_tiles);
-  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+  const SplitTiles range = split_tiles<kTile>(p, b, split);
+  const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
   const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
   const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
@@ -629,31 +765,12 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
 
   // Q fragments: both m16 tiles (rows row0 + 16 mt + g, + 8), this warp's 144-dim slice.
   uint32_t qf[2][kKSteps][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const int ra = row0 + mt * 16 + g, rb = ra + 8;
-    const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
-    const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const int k2 = (ds * kKSlice + ks * 16) / 2 + qd;
-      qf[mt][ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
-      qf[mt][ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
-      qf[mt][ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
-      qf[mt][ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
-    }
-  }
+  load_q_fragments(p, b, row0, ds, g, qd, qf[0]);
+  load_q_fragments(p, b, row0 + 16, ds, g, qd, qf[1]);
 
-  const uint32_t slot_ring_smem = kv_smem + W::kSlotOff;
   const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + W::kSlotOff);
   const int my_row = static_cast<int>(threadIdx.x) / W::kThreadsPerRow;
-  auto request_slots = [&](int t) {
-    if (threadIdx.x < kTile && t < tile_end) {
-      const int pos = t * kTile + static_cast<int>(threadIdx.x);
-      const bool ok = pos < valid;
-      cp_async_4(slot_ring_smem + ((t & (W::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
-    }
-  };
+  SlotRequester<W> request_slots{kv_smem + W::kSlotOff, slots, valid, tile_end};
   const bool prefetcher = prefetches_row(my_row);
   start_kv_pipeline<W>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
 
@@ -688,71 +805,19 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
 
     // Partial scores: 32 rows x positions [16 ph, 16 ph + 16) over dims slice ds.
     {
-      float s[2][2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
       static_assert(W::kChunksPerThread == kKSteps, "one copy chunk per k-step");
-      for_each_index([&](auto step) {
-        constexpr int ks = decltype(step)::value;
-        uint32_t kb[4];
-        ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
-        if (refill.do_copy) issue_kv_chunk<W::kThreadsPerRow, ks>(refill.copy);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
-          mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
-        }
-      }, std::make_integer_sequence<int, kKSteps>{});
+      float s[2][2][4];
+      score_slice<W::kThreadsPerRow>(stage_base + k_lane, qf, refill, s);
       finish_kv_refill<W>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          const int col = ph * 16 + nb * 8 + 2 * qd;
-          *reinterpret_cast<float2*>(my_part + (mt * 16 + g) * W::kPartStride + col) = make_float2(s[mt][nb][0], s[mt][nb][1]);
-          *reinterpret_cast<float2*>(my_part + (mt * 16 + g + 8) * W::kPartStride + col) = make_float2(s[mt][nb][2], s[mt][nb][3]);
-        }
+      store_partials<W::kPartStride>(my_part, ph * 16, g, qd, s);
     }
     __syncthreads();  // B2: partial scores written
 
     // Softmax of row rr, positions pp .. pp + 3: sum the four slices, scale to base 2, mask, online update.
     {
-      float x[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int sl = 0; sl < kWarps; ++sl) {
-        const float4 t = *reinterpret_cast<const float4*>(part + (sl * W::kRowsW + rr) * W::kPartStride + pp);
-        x[0] += t.x; x[1] += t.y; x[2] += t.z; x[3] += t.w;
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] *= p.scale_log2;
-      const int tile_pos = tile * kTile;
-      if (tile_pos + kTile > min(first, valid)) {  // the tile reaches the query tokens or the end
-        const int j0 = tile_pos - first;
-        const int w0 = max(j0, 0) >> 5;
-        const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r + w0) : 0u;
-        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r + w0 + 1) : 0u;
-        const uint64_t bits = (static_cast<uint64_t>(hi) << 32) | lo;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int pos = tile_pos + pp + i;
-          const int j = pos - first;
-          const bool visible = pos < valid && (j < 0 || ((bits >> (j - 32 * w0)) & 1u));
-          if (!visible) x[i] = -INFINITY;
-        }
-      }
-      float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-      const float new_max = fmaxf(m_run, tile_max);
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float sc = fast_exp2(m_run - base);
-      m_run = new_max;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = fast_exp2(x[i] - base);
-      l_run = l_run * sc + ((x[0] + x[1]) + (x[2] + x[3]));
+      float x[4];
+      row_scores<kTile, W::kPartStride, W::kRowsW>(p, part, mask_r, rr, tile * kTile, pp, first, valid, x);
+      const float sc = online_softmax<8>(x, m_run, l_run);
       *reinterpret_cast<uint2*>(pbuf + rr * W::kPStride + pp) = make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]));
       if (lane % 8 == 0) scale_s[rr] = sc;
     }
@@ -799,30 +864,7 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
     stat_s[W::kRowsW + rr] = l_run;
   }
   __syncthreads();
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rl = mt * 16 + g + 8 * h, r = row0 + rl;
-      if (r >= p.rows) continue;
-      const float sum = stat_s[W::kRowsW + rl];
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
-      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
-                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
-      if (kDirect) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + warp * 64 + 2 * qd);
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
-        if (warp == 0 && qd == 0) p.lse[row_index] = lse_row;
-      } else {
-        float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + warp * 64 + 2 * qd);
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb) dst[nb * 4] = make_float2(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
-        if (warp == 0 && qd == 0) p.lse_part[row_index] = lse_row;
-      }
-    }
-  }
+  write_rows<kDirect>(p, acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -896,13 +938,8 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
   const int split = blockIdx.y, b = blockIdx.z;
   const int row0 = blockIdx.x * S::kRowsW;
 
-  const int kv_len = p.kv_lens[b];
-  const int valid = min(max(kv_len, 0), p.max_len);
-  const int first = kv_len - p.num_queries;
-  const int num_tiles = (valid + kTile - 1) / kTile;
-  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = min(split * tiles_per_split, num_tiles);
-  const int tile_end = min(tile_begin + tiles_per_split, num_tiles);
+  const SplitTiles range = split_tiles<kTile>(p, b, split);
+  const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
   const int n = tile_end - tile_begin;
 
   if (scorer) {
@@ -911,30 +948,11 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
     const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
     const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
     uint32_t qf[2][kKSteps][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int ra = row0 + mt * 16 + g, rb = ra + 8;
-      const uint32_t* qa = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + ra) * kWidth);
-      const uint32_t* qb = reinterpret_cast<const uint32_t*>(p.q + (static_cast<int64_t>(b) * p.rows + rb) * kWidth);
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const int k2 = (ds * kKSlice + ks * 16) / 2 + qd;
-        qf[mt][ks][0] = ra < p.rows ? __ldg(qa + k2) : 0u;
-        qf[mt][ks][1] = rb < p.rows ? __ldg(qb + k2) : 0u;
-        qf[mt][ks][2] = ra < p.rows ? __ldg(qa + k2 + 4) : 0u;
-        qf[mt][ks][3] = rb < p.rows ? __ldg(qb + k2 + 4) : 0u;
-      }
-    }
-    const uint32_t slot_ring_smem = kv_smem + S::kSlotOff;
+    load_q_fragments(p, b, row0, ds, g, qd, qf[0]);
+    load_q_fragments(p, b, row0 + 16, ds, g, qd, qf[1]);
     const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + S::kSlotOff);
     const int my_row = static_cast<int>(threadIdx.x) / S::kThreadsPerRow;
-    auto request_slots = [&](int t) {
-      if (threadIdx.x < kTile && t < tile_end) {
-        const int pos = t * kTile + static_cast<int>(threadIdx.x);
-        const bool ok = pos < valid;
-        cp_async_4(slot_ring_smem + ((t & (S::kSlotRing - 1)) * kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
-      }
-    };
+    SlotRequester<S> request_slots{kv_smem + S::kSlotOff, slots, valid, tile_end};
     const bool prefetcher = prefetches_row(my_row);
     start_kv_pipeline<S>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
 
@@ -956,66 +974,15 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
       const KvRefill refill = begin_kv_refill<S>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher,
                                                  kv_smem, write_off);
       float s[2][2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
-      for_each_index([&](auto step) {
-        constexpr int ks = decltype(step)::value;
-        uint32_t kb[4];
-        ldmatrix_x4(stage_base + k_lane + ks * 32, kb);
-        if (refill.do_copy) issue_kv_chunk<S::kThreadsPerRow, ks>(refill.copy);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
-          mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
-        }
-      }, std::make_integer_sequence<int, kKSteps>{});
+      score_slice<S::kThreadsPerRow>(stage_base + k_lane, qf, refill, s);
       finish_kv_refill<S>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          const int col = nb * 8 + 2 * qd;
-          *reinterpret_cast<float2*>(my_part + (mt * 16 + g) * S::kPartStride + col) = make_float2(s[mt][nb][0], s[mt][nb][1]);
-          *reinterpret_cast<float2*>(my_part + (mt * 16 + g + 8) * S::kPartStride + col) = make_float2(s[mt][nb][2], s[mt][nb][3]);
-        }
+      store_partials<S::kPartStride>(my_part, 0, g, qd, s);
       named_barrier_sync(S::kBarScorePart, kScorers);  // partial scores written
 
       // Softmax of row rr, positions pp .. pp + 3 (as in the wide kernel, 4 threads a row).
-      float x[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int sl = 0; sl < kWarps; ++sl) {
-        const float4 t = *reinterpret_cast<const float4*>(part + (sl * S::kRowsW + rr) * S::kPartStride + pp);
-        x[0] += t.x; x[1] += t.y; x[2] += t.z; x[3] += t.w;
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] *= p.scale_log2;
-      const int tile_pos = tile * kTile;
-      if (tile_pos + kTile > min(first, valid)) {
-        const int j0 = tile_pos - first;
-        const int w0 = max(j0, 0) >> 5;
-        const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r + w0) : 0u;
-        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r + w0 + 1) : 0u;
-        const uint64_t bits = (static_cast<uint64_t>(hi) << 32) | lo;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int pos = tile_pos + pp + e;
-          const int j = pos - first;
-          const bool visible = pos < valid && (j < 0 || ((bits >> (j - 32 * w0)) & 1u));
-          if (!visible) x[e] = -INFINITY;
-        }
-      }
-      float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(m_run, tile_max);
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float sc = fast_exp2(m_run - base);
-      m_run = new_max;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = fast_exp2(x[e] - base);
-      l_run = l_run * sc + ((x[0] + x[1]) + (x[2] + x[3]));
+      float x[4];
+      row_scores<kTile, S::kPartStride, S::kRowsW>(p, part, mask_r, rr, tile * kTile, pp, first, valid, x);
+      const float sc = online_softmax<4>(x, m_run, l_run);
       const int buf = i & 1;
       if (i >= 2) named_barrier_sync(S::kBarPEmpty + buf, kAll);  // the value warps are done with P(i - 2)
       *reinterpret_cast<uint2*>(pbuf + (buf * S::kRowsW + rr) * S::kPStride + pp) =
@@ -1079,31 +1046,7 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
     }
   }
   __syncthreads();  // the score warps' final max and sum
-  if (scorer) return;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rl = mt * 16 + g + 8 * h, r = row0 + rl;
-      if (r >= p.rows) continue;
-      const float sum = stat_s[S::kRowsW + rl];
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
-      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
-                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
-      if (kDirect) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + vw * 128 + 2 * qd);
-#pragma unroll
-        for (int nb = 0; nb < 16; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
-        if (vw == 0 && qd == 0) p.lse[row_index] = lse_row;
-      } else {
-        float2* dst = reinterpret_cast<float2*>(p.out_part + row_index * kLatent + vw * 128 + 2 * qd);
-#pragma unroll
-        for (int nb = 0; nb < 16; ++nb) dst[nb * 4] = make_float2(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);
-        if (vw == 0 && qd == 0) p.lse_part[row_index] = lse_row;
-      }
-    }
-  }
+  if (!scorer) write_rows<kDirect>(p, acc, stat_s, row0, b, split, vw * 128, g, qd, vw == 0 && qd == 0);
 }
 
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.

@@ -116,3 +116,55 @@ class Problem:
         ref = np.exp(S - ref_lse[:, None]) @ self.KV[:, :512]
         assert np.isfinite(out).all() and np.isfinite(lse).all()
         print("out rel err", np.linalg.norm(out - ref) / np.linalg.norm(ref), "lse max err", np.abs(lse - ref_lse).max())
+
+
+def score_partials(pb, part, ds, lane_addr, col0=0):
+    """One score warp's Q·Kᵀ over dim slice ds for 32 rows x 16 positions (9 k-steps, two m16 tiles, two n8
+    blocks), its K fragments by ldmatrix from lane_addr(lane, ks); the partials go to part[ds, row, col0 + ...]
+    in the kernels' layout."""
+    s = np.zeros((2, 2, 32, 4), np.float32)
+    for ks in range(kKSteps):
+        kb = ldmatrix([lane_addr(l, ks) for l in range(32)])
+        for mt in range(2):
+            A = [pb.qfrag(ds, l, mt, ks) for l in range(32)]
+            s[mt][0] = mma(s[mt][0], A, kb[:, 0], kb[:, 1]); s[mt][1] = mma(s[mt][1], A, kb[:, 2], kb[:, 3])
+    for lane in range(32):
+        g, qd = lane // 4, lane % 4
+        for mt in range(2):
+            for nb in range(2):
+                col = col0 + nb * 8 + 2 * qd
+                part[ds, mt * 16 + g, col:col + 2] = s[mt][nb][lane][0:2]
+                part[ds, mt * 16 + g + 8, col:col + 2] = s[mt][nb][lane][2:4]
+
+
+def rescale(acc_w, f_of_row):
+    """acc_w[lane][mt][nb][4] *= the rescale factor of each accumulator's row (f_of_row(row in 0..31))."""
+    for lane in range(32):
+        g = lane // 4
+        for mt in range(2):
+            acc_w[lane, mt, :, 0:2] *= f_of_row(mt * 16 + g); acc_w[lane, mt, :, 2:4] *= f_of_row(mt * 16 + g + 8)
+
+
+def pv_block(acc_w, pa, v_addr, j):
+    """O += P·V for the two n8 blocks 2j, 2j + 1 of one warp: V fragments by ldmatrix.trans from v_addr(lane)."""
+    vb = ldmatrix([v_addr(l) for l in range(32)], trans=True)
+    for mt in range(2):
+        acc_w[:, mt, 2 * j] = mma(acc_w[:, mt, 2 * j], pa[mt], vb[:, 0], vb[:, 1])
+        acc_w[:, mt, 2 * j + 1] = mma(acc_w[:, mt, 2 * j + 1], pa[mt], vb[:, 2], vb[:, 3])
+
+
+def normalise(acc, stat_m, stat_l, cols_per_warp):
+    """The kernels' epilogue: acc[warp][lane][mt][nb][4] over columns cols_per_warp * warp + 8 nb + 2 qd, rows
+    16 mt + g (+ 8), divided by the row sums; returns (out [32, 512], lse [32])."""
+    out = np.zeros((32, 512)); lse = np.zeros(32)
+    for w in range(acc.shape[0]):
+        for lane in range(32):
+            g, qd = lane // 4, lane % 4
+            for mt in range(2):
+                for h in range(2):
+                    rl = mt * 16 + g + 8 * h
+                    for nb in range(acc.shape[3]):
+                        c = w * cols_per_warp + nb * 8 + 2 * qd
+                        out[rl, c:c + 2] = acc[w, lane, mt, nb, 2 * h:2 * h + 2] / stat_l[rl]
+                    lse[rl] = (stat_m[rl] + np.log2(stat_l[rl])) * np.log(2)
+    return out, lse

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from emulate_mma import Problem, kKSlice, kKSteps, kRowBytes, ldmatrix, mma, st_bf16
+from emulate_mma import Problem, kKSlice, kRowBytes, ldmatrix, normalise, pv_block, rescale, score_partials, st_bf16
 
 kPStride = 40; kPartStride = 40; ntiles = 3; kTile = 32
 pb = Problem(ntiles * kTile, masked='--no-mask' not in sys.argv)
@@ -23,26 +23,11 @@ acc = np.zeros((8, 32, 2, 8, 4), np.float32)  # [warp][lane][mt][nb][4]
 for t in range(ntiles):
     base = (t % 2) * kTile * kRowBytes
     for r in range(kTile): st_bf16(base + r * kRowBytes, pb.KV[t * kTile + r])
-    # QK
+    # QK: warp w = (dim slice w % 4, position half w // 4)
     for warp in range(8):
         ds, ph = warp % 4, warp // 4
-        s = np.zeros((2, 2, 32, 4), np.float32)
-        for ks in range(kKSteps):
-            addrs = []
-            for lane in range(32):
-                mat = lane // 8
-                k_lane = ((lane % 8) + (mat // 2) * 8 + ph * 16) * kRowBytes + (ds * kKSlice + (mat % 2) * 8) * 2
-                addrs.append(base + k_lane + ks * 32)
-            kb = ldmatrix(addrs)
-            for mt in range(2):
-                A = [pb.qfrag(ds, l, mt, ks) for l in range(32)]
-                s[mt][0] = mma(s[mt][0], A, kb[:, 0], kb[:, 1]); s[mt][1] = mma(s[mt][1], A, kb[:, 2], kb[:, 3])
-        for lane in range(32):
-            g, qd = lane // 4, lane % 4
-            for mt in range(2):
-                for nb in range(2):
-                    col = ph * 16 + nb * 8 + 2 * qd
-                    part[ds, mt * 16 + g, col:col + 2] = s[mt][nb][lane][0:2]; part[ds, mt * 16 + g + 8, col:col + 2] = s[mt][nb][lane][2:4]
+        score_partials(pb, part, ds, lambda l, ks: base + ((l % 8) + ((l // 8) // 2) * 8 + ph * 16) * kRowBytes
+                       + (ds * kKSlice + ((l // 8) % 2) * 8) * 2 + ks * 32, col0=ph * 16)
     # softmax
     scale_s = np.zeros(32, np.float32)
     for warp in range(8):
@@ -63,23 +48,13 @@ for t in range(ntiles):
             if lane % 8 == 0: scale_s[rr] = sc
     # PV
     for warp in range(8):
-        for lane in range(32):
-            g = lane // 4
-            f = [[scale_s[g], scale_s[g + 8]], [scale_s[16 + g], scale_s[24 + g]]]
-            for mt in range(2):
-                acc[warp, lane, mt, :, 0:2] *= f[mt][0]; acc[warp, lane, mt, :, 2:4] *= f[mt][1]
+        rescale(acc[warp], lambda row: scale_s[row])
         for u in range(2):
-            pa = []
-            for mt in range(2):
-                addrs = [kPOff + ((l % 8) + ((l // 8) % 2) * 8) * (kPStride * 2) + ((l // 8) // 2) * 16 + mt * 16 * kPStride * 2 + u * 32 for l in range(32)]
-                pa.append(ldmatrix(addrs))
+            pa = [ldmatrix([kPOff + ((l % 8) + ((l // 8) % 2) * 8) * (kPStride * 2) + ((l // 8) // 2) * 16
+                            + mt * 16 * kPStride * 2 + u * 32 for l in range(32)]) for mt in range(2)]
             for j in range(4):
-                addrs = [base + ((l % 8) + ((l // 8) % 2) * 8) * kRowBytes + (warp * 64 + ((l // 8) // 2) * 8) * 2 + u * 16 * kRowBytes + j * 32 for l in range(32)]
-                vb = ldmatrix(addrs, trans=True)
-                for mt in range(2):
-                    A = [pa[mt][l] for l in range(32)]
-                    acc[warp, :, mt, 2 * j] = mma(acc[warp, :, mt, 2 * j], A, vb[:, 0], vb[:, 1])
-                    acc[warp, :, mt, 2 * j + 1] = mma(acc[warp, :, mt, 2 * j + 1], A, vb[:, 2], vb[:, 3])
+                pv_block(acc[warp], pa, lambda l: base + ((l % 8) + ((l // 8) % 2) * 8) * kRowBytes
+                         + (warp * 64 + ((l // 8) // 2) * 8) * 2 + u * 16 * kRowBytes + j * 32, j)
 # epilogue
 stat_m = np.zeros(32); stat_l = np.zeros(32)
 for warp in range(8):
@@ -87,14 +62,5 @@ for warp in range(8):
         rr = warp * 4 + lane // 8
         if lane % 8 == 0:
             stat_m[rr] = m_run[warp, lane]; stat_l[rr] = sum(l_run[warp, (lane // 8) * 8 + i] for i in range(8))
-out = np.zeros((32, 512)); lse = np.zeros(32)
-for warp in range(8):
-    for lane in range(32):
-        g, qd = lane // 4, lane % 4
-        for mt in range(2):
-            for h in range(2):
-                rl = mt * 16 + g + 8 * h
-                for nb in range(8):
-                    out[rl, warp * 64 + nb * 8 + 2 * qd:warp * 64 + nb * 8 + 2 * qd + 2] = acc[warp, lane, mt, nb, 2 * h:2 * h + 2] / stat_l[rl]
-                lse[rl] = (stat_m[rl] + np.log2(stat_l[rl])) * np.log(2)
+out, lse = normalise(acc, stat_m, stat_l, 64)
 pb.check(out, lse)

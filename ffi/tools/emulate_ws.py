@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from emulate_mma import Problem, kKSlice, kKSteps, kRowBytes, ldmatrix, mma, st_bf16
+from emulate_mma import Problem, kKSlice, kRowBytes, ldmatrix, normalise, pv_block, rescale, score_partials, st_bf16
 
 kTile = 16; kRing = 4; ntiles = 7
 kPartStride = 24; kPStride = 24; kPBufBytes = 32 * kPStride * 2
@@ -29,20 +29,8 @@ for i in range(ntiles):
     buf = i & 1
     # score warps: Q·Kᵀ over dim slice ds = warp, 32 rows x 16 positions
     for ds in range(4):
-        s = np.zeros((2, 2, 32, 4), np.float32)
-        for ks in range(kKSteps):
-            addrs = [base + ((l % 8) + ((l // 8) // 2) * 8) * kRowBytes + (ds * kKSlice + ((l // 8) % 2) * 8) * 2 + ks * 32
-                     for l in range(32)]
-            kb = ldmatrix(addrs)
-            for mt in range(2):
-                A = [pb.qfrag(ds, l, mt, ks) for l in range(32)]
-                s[mt][0] = mma(s[mt][0], A, kb[:, 0], kb[:, 1]); s[mt][1] = mma(s[mt][1], A, kb[:, 2], kb[:, 3])
-        for lane in range(32):
-            g, qd = lane // 4, lane % 4
-            for mt in range(2):
-                for nb in range(2):
-                    col = nb * 8 + 2 * qd
-                    part[ds, mt * 16 + g, col:col + 2] = s[mt][nb][lane][0:2]; part[ds, mt * 16 + g + 8, col:col + 2] = s[mt][nb][lane][2:4]
+        score_partials(pb, part, ds, lambda l, ks: base + ((l % 8) + ((l // 8) // 2) * 8) * kRowBytes
+                       + (ds * kKSlice + ((l // 8) % 2) * 8) * 2 + ks * 32)
     # score warps: softmax, thread t = row t // 4, positions 4 (t % 4) .. + 3
     xs = np.zeros((128, 4), np.float32)
     for t in range(128):
@@ -61,32 +49,15 @@ for i in range(ntiles):
         if t % 4 == 0: scale_s[buf, rr] = sc
     # value warps: O += P(i)·V(i) over dims [128 vw, + 128)
     for vw in range(4):
-        for lane in range(32):
-            g = lane // 4
-            f = [[scale_s[buf, g], scale_s[buf, g + 8]], [scale_s[buf, 16 + g], scale_s[buf, 24 + g]]]
-            for mt in range(2):
-                acc[vw, lane, mt, :, 0:2] *= f[mt][0]; acc[vw, lane, mt, :, 2:4] *= f[mt][1]
+        rescale(acc[vw], lambda row: scale_s[buf, row])
         p_lane = [kPOff + ((l % 8) + ((l // 8) % 2) * 8) * (kPStride * 2) + ((l // 8) // 2) * 16 for l in range(32)]
         pa = [ldmatrix([a + buf * kPBufBytes + mt * 16 * (kPStride * 2) for a in p_lane]) for mt in range(2)]
         for j in range(8):
-            addrs = [base + ((l % 8) + ((l // 8) % 2) * 8) * kRowBytes + (vw * 128 + ((l // 8) // 2) * 8) * 2 + j * 32 for l in range(32)]
-            vb = ldmatrix(addrs, trans=True)
-            for mt in range(2):
-                acc[vw, :, mt, 2 * j] = mma(acc[vw, :, mt, 2 * j], pa[mt], vb[:, 0], vb[:, 1])
-                acc[vw, :, mt, 2 * j + 1] = mma(acc[vw, :, mt, 2 * j + 1], pa[mt], vb[:, 2], vb[:, 3])
+            pv_block(acc[vw], pa, lambda l: base + ((l % 8) + ((l // 8) % 2) * 8) * kRowBytes
+                     + (vw * 128 + ((l // 8) // 2) * 8) * 2 + j * 32, j)
 # epilogue: the score threads' quads give each row's max and sum; value warps normalise their columns
 stat_m = np.zeros(32); stat_l = np.zeros(32)
 for t in range(0, 128, 4):
     stat_m[t // 4] = m_run[t]; stat_l[t // 4] = l_run[t:t + 4].sum()
-out = np.zeros((32, 512)); lse = np.zeros(32)
-for vw in range(4):
-    for lane in range(32):
-        g, qd = lane // 4, lane % 4
-        for mt in range(2):
-            for h in range(2):
-                rl = mt * 16 + g + 8 * h
-                for nb in range(16):
-                    c = vw * 128 + nb * 8 + 2 * qd
-                    out[rl, c:c + 2] = acc[vw, lane, mt, nb, 2 * h:2 * h + 2] / stat_l[rl]
-                lse[rl] = (stat_m[rl] + np.log2(stat_l[rl])) * np.log(2)
+out, lse = normalise(acc, stat_m, stat_l, 128)
 pb.check(out, lse)
