@@ -9,7 +9,7 @@ from flax import nnx
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
-from kdtree_jax.model.mla import MLA, AttentionBatch
+from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
 from kdtree_jax.model.moe import MoE
 
 
@@ -24,9 +24,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str):
+    def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str,
+                 absorbed: AbsorbedWeights | None = None):
         """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer)."""
-        attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl)
+        attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl,
+                                        absorbed=absorbed)
         x = x + attn
         if self.is_moe:
             mlp_out, expert_counts = self.mlp(self.post_attention_layernorm(x))
@@ -72,12 +74,20 @@ class Transformer(nnx.Module):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
         return self.lm_logits(self.norm(hidden))
 
+    def absorbed_weights(self) -> tuple[AbsorbedWeights, ...]:
+        """Every layer's kv_b_proj split per head (MLA.absorbed_weights): what a decode loop computes once,
+        before its while loop, and passes to each forward as `absorbed` (in the loop body XLA would redo
+        them at every step: it does not hoist the layout copies it adds after its loop-invariant code motion)."""
+        return tuple(layer.self_attn.absorbed_weights() for layer in self.layers)
+
     def __call__(self, tokens, positions, kv_pages, batch: AttentionBatch, *,
-                 hidden_layers: Sequence[int] = (), impl: str = "auto") -> ForwardOutput:
+                 hidden_layers: Sequence[int] = (), impl: str = "auto",
+                 absorbed: Sequence[AbsorbedWeights] | None = None) -> ForwardOutput:
         """Run T new tokens per sequence against the paged cache.
 
         tokens, positions [B, T] int32 (positions drive rope: for a tree, start + depth);
-        `batch` says where the tokens' rows go and which cached positions each may see.
+        `batch` says where the tokens' rows go and which cached positions each may see;
+        `absorbed`: absorbed_weights() computed by the caller (a decode loop, once), else per call.
         """
         bad = [i for i in hidden_layers if not 0 <= i < self.cfg.num_hidden_layers]
         if bad:
@@ -86,7 +96,7 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         captured, expert_counts = {}, []
         for i, layer in enumerate(self.layers):
-            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl)
+            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl, None if absorbed is None else absorbed[i])
             if counts is not None:
                 expert_counts.append(counts)
             if i in hidden_layers:

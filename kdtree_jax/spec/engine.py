@@ -119,14 +119,15 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
     return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
 
 
-def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig) -> LoopState:
+def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
+                      absorbed=None) -> LoopState:
     tree = _draft_tree(drafter, target, state, spec)
     num_nodes = tree.num_nodes
     cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
     hidden_layers = () if drafter is None else drafter.target_layer_ids
     # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
     fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
-                 hidden_layers=hidden_layers, impl=spec.impl)
+                 hidden_layers=hidden_layers, impl=spec.impl, absorbed=absorbed)
     cache = cache._replace(pages=fwd.kv_pages)
 
     if spec.temperature == 0:
@@ -172,7 +173,10 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
     def cond(s: LoopState):
         return (s.step < max_steps) & s.active.any()
 
-    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec), state)
+    # Weights derived from the parameters are computed here, once: inside the body XLA would redo them at
+    # every step (it does not hoist the layout copies it adds after its loop-invariant code motion).
+    absorbed = target.absorbed_weights()
+    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, absorbed), state)
 
 
 @jax.jit
