@@ -3,7 +3,7 @@
 On CPU, impl "xla" (and "cuda", which falls back there) is exactly routed_experts' original three
 ragged_dots, bit for bit; "auto" is that too above a few rows per expert, and below it reads only the rows'
 own experts (`gathered_mlp`), which must agree with ragged_dot to rounding, including rows that belong to
-no group and empty groups. The group table the CUDA op reads is checked against a Python loop; bad
+no group and empty groups, as must the dense form a decode loop runs on pre-laid weights (`dense_mlp`). The group table the CUDA op reads is checked against a Python loop; bad
 arguments raise ValueError; and, where the extension holds the CUDA op, a program lowered for CUDA calls it.
 """
 
@@ -66,10 +66,13 @@ def test_cpu_dispatch_is_the_original_formulation(dtype, impl, offset, local):
         np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
+@pytest.mark.parametrize("form", ["gathered", "dense"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gathered_mlp_matches_ragged_dot(dtype):
-    """Random groups with empty ones and rows past every group (which must give zeros), fresh inputs."""
-    rng = np.random.default_rng(7)
+def test_cpu_forms_match_ragged_dot(dtype, form):
+    """gathered_mlp and dense_mlp (on the weights laid out expert axis second, as a decode loop passes them)
+    against a float64 oracle and ragged_dot: random groups with empty ones and rows past every group (which
+    must give zeros), fresh inputs."""
+    rng = np.random.default_rng(7 if form == "gathered" else 8)
     experts, hidden, inter, num_rows = 6, 40, 24, 19
     sizes = np.zeros(experts, np.int32)
     for e in rng.choice(experts, 13):  # 13 of 19 rows in groups, some experts empty
@@ -79,7 +82,11 @@ def test_gathered_mlp_matches_ragged_dot(dtype):
     gate, up = w((experts, hidden, inter), hidden ** -0.5), w((experts, hidden, inter), hidden ** -0.5)
     down = w((experts, inter, hidden), inter ** -0.5)
     args = (rows, jnp.asarray(sizes), gate, up, down)
-    got = np.asarray(jax.jit(moe_ops.gathered_mlp)(*args), np.float64)
+    if form == "gathered":
+        got = np.asarray(jax.jit(moe_ops.gathered_mlp)(*args), np.float64)
+    else:
+        second = tuple(jnp.swapaxes(a, 0, 1) for a in (gate, up, down))
+        got = np.asarray(jax.jit(moe_ops.dense_mlp)(rows, jnp.asarray(sizes), *second), np.float64)
     want = np.asarray(jax.jit(moe_ops.ragged_mlp)(*args), np.float64)
     # float64 numpy oracle, independent of both
     r, g, u, d = (np.asarray(a, np.float64) for a in (rows, gate, up, down))

@@ -39,7 +39,7 @@ def route(router_logits, bias, cfg: ModelConfig):
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto"):
+def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto", expert_second=None):
     """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
 
     gate/up [E_local, H, I], down [E_local, I, H] are experts expert_offset .. expert_offset + E_local
@@ -47,7 +47,8 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     results). The (token, expert) pairs are sorted by expert so that `ragged_dot` runs each expert over
     one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
     experts held elsewhere sort last, past every group, where ragged_dot yields zeros. `impl` picks the
-    grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts.
+    grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts;
+    `expert_second`: MoE.loop_weights(), for the CPU's dense form.
     """
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
@@ -58,7 +59,7 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     token_of_row = order // k
     rows = x2d[token_of_row]
     group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl)
+    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl, expert_second=expert_second)
     row_weight = jnp.where(here, weights, 0.0).reshape(-1)[order]
     out_rows = out_rows * row_weight[:, None].astype(out_rows.dtype)
     return jnp.zeros_like(x2d).at[token_of_row].add(out_rows)
@@ -125,18 +126,29 @@ class MoE(nnx.Module):
         choice = token % self.num_replicas[...][indices]
         return self.replicas[...][indices, choice]
 
-    def __call__(self, x):
-        """-> (output like x, tokens routed to each physical expert slot [num_slots] int32)."""
+    def loop_weights(self):
+        """What a decode loop computes once, before its while loop, for this layer's routed experts: on a
+        CPU, unsharded, the expert weights laid out expert axis second for ops.moe.dense_mlp (XLA:CPU's
+        ragged_dot transposes [E, H, I] to that layout at every call: in the loop, a copy of every expert
+        at every step); None elsewhere (a GPU reads [E, H, I] as it is)."""
+        if self.mesh is not None or jax.default_backend() != "cpu":
+            return None
+        ex = self.experts
+        return tuple(jnp.swapaxes(w[...], 0, 1) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
+
+    def __call__(self, x, loop_weights=None):
+        """-> (output like x, tokens routed to each physical expert slot [num_slots] int32).
+        `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body."""
         x2d = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(x2d)
         slots = self.to_physical(indices)
-        out = self.routed(x2d, slots, weights)
+        out = self.routed(x2d, slots, weights, loop_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2d)
         counts = jnp.bincount(slots.reshape(-1), length=self.num_slots).astype(jnp.int32)
         return out.reshape(x.shape), counts
 
-    def routed(self, x2d, indices, weights):
+    def routed(self, x2d, indices, weights, loop_weights=None):
         """Routed experts; on a mesh each device computes its share and the shares are summed.
 
         tp: every device holds every expert's 1/n of the intermediate dim (partial sums);
@@ -146,7 +158,7 @@ class MoE(nnx.Module):
         ex = self.experts
         weights_in = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
         if self.mesh is None:
-            return routed_experts(x2d, indices, weights, *weights_in)
+            return routed_experts(x2d, indices, weights, *weights_in, expert_second=loop_weights)
         if self.layout == "tp":
             specs = (P(None, None, MESH_AXIS), P(None, None, MESH_AXIS), P(None, MESH_AXIS, None))
 

@@ -13,6 +13,15 @@ from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
 from kdtree_jax.model.moe import MoE
 
 
+class LoopWeights(NamedTuple):
+    """One layer's weights derived from its parameters, as a decode loop computes them once before its body
+    (in the body XLA redoes them at every step: it does not hoist the layout copies that it adds after its
+    loop-invariant code motion)."""
+
+    absorbed: AbsorbedWeights  # MLA.absorbed_weights()
+    experts: tuple | None  # MoE.loop_weights() (None: a dense layer, a GPU, a mesh)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
@@ -24,14 +33,18 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
+    def loop_weights(self) -> LoopWeights:
+        return LoopWeights(self.self_attn.absorbed_weights(), self.mlp.loop_weights() if self.is_moe else None)
+
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str,
-                 absorbed: AbsorbedWeights | None = None):
+                 loop_weights: LoopWeights | None = None):
         """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer)."""
+        lw = loop_weights
         attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl,
-                                        absorbed=absorbed)
+                                        absorbed=None if lw is None else lw.absorbed)
         x = x + attn
         if self.is_moe:
-            mlp_out, expert_counts = self.mlp(self.post_attention_layernorm(x))
+            mlp_out, expert_counts = self.mlp(self.post_attention_layernorm(x), None if lw is None else lw.experts)
             return x + mlp_out, kv_pages, expert_counts
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
 
@@ -74,20 +87,19 @@ class Transformer(nnx.Module):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
         return self.lm_logits(self.norm(hidden))
 
-    def absorbed_weights(self) -> tuple[AbsorbedWeights, ...]:
-        """Every layer's kv_b_proj split per head (MLA.absorbed_weights): what a decode loop computes once,
-        before its while loop, and passes to each forward as `absorbed` (in the loop body XLA would redo
-        them at every step: it does not hoist the layout copies it adds after its loop-invariant code motion)."""
-        return tuple(layer.self_attn.absorbed_weights() for layer in self.layers)
+    def loop_weights(self) -> tuple[LoopWeights, ...]:
+        """Every layer's LoopWeights: what a decode loop computes once, before its while loop, and passes to
+        each forward as `loop_weights`."""
+        return tuple(layer.loop_weights() for layer in self.layers)
 
     def __call__(self, tokens, positions, kv_pages, batch: AttentionBatch, *,
                  hidden_layers: Sequence[int] = (), impl: str = "auto",
-                 absorbed: Sequence[AbsorbedWeights] | None = None) -> ForwardOutput:
+                 loop_weights: Sequence[LoopWeights] | None = None) -> ForwardOutput:
         """Run T new tokens per sequence against the paged cache.
 
         tokens, positions [B, T] int32 (positions drive rope: for a tree, start + depth);
         `batch` says where the tokens' rows go and which cached positions each may see;
-        `absorbed`: absorbed_weights() computed by the caller (a decode loop, once), else per call.
+        `loop_weights`: loop_weights() computed by the caller (a decode loop, once), else derived per call.
         """
         bad = [i for i in hidden_layers if not 0 <= i < self.cfg.num_hidden_layers]
         if bad:
@@ -96,7 +108,8 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         captured, expert_counts = {}, []
         for i, layer in enumerate(self.layers):
-            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl, None if absorbed is None else absorbed[i])
+            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl,
+                                        None if loop_weights is None else loop_weights[i])
             if counts is not None:
                 expert_counts.append(counts)
             if i in hidden_layers:

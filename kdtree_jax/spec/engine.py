@@ -120,14 +120,14 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
 
 
 def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
-                      absorbed=None) -> LoopState:
+                      loop_weights=None) -> LoopState:
     tree = _draft_tree(drafter, target, state, spec)
     num_nodes = tree.num_nodes
     cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
     hidden_layers = () if drafter is None else drafter.target_layer_ids
     # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
     fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
-                 hidden_layers=hidden_layers, impl=spec.impl, absorbed=absorbed)
+                 hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights)
     cache = cache._replace(pages=fwd.kv_pages)
 
     if spec.temperature == 0:
@@ -175,8 +175,8 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 
     # Weights derived from the parameters are computed here, once: inside the body XLA would redo them at
     # every step (it does not hoist the layout copies it adds after its loop-invariant code motion).
-    absorbed = target.absorbed_weights()
-    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, absorbed), state)
+    loop_weights = target.loop_weights()
+    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, loop_weights), state)
 
 
 @jax.jit
