@@ -332,6 +332,15 @@ __device__ __forceinline__ SplitTiles split_tiles(const Params& p, int b, int sp
   return SplitTiles{valid, kv_len - p.num_queries, tile_begin, min(tile_begin + tiles_per_split, num_tiles)};
 }
 
+// This call's layer of the KV pool (clamped into range) and sequence b's slot table.
+__device__ __forceinline__ const uint16_t* layer_rows_of(const Params& p) {
+  const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
+  return p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
+}
+__device__ __forceinline__ const int32_t* slot_table_of(const Params& p, int b) {
+  return p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+}
+
 // Q fragments (the A operand of m16n8k16) of one m16 row tile, rows r0 + g and r0 + g + 8, over the 144-dim
 // slice ds; zeros past the last row.
 __device__ __forceinline__ void load_q_fragments(const Params& p, int b, int r0, int ds, int g, int qd,
@@ -505,9 +514,8 @@ verify_attention_kernel(const Params p) {
   const SplitTiles range = split_tiles<kTile>(p, b, split);
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
-  const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
-  const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
-  const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+  const uint16_t* layer_rows = layer_rows_of(p);
+  const int32_t* slots = slot_table_of(p, b);
 
   // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).  Loaded
   // before the prologue's copies, which wait for their slots: both round trips overlap.
@@ -759,9 +767,8 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   const SplitTiles range = split_tiles<kTile>(p, b, split);
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
-  const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
-  const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
-  const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+  const uint16_t* layer_rows = layer_rows_of(p);
+  const int32_t* slots = slot_table_of(p, b);
 
   // Q fragments: both m16 tiles (rows row0 + 16 mt + g, + 8), this warp's 144-dim slice.
   uint32_t qf[2][kKSteps][4];
@@ -944,9 +951,8 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
 
   if (scorer) {
     const int ds = warp;  // dim slice
-    const int layer = static_cast<int>(kdtree::clamp_layer(*p.layer, p.num_layers));
-    const uint16_t* layer_rows = p.kv_pool + static_cast<int64_t>(layer) * p.num_slots * kWidth;
-    const int32_t* slots = p.kv_slots + static_cast<int64_t>(b) * p.max_len;
+    const uint16_t* layer_rows = layer_rows_of(p);
+    const int32_t* slots = slot_table_of(p, b);
     uint32_t qf[2][kKSteps][4];
     load_q_fragments(p, b, row0, ds, g, qd, qf[0]);
     load_q_fragments(p, b, row0 + 16, ds, g, qd, qf[1]);
