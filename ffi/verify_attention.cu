@@ -274,9 +274,9 @@ __device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_
 
 // The per-tile refill, once `tile` has landed: copy tile + kLead into the stage just freed,
 // prefetch tile + kLead + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
-// empty or not), then advance the ring's read and write offsets.  In three steps so that a kernel can spread the
-// copies over its MMAs: begin (both slot reads, before any copy: a shared load queued behind the copies waits
-// for all of them), the copy chunks, finish.
+// empty or not), then advance the ring's read and write offsets.  In three steps so that every kernel spreads
+// the copies over its Q·Kᵀ MMAs: begin (both slot reads, before any copy: a shared load queued behind the
+// copies waits for all of them), one copy chunk per k-step (issue_kv_chunk), finish.
 struct KvRefill {
   KvCopy copy;
   bool do_copy;
@@ -303,18 +303,6 @@ __device__ __forceinline__ void finish_kv_refill(const Params& p, const uint16_t
   cp_async_commit();
   read_off = read_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : read_off + Cfg::kStageBytes;
   write_off = write_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : write_off + Cfg::kStageBytes;
-}
-template <class Cfg, class RequestSlots>
-__device__ __forceinline__ void advance_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
-                                                    int tile, int tile_end, int valid, int my_row, bool prefetcher,
-                                                    uint32_t kv_smem, uint32_t& read_off, uint32_t& write_off,
-                                                    RequestSlots& request_slots) {
-  const KvRefill r = begin_kv_refill<Cfg>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem, write_off);
-  if (r.do_copy) {
-    copy_row_chunks<Cfg::kThreadsPerRow>(r.copy.dst, r.copy.src, r.copy.bytes,
-                                         std::make_integer_sequence<int, Cfg::kChunksPerThread>{});
-  }
-  finish_kv_refill<Cfg>(p, layer_rows, r, tile, read_off, write_off, request_slots);
 }
 
 // A split's share of sequence b's KV positions, in whole tiles, from the *device* kv_len: valid positions,
@@ -552,8 +540,10 @@ verify_attention_kernel(const Params p) {
     // partial scores of the previous tile.
     __syncthreads();
     const uint32_t stage_base = kv_smem + read_off;
-    advance_kv_pipeline<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem, read_off,
-                           write_off, request_slots);
+    // The next tile's copies go out one chunk per k-step of Q·Kᵀ below, between its MMAs (as in score_slice).
+    static_assert(C::kChunksPerThread == kKSteps, "one copy chunk per k-step");
+    const KvRefill refill = begin_kv_refill<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher,
+                                               kv_smem, write_off);
 
     // Partial scores over this warp's dims: 16 rows x kTile positions.  With 16-position tiles the even and
     // odd k-steps go to separate accumulators (two chains of 5 and 4 MMAs instead of one of 9); with 32 the
@@ -564,18 +554,20 @@ verify_attention_kernel(const Params p) {
     for (int nb = 0; nb < kBlocksN; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
     for (int nb = 0; nb < (kChains == 2 ? kBlocksN : 1); ++nb) s_odd[nb][0] = s_odd[nb][1] = s_odd[nb][2] = s_odd[nb][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
+    for_each_index([&](auto step) {
+      constexpr int ks = decltype(step)::value;
 #pragma unroll
       for (int u = 0; u < kSub; ++u) {
         uint32_t kb[4];
         ldmatrix_x4(stage_base + k_lane + u * 16 * kRowBytes + ks * 32, kb);
+        if (u == 0 && refill.do_copy) issue_kv_chunk<C::kThreadsPerRow, ks>(refill.copy);
         float (&d0)[4] = kChains == 2 && ks % 2 == 1 ? s_odd[0] : s[2 * u];
         float (&d1)[4] = kChains == 2 && ks % 2 == 1 ? s_odd[kChains == 2 ? 1 : 0] : s[2 * u + 1];
         mma_bf16(d0, qf[ks], kb[0], kb[1]);
         mma_bf16(d1, qf[ks], kb[2], kb[3]);
       }
-    }
+    }, std::make_integer_sequence<int, kKSteps>{});
+    finish_kv_refill<C>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
     if constexpr (kChains == 2) {
 #pragma unroll
       for (int nb = 0; nb < kBlocksN; ++nb) {
