@@ -4,8 +4,9 @@
 # machine's jax), the split-count A/B by CUDA events, the `key` plan with CUDA-event timing, then Nsight Compute
 # (ffi/tools/probe_verify.sh) on the given shapes.
 #   KDTREE_COMMIT=<hash> bash ffi/tools/device_profile.sh "1 16 8 65536" ...
-# CPU_TESTS=0 and SPLITS_AB=0 skip those steps.  Exits with the GPU tests' status, so that a caller can fall back
-# to a validated kernel when they fail.
+# CPU_TESTS=0 and SPLITS_AB=0 skip those steps; KEY_VARIANTS="1 2" runs the key plan once per many-row kernel
+# (KDTREE_VERIFY_VARIANT; default: the default kernel only), PROFILE_VARIANT picks the one Nsight Compute sees.
+# Exits with the GPU tests' status, so that a caller can fall back to a validated kernel when they fail.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1
@@ -22,10 +23,16 @@ echo "gpu tests rc=$gpu_rc at $(( $(date +%s) - T0 )) s"; grep -E "passed|failed
 echo "cpu handler tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 "$W/cpu_handler_tests.log"
 [ "${SPLITS_AB:-1}" = 1 ] && timeout 90 python3 ffi/tools/splits_ab.py --out "$W/splits_ab" 2>&1 | tee "$W/splits_ab.log"
 echo "splits A/B done at $(( $(date +%s) - T0 )) s"
-timeout 120 python3 benchmarks/verify_kernel.py --plan key --no-ref --device-timing --commit "${KDTREE_COMMIT:-unknown}" --out "$W/verify_kernel_key" 2>&1 | python3 ffi/tools/rows.py
+for v in ${KEY_VARIANTS:-default}; do
+  [ "$v" = default ] && tag="" || tag="_v$v"
+  ( [ "$v" = default ] || export KDTREE_VERIFY_VARIANT=$v
+    echo "key plan, many-row kernel: ${v}"
+    timeout 120 python3 benchmarks/verify_kernel.py --plan key --no-ref --device-timing --commit "${KDTREE_COMMIT:-unknown}" --out "$W/verify_kernel_key$tag" 2>&1 | python3 ffi/tools/rows.py )
+done
 echo "key plan done at $(( $(date +%s) - T0 )) s"
 if [ $# -gt 0 ]; then
-  OUT="$W" SKIP_BUILD=1 timeout "${PROFILE_S:-300}" bash ffi/tools/probe_verify.sh "$@" 2>&1 | tail -150
+  ( [ -n "${PROFILE_VARIANT:-}" ] && export KDTREE_VERIFY_VARIANT=$PROFILE_VARIANT
+    OUT="$W" SKIP_BUILD=1 timeout "${PROFILE_S:-300}" bash ffi/tools/probe_verify.sh "$@" 2>&1 | tail -150 )
 fi
 echo "end at $(( $(date +%s) - T0 )) s"
 rm -f "$W"/*.ncu-rep.bak
