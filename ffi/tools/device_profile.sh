@@ -5,7 +5,9 @@
 # (ffi/tools/probe_verify.sh) on the given shapes.
 #   KDTREE_COMMIT=<hash> bash ffi/tools/device_profile.sh "1 16 8 65536" ...
 # CPU_TESTS=0 and SPLITS_AB=0 skip those steps; KEY_VARIANTS="1 2" runs the key plan once per many-row kernel
-# (KDTREE_VERIFY_VARIANT; default: the default kernel only), PROFILE_VARIANT picks the one Nsight Compute sees.
+# (KDTREE_VERIFY_VARIANT; default: the default kernel only), PROFILE_VARIANT picks the one Nsight Compute sees;
+# T1_ROWGROUPS_AB=1 times the decode shapes (T = 1) on the 32-row kernels too (KDTREE_VERIFY_ROW_GROUPS=2, each
+# variant in KEY_VARIANTS), by CUDA events, against the one-group kernel in the split A/B.
 # Exits with the GPU tests' status, so that a caller can fall back to a validated kernel when they fail.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -23,6 +25,14 @@ echo "gpu tests rc=$gpu_rc at $(( $(date +%s) - T0 )) s"; grep -E "passed|failed
 echo "cpu handler tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 "$W/cpu_handler_tests.log"
 [ "${SPLITS_AB:-1}" = 1 ] && timeout 90 python3 ffi/tools/splits_ab.py --out "$W/splits_ab" 2>&1 | tee "$W/splits_ab.log"
 echo "splits A/B done at $(( $(date +%s) - T0 )) s"
+if [ "${T1_ROWGROUPS_AB:-0}" = 1 ]; then
+  for v in ${KEY_VARIANTS:-1}; do
+    [ "$v" = default ] && v=1
+    echo "T = 1 on the 32-row kernels, variant $v:"
+    KDTREE_VERIFY_ROW_GROUPS=2 KDTREE_VERIFY_VARIANT=$v timeout 60 python3 ffi/tools/splits_ab.py --splits 66,132 \
+      --out "$W/t1_rowgroups2_v$v" "1 1 8 65536" "1 1 8 200000" "8 1 8 65536" "1 1 8 4096" 2>&1 | tee "$W/t1_rowgroups2_v$v.log"
+  done
+fi
 for v in ${KEY_VARIANTS:-default}; do
   [ "$v" = default ] && tag="" || tag="_v$v"
   ( [ "$v" = default ] || export KDTREE_VERIFY_VARIANT=$v
