@@ -197,9 +197,9 @@ struct KvCopy {
   int bytes;
 };
 template <int kThreadsPerRow>
-__device__ __forceinline__ KvCopy plan_kv_copy(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok,
+__device__ __forceinline__ KvCopy plan_kv_copy(int64_t num_slots, const uint16_t* layer_rows, int32_t raw, bool ok,
                                                uint32_t stage_base) {
-  const int64_t slot = clamp_slot(raw, p.num_slots);
+  const int64_t slot = clamp_slot(raw, num_slots);
   const int lane_chunk = threadIdx.x % kThreadsPerRow;
   return KvCopy{reinterpret_cast<const char*>(layer_rows + slot * kWidth) + lane_chunk * 16,
                 stage_base + (threadIdx.x / kThreadsPerRow) * kRowBytes + lane_chunk * 16, ok ? 16 : 0};
@@ -211,9 +211,9 @@ __device__ __forceinline__ void issue_kv_chunk(const KvCopy& c) {
 
 // Issue this thread's copies of its row of a KV tile into stage buffer `stage_base` (zeros past the end).
 template <int kThreadsPerRow, int kChunksPerThread>
-__device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok,
+__device__ __forceinline__ void load_kv_tile(int64_t num_slots, const uint16_t* layer_rows, int32_t raw, bool ok,
                                              uint32_t stage_base) {
-  const KvCopy c = plan_kv_copy<kThreadsPerRow>(p, layer_rows, raw, ok, stage_base);
+  const KvCopy c = plan_kv_copy<kThreadsPerRow>(num_slots, layer_rows, raw, ok, stage_base);
   copy_row_chunks<kThreadsPerRow>(c.dst, c.src, c.bytes, std::make_integer_sequence<int, kChunksPerThread>{});
 }
 
@@ -224,86 +224,23 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const uint16_t* la
 // 50% of peak with every block prefetching every row, for an 8% shorter kernel).  Row r of a tile goes to row tile
 // r % gridDim.x, so that no block carries all of it (ncu, 2026-11-30: when the first row tile prefetched every
 // row, its blocks, the kernel's critical path, waited on the slot reads for 3% of all samples).
-// Whether this block prefetches the tile row `row` (see prefetch_kv_row); loop-invariant, so computed once.
-__device__ __forceinline__ bool prefetches_row(int row) {
-  return row % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x);
-}
 template <int kThreadsPerRow>
-__device__ __forceinline__ void prefetch_kv_row(const Params& p, const uint16_t* layer_rows, int32_t raw, bool ok) {
+__device__ __forceinline__ void prefetch_kv_row(int64_t num_slots, const uint16_t* layer_rows, int32_t raw, bool ok) {
   static_assert(kThreadsPerRow == 8, "9 lines over 8 threads");
   if (!ok) return;
   const int lane_chunk = threadIdx.x % kThreadsPerRow;
-  const char* row = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, p.num_slots) * kWidth);
+  const char* row = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, num_slots) * kWidth);
   prefetch_l2(row + lane_chunk * 128);
   if (lane_chunk == 0) prefetch_l2(row + 8 * 128);
 }
 
-// The many-position kernels' prologue: the first kLead tiles in flight (one commit group each, empty ones too, so
-// that the group count in the loop's wait is the same for every block), the next kPrefetch tiles prefetched into
-// L2, and the slots of the tiles after those requested into the ring (in the first group: the loop's first
-// iteration reads them).  The slots the prologue itself needs are loaded directly, all before the first copy:
-// one memory round trip.  The slot ring must hold the entries of tiles t + kLead .. t + kSlotAhead at once.
-template <class Cfg, class RequestSlots>
-__device__ __forceinline__ void start_kv_pipeline(const Params& p, const uint16_t* layer_rows, const int32_t* slots,
-                                                  int tile_begin, int tile_end, int valid, int my_row, bool prefetcher,
-                                                  uint32_t kv_smem, RequestSlots& request_slots) {
-  constexpr int kLead = Cfg::kLead, kFirst = kLead + Cfg::kPrefetch;
-  static_assert(Cfg::kSlotRing >= Cfg::kSlotAhead - kLead + 1, "slot ring too small for the lead and prefetch");
-  int32_t raw[kFirst];
-  bool ok[kFirst];
-#pragma unroll
-  for (int st = 0; st < kFirst; ++st) {
-    const int pos = (tile_begin + st) * Cfg::kTile + my_row;
-    ok[st] = tile_begin + st < tile_end && pos < valid;
-    raw[st] = ok[st] ? __ldg(slots + pos) : 0;
-  }
-#pragma unroll
-  for (int st = kLead; st < Cfg::kSlotAhead; ++st) request_slots(tile_begin + st);
-#pragma unroll
-  for (int st = 0; st < kLead; ++st) {
-    if (tile_begin + st < tile_end) {
-      load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(p, layer_rows, raw[st], ok[st], kv_smem + st * Cfg::kStageBytes);
-    }
-    cp_async_commit();
-  }
-#pragma unroll
-  for (int st = kLead; st < kFirst; ++st) {
-    prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, raw[st], ok[st] && prefetcher);
-  }
-}
-
-// The per-tile refill, once `tile` has landed: copy tile + kLead into the stage just freed,
-// prefetch tile + kLead + kPrefetch into L2 and request the slots of tile + kSlotAhead (one commit group,
-// empty or not), then advance the ring's read and write offsets.  In three steps so that every kernel spreads
-// the copies over its Q·Kᵀ MMAs: begin (both slot reads, before any copy: a shared load queued behind the
-// copies waits for all of them), one copy chunk per k-step (issue_kv_chunk), finish.
+// What a loop iteration's refill issues (see KvPipeline::begin_refill).
 struct KvRefill {
   KvCopy copy;
   bool do_copy;
   int32_t fetch_raw;
   bool fetch_ok;
 };
-template <class Cfg>
-__device__ __forceinline__ KvRefill begin_kv_refill(const Params& p, const uint16_t* layer_rows, const int32_t* slot_ring,
-                                                    int tile, int tile_end, int valid, int my_row, bool prefetcher,
-                                                    uint32_t kv_smem, uint32_t write_off) {
-  constexpr int kTile = Cfg::kTile;
-  const int t_copy = tile + Cfg::kLead, t_fetch = tile + Cfg::kLead + Cfg::kPrefetch;
-  // Ring entries of tiles past the split's end hold stale slots: read, never used.
-  const int32_t copy_raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
-  const int32_t fetch_raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
-  return KvRefill{plan_kv_copy<Cfg::kThreadsPerRow>(p, layer_rows, copy_raw, t_copy * kTile + my_row < valid, kv_smem + write_off),
-                  t_copy < tile_end, fetch_raw, prefetcher && t_fetch < tile_end && t_fetch * kTile + my_row < valid};
-}
-template <class Cfg, class RequestSlots>
-__device__ __forceinline__ void finish_kv_refill(const Params& p, const uint16_t* layer_rows, const KvRefill& r, int tile,
-                                                 uint32_t& read_off, uint32_t& write_off, RequestSlots& request_slots) {
-  prefetch_kv_row<Cfg::kThreadsPerRow>(p, layer_rows, r.fetch_raw, r.fetch_ok);
-  request_slots(tile + Cfg::kSlotAhead);
-  cp_async_commit();
-  read_off = read_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : read_off + Cfg::kStageBytes;
-  write_off = write_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : write_off + Cfg::kStageBytes;
-}
 
 // A split's share of sequence b's KV positions, in whole tiles, from the *device* kv_len: valid positions,
 // the position of query token 0, and the split's tiles [tile_begin, tile_end).
@@ -346,21 +283,98 @@ __device__ __forceinline__ void load_q_fragments(const Params& p, int b, int r0,
   }
 }
 
+// One thread's part of a kernel's KV copy pipeline over its split: where the rows come from (this layer of the
+// pool, the sequence's slot table), the shared slot ring, and the row of a tile this thread copies (kThreadsPerRow
+// threads a row, kChunksPerThread 16-byte chunks each).
+//   * start: the first kLead tiles in flight (one commit group each, empty ones too, so that the group count in
+//     the loop's wait is the same for every block), the next kPrefetch tiles prefetched into L2, and the slots of
+//     the tiles after those requested into the ring (in the first group: the loop's first iteration reads
+//     them).  The slots the prologue itself needs are loaded directly, all before the first copy: one memory
+//     round trip.
+//   * each iteration, once `tile` has landed: begin_refill reads the ring slots of tile + kLead (copied into the
+//     stage just freed) and of tile + kLead + kPrefetch (prefetched into L2), both before any copy (a shared load
+//     queued behind the copies waits for all of them); the kernel issues the copy one chunk per Q·Kᵀ k-step
+//     between its MMAs (issue_kv_chunk); finish_refill prefetches, requests the slots of tile + kSlotAhead,
+//     commits (one group, empty or not) and advances the ring's read and write offsets.
 // The slot ring: entry (tile % kSlotRing) holds the kTile slots of a tile; threads 0 .. kTile - 1 copy them
-// (cp.async, 4 bytes each, zeros past the valid positions) in the commit group of an earlier tile.
+// (cp.async, 4 bytes each, zeros past the valid positions); it holds tiles t + kLead .. t + kSlotAhead at once.
 template <class Cfg>
-struct SlotRequester {
-  uint32_t ring_smem;
+struct KvPipeline {
+  static_assert(Cfg::kSlotRing >= Cfg::kSlotAhead - Cfg::kLead + 1, "slot ring too small for the lead and prefetch");
+  const uint16_t* layer_rows;
   const int32_t* slots;
-  int valid, tile_end;
-  __device__ __forceinline__ void operator()(int t) const {
+  const int32_t* slot_ring;
+  uint32_t slot_ring_smem, kv_smem;
+  int64_t num_slots;
+  int valid, tile_end, my_row;
+  bool prefetcher;  // whether this thread's row of a tile is this block's to prefetch (see prefetch_kv_row)
+
+  __device__ __forceinline__ void request_slots(int t) const {
     if (threadIdx.x < Cfg::kTile && t < tile_end) {
       const int pos = t * Cfg::kTile + static_cast<int>(threadIdx.x);
       const bool ok = pos < valid;
-      cp_async_4(ring_smem + ((t & (Cfg::kSlotRing - 1)) * Cfg::kTile + threadIdx.x) * 4, slots + (ok ? pos : 0), ok ? 4 : 0);
+      cp_async_4(slot_ring_smem + ((t & (Cfg::kSlotRing - 1)) * Cfg::kTile + threadIdx.x) * 4, slots + (ok ? pos : 0),
+                 ok ? 4 : 0);
     }
   }
+
+  __device__ __forceinline__ void start(int tile_begin) const {
+    constexpr int kLead = Cfg::kLead, kFirst = kLead + Cfg::kPrefetch;
+    int32_t raw[kFirst];
+    bool ok[kFirst];
+#pragma unroll
+    for (int st = 0; st < kFirst; ++st) {
+      const int pos = (tile_begin + st) * Cfg::kTile + my_row;
+      ok[st] = tile_begin + st < tile_end && pos < valid;
+      raw[st] = ok[st] ? __ldg(slots + pos) : 0;
+    }
+#pragma unroll
+    for (int st = kLead; st < Cfg::kSlotAhead; ++st) request_slots(tile_begin + st);
+#pragma unroll
+    for (int st = 0; st < kLead; ++st) {
+      if (tile_begin + st < tile_end) {
+        load_kv_tile<Cfg::kThreadsPerRow, Cfg::kChunksPerThread>(num_slots, layer_rows, raw[st], ok[st],
+                                                                 kv_smem + st * Cfg::kStageBytes);
+      }
+      cp_async_commit();
+    }
+#pragma unroll
+    for (int st = kLead; st < kFirst; ++st) {
+      prefetch_kv_row<Cfg::kThreadsPerRow>(num_slots, layer_rows, raw[st], ok[st] && prefetcher);
+    }
+  }
+
+  __device__ __forceinline__ KvRefill begin_refill(int tile, uint32_t write_off) const {
+    constexpr int kTile = Cfg::kTile;
+    const int t_copy = tile + Cfg::kLead, t_fetch = tile + Cfg::kLead + Cfg::kPrefetch;
+    // Ring entries of tiles past the split's end hold stale slots: read, never used.
+    const int32_t copy_raw = slot_ring[(t_copy & (Cfg::kSlotRing - 1)) * kTile + my_row];
+    const int32_t fetch_raw = slot_ring[(t_fetch & (Cfg::kSlotRing - 1)) * kTile + my_row];
+    return KvRefill{plan_kv_copy<Cfg::kThreadsPerRow>(num_slots, layer_rows, copy_raw, t_copy * kTile + my_row < valid,
+                                                      kv_smem + write_off),
+                    t_copy < tile_end, fetch_raw, prefetcher && t_fetch < tile_end && t_fetch * kTile + my_row < valid};
+  }
+
+  __device__ __forceinline__ void finish_refill(const KvRefill& r, int tile, uint32_t& read_off,
+                                                uint32_t& write_off) const {
+    prefetch_kv_row<Cfg::kThreadsPerRow>(num_slots, layer_rows, r.fetch_raw, r.fetch_ok);
+    request_slots(tile + Cfg::kSlotAhead);
+    cp_async_commit();
+    read_off = read_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : read_off + Cfg::kStageBytes;
+    write_off = write_off + Cfg::kStageBytes == Cfg::kKvBytes ? 0 : write_off + Cfg::kStageBytes;
+  }
 };
+
+// The pipeline of block (split, b) over `range`, its slot ring at byte `slot_off` of shared memory.  Whether a
+// thread's row is this block's to prefetch (row % row tiles == this row tile) is loop-invariant: decided here.
+template <class Cfg>
+__device__ __forceinline__ KvPipeline<Cfg> make_kv_pipeline(const Params& p, int b, const SplitTiles& range,
+                                                             const unsigned char* smem, uint32_t kv_smem, int slot_off) {
+  const int my_row = static_cast<int>(threadIdx.x) / Cfg::kThreadsPerRow;
+  return KvPipeline<Cfg>{layer_rows_of(p), slot_table_of(p, b), reinterpret_cast<const int32_t*>(smem + slot_off),
+                         kv_smem + static_cast<uint32_t>(slot_off), kv_smem, p.num_slots, range.valid, range.tile_end,
+                         my_row, my_row % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)};
+}
 
 // Partial scores of 32 query rows (two m16 tiles) x 16 positions over one 144-dim slice: K fragments by ldmatrix
 // from k_addr, and the next tile's copy chunks issued one per k-step between the MMAs (issued back to back they
@@ -502,18 +516,12 @@ verify_attention_kernel(const Params p) {
   const SplitTiles range = split_tiles<kTile>(p, b, split);
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
-  const uint16_t* layer_rows = layer_rows_of(p);
-  const int32_t* slots = slot_table_of(p, b);
-
   // Q fragments of this warp's 144-dim slice, rows row0+g and row0+g+8 (zeros past the last row).  Loaded
   // before the prologue's copies, which wait for their slots: both round trips overlap.
   uint32_t qf[kKSteps][4];
   load_q_fragments(p, b, row0, warp, g, qd, qf);
-  const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + C::kKvBytes + C::kScoreBytes);
-  const int my_row = static_cast<int>(threadIdx.x) / C::kThreadsPerRow;  // the row of a tile this thread copies
-  SlotRequester<C> request_slots{kv_smem + C::kKvBytes + C::kScoreBytes, slots, valid, tile_end};
-  const bool prefetcher = prefetches_row(my_row);
-  start_kv_pipeline<C>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
+  const KvPipeline<C> kv = make_kv_pipeline<C>(p, b, range, smem, kv_smem, C::kKvBytes + C::kScoreBytes);
+  kv.start(tile_begin);
 
   // Tree-mask rows of this thread's two query rows (clamped: rows past the end are computed, not stored).
   const uint32_t* mask_a = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + min(row0 + g, p.rows - 1) / p.num_heads) * p.mask_words;
@@ -542,8 +550,7 @@ verify_attention_kernel(const Params p) {
     const uint32_t stage_base = kv_smem + read_off;
     // The next tile's copies go out one chunk per k-step of Q·Kᵀ below, between its MMAs (as in score_slice).
     static_assert(C::kChunksPerThread == kKSteps, "one copy chunk per k-step");
-    const KvRefill refill = begin_kv_refill<C>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher,
-                                               kv_smem, write_off);
+    const KvRefill refill = kv.begin_refill(tile, write_off);
 
     // Partial scores over this warp's dims: 16 rows x kTile positions.  With 16-position tiles the even and
     // odd k-steps go to separate accumulators (two chains of 5 and 4 MMAs instead of one of 9); with 32 the
@@ -567,7 +574,7 @@ verify_attention_kernel(const Params p) {
         mma_bf16(d1, qf[ks], kb[2], kb[3]);
       }
     }, std::make_integer_sequence<int, kKSteps>{});
-    finish_kv_refill<C>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
+    kv.finish_refill(refill, tile, read_off, write_off);
     if constexpr (kChains == 2) {
 #pragma unroll
       for (int nb = 0; nb < kBlocksN; ++nb) {
@@ -759,19 +766,12 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   const SplitTiles range = split_tiles<kTile>(p, b, split);
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
-  const uint16_t* layer_rows = layer_rows_of(p);
-  const int32_t* slots = slot_table_of(p, b);
-
   // Q fragments: both m16 tiles (rows row0 + 16 mt + g, + 8), this warp's 144-dim slice.
   uint32_t qf[2][kKSteps][4];
   load_q_fragments(p, b, row0, ds, g, qd, qf[0]);
   load_q_fragments(p, b, row0 + 16, ds, g, qd, qf[1]);
-
-  const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + W::kSlotOff);
-  const int my_row = static_cast<int>(threadIdx.x) / W::kThreadsPerRow;
-  SlotRequester<W> request_slots{kv_smem + W::kSlotOff, slots, valid, tile_end};
-  const bool prefetcher = prefetches_row(my_row);
-  start_kv_pipeline<W>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
+  const KvPipeline<W> kv = make_kv_pipeline<W>(p, b, range, smem, kv_smem, W::kSlotOff);
+  kv.start(tile_begin);
 
   // Softmax role: row rr of the block (8 lanes per row), positions pp .. pp + 3 of each tile.
   const int rr = warp * 4 + lane / 8, pp = (lane % 8) * 4;
@@ -799,15 +799,14 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
     // The next tile's copies go out one chunk per k-step of Q·Kᵀ below, between its MMAs: issued back to back,
     // the 9 copies filled the load/store queue, and the ldmatrix loads behind them waited (ncu, 2026-11-30:
     // 11% of the stall samples at the copies and the loads after them).
-    const KvRefill refill = begin_kv_refill<W>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher, kv_smem,
-                                                   write_off);
+    const KvRefill refill = kv.begin_refill(tile, write_off);
 
     // Partial scores: 32 rows x positions [16 ph, 16 ph + 16) over dims slice ds.
     {
       static_assert(W::kChunksPerThread == kKSteps, "one copy chunk per k-step");
       float s[2][2][4];
       score_slice<W::kThreadsPerRow>(stage_base + k_lane, qf, refill, s);
-      finish_kv_refill<W>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
+      kv.finish_refill(refill, tile, read_off, write_off);
       store_partials<W::kPartStride>(my_part, ph * 16, g, qd, s);
     }
     __syncthreads();  // B2: partial scores written
@@ -943,16 +942,11 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
 
   if (scorer) {
     const int ds = warp;  // dim slice
-    const uint16_t* layer_rows = layer_rows_of(p);
-    const int32_t* slots = slot_table_of(p, b);
     uint32_t qf[2][kKSteps][4];
     load_q_fragments(p, b, row0, ds, g, qd, qf[0]);
     load_q_fragments(p, b, row0 + 16, ds, g, qd, qf[1]);
-    const int32_t* slot_ring = reinterpret_cast<const int32_t*>(smem + S::kSlotOff);
-    const int my_row = static_cast<int>(threadIdx.x) / S::kThreadsPerRow;
-    SlotRequester<S> request_slots{kv_smem + S::kSlotOff, slots, valid, tile_end};
-    const bool prefetcher = prefetches_row(my_row);
-    start_kv_pipeline<S>(p, layer_rows, slots, tile_begin, tile_end, valid, my_row, prefetcher, kv_smem, request_slots);
+    const KvPipeline<S> kv = make_kv_pipeline<S>(p, b, range, smem, kv_smem, S::kSlotOff);
+    kv.start(tile_begin);
 
     // Softmax role: row rr of the block (4 threads a row), positions pp .. pp + 3 of each tile.
     const int rr = threadIdx.x / 4, pp = (threadIdx.x % 4) * 4;
@@ -969,11 +963,10 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
       const uint32_t stage_base = kv_smem + read_off;
       // The stage refilled now (with tile i + 2) held tile i - 2: wait until the value warps are done with it.
       if (i >= S::kRing - S::kLead) named_barrier_sync(S::kBarStageEmpty + (i & 1), kAll);
-      const KvRefill refill = begin_kv_refill<S>(p, layer_rows, slot_ring, tile, tile_end, valid, my_row, prefetcher,
-                                                 kv_smem, write_off);
+      const KvRefill refill = kv.begin_refill(tile, write_off);
       float s[2][2][4];
       score_slice<S::kThreadsPerRow>(stage_base + k_lane, qf, refill, s);
-      finish_kv_refill<S>(p, layer_rows, refill, tile, read_off, write_off, request_slots);
+      kv.finish_refill(refill, tile, read_off, write_off);
       store_partials<S::kPartStride>(my_part, 0, g, qd, s);
       named_barrier_sync(S::kBarScorePart, kScorers);  // partial scores written
 
