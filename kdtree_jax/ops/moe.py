@@ -94,11 +94,16 @@ def ragged_mlp(rows, group_sizes, gate, up, down):
     return jax.lax.ragged_dot(h, down, group_sizes)
 
 
+def row_experts(group_sizes, num_rows: int):
+    """[num_rows] the group (expert) of each row; E for rows past every group."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
+
+
 def gathered_mlp(rows, group_sizes, gate, up, down):
     """The same op reading only each row's own expert (see the module docstring: for a few rows on a CPU)."""
     num_experts = gate.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    expert = jnp.searchsorted(ends, jnp.arange(rows.shape[0], dtype=ends.dtype), side="right")  # E: no group
+    expert = row_experts(group_sizes, rows.shape[0])
     e = jnp.minimum(expert, num_experts - 1)
     f32 = jnp.float32
     h = (jax.nn.silu(jnp.einsum("mh,mhi->mi", rows, gate[e], preferred_element_type=f32))
@@ -116,9 +121,8 @@ def dense_mlp(rows, group_sizes, gate_t, up_t, down_t):
     weights once, before its body, reads them in place here."""
     num_rows, _ = rows.shape
     num_experts = gate_t.shape[1]
-    ends = jnp.cumsum(group_sizes)
-    expert = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")  # E: no group
-    onehot = (expert[:, None] == jnp.arange(num_experts)[None, :]).astype(rows.dtype)  # [M, E]
+    expert = row_experts(group_sizes, num_rows)
+    onehot = (expert[:, None] == jnp.arange(num_experts)[None, :]).astype(rows.dtype)  # [M, E]; no group: zeros
 
     def expanded_dot(x, w_t):  # x [M, K] @ w_t [K, E, N] on each row's expert
         k, e, n = w_t.shape
