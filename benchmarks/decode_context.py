@@ -314,7 +314,7 @@ def render(path: str) -> None:
 
 
 def tree_only_main(args) -> None:
-    """--tree-only: the tree build (one sort of a static candidate set vs the level-by-level search) and
+    """--tree-only: the tree build (one top-k over a static candidate set vs the level-by-level search) and
     the greedy acceptance (closed form vs the step-by-step walk), alone, K2 drafter shapes (D = 15, K = 8,
     the rank's 20480-row vocab slice). No model and no extension needed."""
     depth, vocab = (3, 64) if args.smoke else (15, 163840 // TP)

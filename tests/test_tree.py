@@ -260,10 +260,10 @@ def test_validation_errors():
         pad_tree(root_only_tree(root, start_pos), 0)
 
 
-@pytest.mark.parametrize("topk,budget", [(4, 16), (4, 32), (8, 32)])
+@pytest.mark.parametrize("topk,budget", [(4, 16), (4, 32), (8, 32), (8, 64)])
 def test_ddtree_static_candidates_equal_level_search(topk, budget):
-    """The engine's geometry (D = 15): the one-sort build over the static candidate set and the
-    level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
+    """The engine's geometry (D = 15): the one top-k over the static candidate set (ties to the lower index)
+    and the level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
     from kdtree_jax.spec.tree import _build_ddtree_jit
 
     draft = random_draft(np.random.default_rng(budget + topk), 6, 15, topk)

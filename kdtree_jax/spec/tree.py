@@ -198,8 +198,9 @@ def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int) -
     if d + 1 <= D); stop after `budget` pops. Node order in the output = pop order; with the heap keyed
     on (-score, rank path) that is the order in this module's docstring.
 
-    On device the same nodes are found level by level, with D sorts instead of `budget` sequential
-    pops; see `_ddtree_one`. (Measured on an H200, D = 15, K = 8: 1.1 ms at budget 512 and 0.7 ms at
+    On device the same nodes are found by one top-k over every rank path that can make the cut, or,
+    when there are too many of those, level by level with D sorts; never by `budget` sequential pops
+    (see `_ddtree_one`). (Measured on an H200, D = 15, K = 8: 1.1 ms at budget 512 and 0.7 ms at
     budget 64, against 12.5 ms and 1.8 ms for a lax.fori_loop replaying the heap: each pop is a few
     tiny kernels. On CPU the loop is the faster of the two.)
     """
@@ -258,12 +259,13 @@ def _sort_by_node_order(invalid, scores, paths, topk: int, *payload):
     return out[len(keys):]
 
 
-# Above this many candidates the level-by-level search is used. Measured (D = 15): on an H200 at batch 1
-# the one sort wins 2x at 54 candidates (T = 9) and ties at 3,097 (T = 33); on a 2-core CPU at batch 50
-# it wins at 285 (budget 16, 2.6 vs 4.7 ms) and loses from 948 (budget 24, 9.8 vs 6.9 ms).
-STATIC_CANDIDATE_LIMIT = 512
-# method="static" (benchmarks, tests) forces the one sort up to this many candidates.
-STATIC_CANDIDATE_MAX = 4096
+# Above this many candidates the level-by-level search is used. With the one top-k (D = 15, K = 8, measured
+# on the 2-core CPU at batch 1 / 50): the top-k wins 5x / 6x at 3,097 candidates (budget 32), 1.5x / 2.3x at
+# 24,316 (budget 64) and ties at ~75,000 (budget 96). (With a five-key sort in its place it had tied with the
+# level search on an H200 at 3,097 and lost on the CPU from 948.)
+STATIC_CANDIDATE_LIMIT = 32768
+# method="static" (benchmarks, tests) forces the one top-k up to this many candidates.
+STATIC_CANDIDATE_MAX = 131072
 
 
 @lru_cache(maxsize=64)
@@ -276,6 +278,8 @@ def _static_candidates(budget: int, depth: int, topk: int, limit: int):
     sum_{k=1..d} prod_{i<=k} (r_i + 1) nodes counting itself, so it can be among the best `budget` only
     if that sum is <= budget. Returns numpy (paths [C, D] with -1 past the depth, depths [C], index of
     each candidate's parent among the candidates or -1 for depth 1); a parent is always a candidate.
+    The paths are listed in depth-first preorder, ranks ascending: the tie order of the node order, which
+    `_ddtree_one_static` relies on.
     """
     paths, depths, parents = [], [], []
 
@@ -302,7 +306,7 @@ def _static_candidates(budget: int, depth: int, topk: int, limit: int):
 
 
 def _ddtree_one_static(top_logprobs, budget: int, candidates):
-    """`_ddtree_one` by one sort of a candidate set fixed by (budget, D, K) (see `_static_candidates`):
+    """`_ddtree_one` by one top-k over a candidate set fixed by (budget, D, K) (see `_static_candidates`):
     every candidate's score, then the first `budget` in the node order. Scores add up the depths in the
     same order as the level search, so they are bit-identical to it."""
     paths, depths, parents = candidates
@@ -317,9 +321,11 @@ def _ddtree_one_static(top_logprobs, budget: int, candidates):
         if not has.any():
             break
         scores = jnp.where(has, scores + per_depth[:, d], scores)
-    order = jnp.arange(paths.shape[0], dtype=jnp.int32)
-    (order,) = _sort_by_node_order(jnp.zeros(paths.shape[:1], bool), scores, jnp.asarray(paths), topk, order)
-    chosen = order[:budget]
+    # The candidates are listed in rank-path order (depth-first preorder, ranks ascending), so the node
+    # order is "higher score first, then lower index": exactly lax.top_k's order, whose ties go to the
+    # lower index. One top-k instead of a sort on five keys (a few kernels on a GPU instead of a
+    # multi-pass sort of the whole set).
+    _, chosen = jax.lax.top_k(scores, budget)
     node_depth = jnp.asarray(depths)[chosen]
     out_index = jnp.zeros((paths.shape[0],), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     parent = jnp.asarray(parents)[chosen]
@@ -329,8 +335,8 @@ def _ddtree_one_static(top_logprobs, budget: int, candidates):
 
 def _ddtree_one(top_logprobs, budget: int, method: str = "auto"):
     """One sequence: the best `budget` nodes in order, as (depth, rank path, parent index, score).
-    method "auto": one sort of the static candidate set when it is small (each level of the search is a
-    few kernel launches), else the level-by-level search; "static" / "levels" force one (same result)."""
+    method "auto": one top-k over the static candidate set when it is small enough (each level of the search
+    is a sort), else the level-by-level search; "static" / "levels" force one (same result)."""
     depth, topk = top_logprobs.shape
     if method != "levels":
         limit = STATIC_CANDIDATE_LIMIT if method == "auto" else STATIC_CANDIDATE_MAX
