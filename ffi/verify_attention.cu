@@ -15,7 +15,8 @@
 //   * T*H > 16: verify_attention_wide_kernel, 32 rows per block, 8 warps that all work on all 32 rows (two m16
 //     tiles): each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row
 //     (see the comment above the kernel).  verify_attention_ws_kernel (KDTREE_VERIFY_VARIANT=2, opt-in) splits
-//     the same work between score warps and value warps that run one tile apart.
+//     the same work between score warps and value warps that run one tile apart (1.03-1.14x slower on an H200,
+//     benchmarks/results/verify_kernel_variants_h200.md; kept for A/B runs).
 // KV tiles arrive by cp.async (16 B per copy, every thread of the block copies, a row's copies from one base
 // address with immediate offsets).  The slots of a tile come through a small shared ring filled by cp.async in
 // the commit group of an earlier tile, so no index load is left in the loop (ncu, 2026-11-29: the in-loop slot

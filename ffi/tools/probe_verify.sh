@@ -21,12 +21,12 @@ timeout 150 $NCU --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_sec
 grep -E "wall|profiled|^\s+[a-zA-Z_].*\(|gpu__time|cycles_elapsed|dram__bytes|hit_rate" "$OUT/ncu_timeline.txt" | sed -E 's/_ZN[0-9A-Za-z_]*verify_attention_cu_[0-9a-f]*//; s/\(([0-9]+, [0-9]+, [0-9]+)\)x\(([0-9]+, [0-9]+, [0-9]+)\).*/(\1)x(\2)/' | cut -c1-150 | head -90
 grep -c -i "conditional" "$OUT/hlo.txt" | sed 's/^/conditionals in HLO: /'
 # (2) sections + (3) source-level stall samples, verify kernel and merge, first call of each shape
-timeout 240 $NCU -k regex:"verify_attention(_wide)?_kernel|merge_splits" --launch-count $(( 2 * $# )) \
+timeout 240 $NCU -k regex:"verify_attention(_wide|_ws)?_kernel|merge_splits" --launch-count $(( 2 * $# )) \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
   --section MemoryWorkloadAnalysis --section SourceCounters --import-source no -o "$OUT/prof" \
   python3 ffi/tools/probe_verify.py --calls 1 "$@" > "$OUT/ncu_run.txt" 2>&1
 ncu --import "$OUT/prof.ncu-rep" --print-units base > "$OUT/ncu_details.txt" 2>&1
-grep -E "verify_attention(_wide)?_kernel|merge_splits|SM Frequency|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|L2 Hit|L1/TEX Hit|Achieved Occ|Theoretical Occ|Registers Per|Issued Warp|No Eligible|Eligible Warps|Active Warps Per|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | sed -E 's/_ZN[0-9A-Za-z_]*verify_attention_cu_[0-9a-f]*//' | cut -c1-140 | head -120
+grep -E "verify_attention(_wide|_ws)?_kernel|merge_splits|SM Frequency|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|L2 Hit|L1/TEX Hit|Achieved Occ|Theoretical Occ|Registers Per|Issued Warp|No Eligible|Eligible Warps|Active Warps Per|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | sed -E 's/_ZN[0-9A-Za-z_]*verify_attention_cu_[0-9a-f]*//' | cut -c1-140 | head -120
 ncu --import "$OUT/prof.ncu-rep" --page raw --csv --metrics regex:smsp__pcsamp_warps_issue_stalled_.* > "$OUT/ncu_stalls.csv" 2>&1
 ncu --import "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
 ls -la "$OUT"
