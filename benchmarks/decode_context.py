@@ -24,9 +24,16 @@ routed + shared MoE, the drafter (its pass over the block, the top-K, and the co
 target's final norm + lm head, tree build / acceptance / commit; "dense rest" is the step minus those.
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
-weights of the experts the router activates for one step's T tokens (counted on the same inputs), the
-shared experts and the router; every other weight read once; the drafter's weights, head slice and
-context K/V. Writes benchmarks/results/decode_context_<device>.{md,json}.
+weights of the experts the router activated in the timed step itself (the engine's router statistics:
+distinct experts per MoE layer per step), the shared experts and the router; every other weight read
+once; the drafter's weights, head slice and context K/V. Writes
+benchmarks/results/decode_context_<device>.{md,json}.
+
+The MoE component must route like the step. With random weights a token's hidden state is mostly its
+embedding, and a tree repeats tokens across branches, so a step's T rows reach far fewer experts than T
+independent random rows (K2 TP8 rank, T = 33: ~65 against ~186 per layer). Its input is therefore T rows
+built from u distinct random vectors, with u chosen so that the router activates as many experts per layer
+as the kernel's steps did (on average over the contexts).
 
 Compiles are the slow part on a device (each point is its own program), so every program of a group is
 lowered first and compiled in parallel threads (XLA releases the GIL), then timed one at a time.
@@ -498,7 +505,7 @@ def main(argv=None):
                     "context K/V (values do not change the cost)",
             "timing": f"step: mean over {args.steps} steps of one compiled decode loop, median of 3 runs after a "
                       f"warm-up; components: median of 5 calls of a {ITERS}-round jitted loop",
-            "compile_s": {}, "lower_s": {}}
+            "compile_s": {}, "lower_s": {}, "moe_inputs": {}}
     rows = []
 
     def save():
@@ -590,6 +597,8 @@ def main(argv=None):
         t2 = time.perf_counter()
         log(f"group {impl_set}: compiled {len(compiled)} of {len(jobs)} programs in {t2 - t1:.0f} s")
         for key, (exe, cs) in compiled.items():
+            if key[0] == "moe" and ("moe_counts", key[1]) in compiled:
+                route_like_steps(key[1], jobs, compiled[("moe_counts", key[1])][0])
             name = "/".join(map(str, key))
             meta["compile_s"][name] = round(cs, 2)
             meta["lower_s"][name] = round(jobs[key].lower_s, 2)
@@ -601,6 +610,26 @@ def main(argv=None):
             except Exception as e:
                 results[key] = e
         log(f"group {impl_set}: timed in {time.perf_counter() - t2:.0f} s")
+
+    def route_like_steps(nodes, jobs, counts_exe):
+        """Give the MoE jobs of T = nodes inputs that reach as many experts per layer as the timed steps did."""
+        want = [e["moe_distinct_in_step"] for k, e in extra.items()
+                if k[0] == "step" and k[2] == nodes and k[3] == "auto" and e.get("moe_distinct_in_step") is not None]
+        if not want:
+            return
+        want = float(np.mean(want))
+        base = jax.random.normal(jax.random.key(7 + nodes), (nodes, cfg.hidden_size), jnp.bfloat16)
+        best = None
+        for u in range(1, nodes + 1):  # u distinct rows, repeated in turn
+            x = base[jnp.arange(nodes) % u][None]
+            got = float((np.asarray(counts_exe(x, target)) > 0).sum(-1).mean())
+            if best is None or abs(got - want) < abs(best[2] - want):
+                best = (x, u, got)
+        x, u, got = best
+        for k in (("moe", nodes), ("moe_counts", nodes)):
+            jobs[k].args = (x,) + tuple(jobs[k].args[1:])
+        meta["moe_inputs"][str(nodes)] = {"distinct_rows": u, "distinct_experts": got, "steps_distinct_experts": want}
+        log(f"MoE inputs for T = {nodes}: {u} distinct rows reach {got:.1f} experts per layer (steps: {want:.1f})")
 
     def time_job(key, exe, job):
         kind = key[0]
@@ -619,8 +648,10 @@ def main(argv=None):
                 times.append(time.perf_counter() - t)
             steps_run = int(final.step)
             hist = np.asarray(final.accepted_hist)
+            active = np.asarray(final.expert_load.device_active)  # [moe layers, devices], summed over steps
             extra[key] = {"steps": steps_run,
-                          "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1))}
+                          "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1)),
+                          "moe_distinct_in_step": float(active.sum(-1).mean() / steps_run) if active.size else None}
             return float(np.median(times[1:])) / steps_run
         if kind == "moe_counts":
             return np.asarray(exe(*job.args))
@@ -650,7 +681,9 @@ def main(argv=None):
                  "tree_build_ms": value(("tree", nodes)), "accept_ms": value(("accept", nodes))}
         parts = {k: (None if v is None else v * 1e3) for k, v in parts.items()}
         counts = results.get(("moe_counts", nodes))
-        distinct = float(np.mean([(c > 0).sum() for c in counts])) if isinstance(counts, np.ndarray) else None
+        component_distinct = float(np.mean([(c > 0).sum() for c in counts])) if isinstance(counts, np.ndarray) else None
+        in_step = extra.get(("step", context, nodes, impl), {}).get("moe_distinct_in_step")
+        distinct = in_step if in_step is not None else component_distinct  # the floor: what the step read
         floors = {"attention_ms": layers * (context + nodes) * cfg.cache_dim * 2 / bandwidth * 1e3,
                   "moe_ms": None if distinct is None else
                   (num_moe * distinct * expert_bytes_each + moe_fixed_bytes) / bandwidth * 1e3,
@@ -659,7 +692,8 @@ def main(argv=None):
                   "dense_rest_ms": dense_bytes / bandwidth * 1e3}
         row = {"context": context, "nodes": nodes, "impl": impl, **extra.get(("step", context, nodes, impl), {}),
                "step_ms": None if step is None else step * 1e3, **parts,
-               "moe_distinct_experts_per_layer": distinct, "floors": floors}
+               "moe_distinct_experts_per_layer": distinct, "moe_component_distinct_experts": component_distinct,
+               "floors": floors}
         if errs:
             row["errors"] = errs
         if step is None or any(v is None for v in parts.values()) or floors["moe_ms"] is None:
@@ -752,9 +786,17 @@ def write_markdown(path, meta, rows):
                   f"- tree + accept + commit < 2% of the step: {span([100 * r['tree_share'] for r in kernel], '{:.1f}')}% of "
                   f"this {meta['layers']}-layer step ({'met' if max(r['tree_share'] for r in kernel) < 0.02 else 'missed'}), "
                   f"{span([100 * r['projected_61_layer_tree_share'] for r in kernel], '{:.2f}')}% of the projected 61-layer step"]
-    lines += ["", "MoE: distinct experts per layer for one step's T tokens (router on the same inputs): "
-              + ", ".join(sorted({f"T={r['nodes']}: {r['moe_distinct_experts_per_layer']:.1f}" for r in rows
-                                  if r.get("moe_distinct_experts_per_layer") is not None})) + ".",
+    def distinct_span(t):
+        vals = [r["moe_distinct_experts_per_layer"] for r in rows
+                if r["nodes"] == t and r.get("moe_distinct_experts_per_layer") is not None]
+        return f"{min(vals):.1f}–{max(vals):.1f}" if vals else "–"
+    moe_inputs = meta.get("moe_inputs") or {}
+    lines += ["", "MoE: distinct experts per MoE layer per step, " + (
+              "counted in the timed steps (the MoE floor uses each row's own): " if moe_inputs else
+              "router on the MoE component's random inputs (this run predates counting them in the step): ")
+              + ", ".join(f"T={t}: {distinct_span(t)}" for t in sorted({r['nodes'] for r in rows})) + "."
+              + "".join(f" The MoE component at T={t} ran on {v['distinct_rows']} distinct rows, which reach "
+                        f"{v['distinct_experts']:.1f} experts per layer." for t, v in sorted(moe_inputs.items(), key=lambda kv: int(kv[0]))),
               "Projection (not a measurement): the measured step plus, for each of the 61 − layers missing "
               "layers, the measured MoE per MoE layer and the step's layer part without MoE per layer (the "
               "layer part: the step less drafter, head and tree + accept + commit). Floors likewise.", ""]
