@@ -261,8 +261,9 @@ def _sort_by_node_order(invalid, scores, paths, topk: int, *payload):
 
 # Above this many candidates the level-by-level search is used. With the one top-k (D = 15, K = 8, measured
 # on the 2-core CPU at batch 1 / 50): the top-k wins 5x / 6x at 3,097 candidates (budget 32), 1.5x / 2.3x at
-# 24,316 (budget 64) and ties at ~75,000 (budget 96). (With a five-key sort in its place it had tied with the
-# level search on an H200 at 3,097 and lost on the CPU from 948.)
+# 24,316 (budget 64) and ties at ~75,000 (budget 96). On an H200 (batch 1, per step): 45 vs 303 µs at 3,097
+# and 68 vs 367 µs at 24,316 (results/tree_build_h200.md). (With a five-key sort in its place it had tied
+# with the level search on an H200 at 3,097 and lost on the CPU from 948.)
 STATIC_CANDIDATE_LIMIT = 32768
 # method="static" (benchmarks, tests) forces the one top-k up to this many candidates.
 STATIC_CANDIDATE_MAX = 131072
