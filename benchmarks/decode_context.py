@@ -20,8 +20,11 @@ nodes, verify forward, acceptance, commit -- timed as the mean over K steps of o
 reference attention, in the same run.
 
 Per component, timed alone in jitted loops of the same shapes: attention (the verify op of every layer),
-routed + shared MoE, the drafter (its pass over the block, the top-K, and the context extension), the
-target's final norm + lm head, tree build / acceptance / commit; "dense rest" is the step minus those.
+routed + shared MoE, the dense parts (every layer's norms and MLA projections, and the dense layer's MLP:
+benchmarks/components.py dense_loop), the drafter (its pass over the block, the top-K, and the context
+extension), the target's final norm + lm head, tree build / acceptance / commit; "unaccounted" is the step
+minus all of them (the embedding, the pool writes, the loop's own bookkeeping, and whatever the parts cost
+more or less inside the step than alone).
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
 weights of the experts the router activated in the timed step itself (the engine's router statistics:
@@ -59,11 +62,12 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from components import attention_loop, median_seconds, moe_loop  # noqa: E402
+from components import attention_loop, dense_loop, median_seconds, moe_loop  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
 from kdtree_jax.model.drafter import Drafter, DrafterCache, DrafterConfig
+from kdtree_jax.model.layers import rope_cos_sin
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
@@ -284,7 +288,8 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     layers' part; each of the 61 - layers missing layers is an MoE layer, costed as the measured MoE per
     MoE layer plus the layers' part without MoE averaged over all layers (the one dense layer's MLP is
     spread over them: a small overestimate). It uses the step as measured, so components timed alone
-    (whose sum can exceed the step: see dense rest) enter only through the MoE and the per-step parts.
+    enter only through the MoE and the per-step parts. Rows from before the dense parts were timed
+    (no "dense_ms") get "dense_rest_ms", the step less the other parts, instead of "unaccounted_ms".
     """
     parts = ("attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms")
     f = row["floors"]
@@ -293,13 +298,14 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     s = row["step_ms"]
     per_step = row["drafter_ms"] + row["head_ms"] + row["tree_accept_commit_ms"]
     rest = s - row["attention_ms"] - row["moe_ms"] - per_step
+    measured = {"dense_rest_ms": rest} if row.get("dense_ms") is None else {"unaccounted_ms": rest - row["dense_ms"]}
     layer_part = s - per_step
     missing = 61 - layers
     projected = s + missing * ((layer_part - row["moe_ms"]) / layers + row["moe_ms"] / max(num_moe, 1))
-    floor_layers = f["attention_ms"] + f["moe_ms"] + f["dense_rest_ms"]
+    floor_layers = f["attention_ms"] + f["moe_ms"] + f.get("dense_ms", f.get("dense_rest_ms"))
     step_floor = floor_layers + f["drafter_ms"] + f["head_ms"]
     projected_floor = step_floor + missing * ((floor_layers - f["moe_ms"]) / layers + f["moe_ms"] / max(num_moe, 1))
-    row.update({"dense_rest_ms": rest, "step_floor_ms": step_floor, "step_over_floor": s / step_floor,
+    row.update({**measured, "step_floor_ms": step_floor, "step_over_floor": s / step_floor,
                 "attention_share": row["attention_ms"] / s, "tree_share": row["tree_accept_commit_ms"] / s,
                 "moe_over_floor": row["moe_ms"] / f["moe_ms"],
                 "projected_61_layer_step_ms": projected, "projected_61_layer_floor_ms": projected_floor,
@@ -528,6 +534,7 @@ def main(argv=None):
     top_lp, top_tok = jax.lax.top_k(lp, TOPK)
     feats = jax.random.normal(jax.random.key(6), (n_feat, 1, 1, cfg.hidden_size), jnp.bfloat16)
     small = states[min(contexts)]
+    absorbed = tuple(block.self_attn.absorbed_weights() for block in target.layers)  # as a decode loop has them
 
     def tree_inputs(nodes):
         logits = jax.random.normal(jax.random.key(5), (1, nodes, cfg.vocab_size), jnp.float32)
@@ -560,6 +567,8 @@ def main(argv=None):
             for nodes in node_list:
                 x = x_by_t[nodes]
                 jobs[("moe", nodes)] = Job("moe", moe_loop(ITERS), (x, target))
+                cos, sin = rope_cos_sin(cfg, jnp.arange(nodes, dtype=jnp.int32)[None] + min(contexts))
+                jobs[("dense", nodes)] = Job("dense", dense_loop(ITERS), (x, target, absorbed, cos, sin))
                 jobs[("moe_counts", nodes)] = Job("moe_counts", moe_counts, (x, target))
                 jobs[("head", nodes)] = Job("head", head_only, (x, target))
                 logits, tree = tree_inputs(nodes)
@@ -613,8 +622,9 @@ def main(argv=None):
 
     def route_like_steps(nodes, jobs, counts_exe):
         """Give the MoE jobs of T = nodes inputs that reach as many experts per layer as the timed steps did."""
-        want = [e["moe_distinct_in_step"] for k, e in extra.items()
-                if k[0] == "step" and k[2] == nodes and k[3] == "auto" and e.get("moe_distinct_in_step") is not None]
+        timed = {k: e["moe_distinct_in_step"] for k, e in extra.items()
+                 if k[0] == "step" and k[2] == nodes and e.get("moe_distinct_in_step") is not None}
+        want = [v for k, v in timed.items() if k[3] == "auto"] or list(timed.values())  # the kernel's steps first
         if not want:
             return
         want = float(np.mean(want))
@@ -677,6 +687,7 @@ def main(argv=None):
                 if isinstance(v, Exception) and (k[1:] in [(context, nodes, impl), (context,), (nodes,)])}
         parts = {"attention_ms": value(("attn", context, nodes, impl)), "moe_ms": value(("moe", nodes)),
                  "drafter_ms": value(("drafter", context)), "head_ms": value(("head", nodes)),
+                 "dense_ms": value(("dense", nodes)),
                  "tree_accept_commit_ms": value(("tree_accept_commit", nodes)),
                  "tree_build_ms": value(("tree", nodes)), "accept_ms": value(("accept", nodes))}
         parts = {k: (None if v is None else v * 1e3) for k, v in parts.items()}
@@ -689,14 +700,14 @@ def main(argv=None):
                   (num_moe * distinct * expert_bytes_each + moe_fixed_bytes) / bandwidth * 1e3,
                   "drafter_ms": (drafter_weight_bytes + context * drafter_kv_row_bytes) / bandwidth * 1e3,
                   "head_ms": head_bytes / bandwidth * 1e3,
-                  "dense_rest_ms": dense_bytes / bandwidth * 1e3}
+                  "dense_ms": dense_bytes / bandwidth * 1e3}
         row = {"context": context, "nodes": nodes, "impl": impl, **extra.get(("step", context, nodes, impl), {}),
                "step_ms": None if step is None else step * 1e3, **parts,
                "moe_distinct_experts_per_layer": distinct, "moe_component_distinct_experts": component_distinct,
                "floors": floors}
         if errs:
             row["errors"] = errs
-        if step is None or any(v is None for v in parts.values()) or floors["moe_ms"] is None:
+        if step is None or any(v is None for k, v in parts.items() if k != "dense_ms") or floors["moe_ms"] is None:
             return row
         return derive(row, layers, num_moe)
 
@@ -722,6 +733,14 @@ def _f(v, fmt="{:.3f}"):
     return "–" if v is None else fmt.format(v)
 
 
+def dense_cells(r):
+    """The dense parts' cell and the unaccounted cell; older rows had only the step less the other parts."""
+    f = r["floors"]
+    if r.get("dense_ms") is None:
+        return f"rest {r['dense_rest_ms']:.3f} ({f.get('dense_ms', f.get('dense_rest_ms')):.3f}) | –"
+    return f"{r['dense_ms']:.3f} ({f['dense_ms']:.3f}) | {r['unaccounted_ms']:.3f}"
+
+
 def write_markdown(path, meta, rows):
     bws = ", ".join(f"{k} {v:.2f}" for k, v in meta["bandwidths_TBps"].items())
     rm = meta["rank_model"]
@@ -738,14 +757,14 @@ def write_markdown(path, meta, rows):
              "Times in ms, floors in parentheses (bytes / bandwidth). Tree+accept+commit: the three together, "
              "then [build / acceptance] alone.", "",
              "| L | T | attention | tau | step (floor) | step / floor | attention (floor) share | MoE (floor) | "
-             "drafter (floor) | head (floor) | tree+accept+commit [build / accept] share | dense rest (floor) | "
-             "61 layers, projected (floor) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafter (floor) | head (floor) | tree+accept+commit [build / accept] share | dense (floor) | "
+             "unaccounted | 61 layers, projected (floor) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["floors"]
         if "step_over_floor" not in r:
             lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | – | {_f(r.get('step_ms'))} | – | "
-                         f"{_f(r.get('attention_ms'))} | – | – | – | – | – | – |"
+                         f"{_f(r.get('attention_ms'))} | – | – | – | – | – | – | – |"
                          + (f" errors: {'; '.join(r['errors'].values())[:300]}" if r.get("errors") else ""))
             continue
         lines.append(
@@ -753,7 +772,7 @@ def write_markdown(path, meta, rows):
             f"{r['step_over_floor']:.2f} | {r['attention_ms']:.3f} ({f['attention_ms']:.3f}) {100 * r['attention_share']:.1f}% | "
             f"{r['moe_ms']:.3f} ({f['moe_ms']:.3f}) | {r['drafter_ms']:.3f} ({f['drafter_ms']:.3f}) | "
             f"{r['head_ms']:.3f} ({f['head_ms']:.3f}) | {r['tree_accept_commit_ms']:.3f} [{r['tree_build_ms']:.3f} / "
-            f"{r['accept_ms']:.3f}] {100 * r['tree_share']:.1f}% | {r['dense_rest_ms']:.3f} ({f['dense_rest_ms']:.3f}) | "
+            f"{r['accept_ms']:.3f}] {100 * r['tree_share']:.1f}% | {dense_cells(r)} | "
             f"{r['projected_61_layer_step_ms']:.1f} ({r['projected_61_layer_floor_ms']:.1f}) |")
     full = [r for r in rows if "step_over_floor" in r]
     by = {(r["context"], r["nodes"], r["impl"]): r for r in full}

@@ -144,7 +144,8 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     # One TP rank: the vocab-parallel head slice and the drafter's heads split like the target's.
     rank = data["meta"]["rank_model"]
     assert rank["drafter_rank"]["num_heads"] * rank["tp"] == rank["drafter_full"]["num_heads"]
-    assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_rest_ms"}
+    assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_ms"}
+    assert row["dense_ms"] > 0 and "unaccounted_ms" in row
     assert (tmp_path / "dc.md").exists()
     # --render recomputes the derived figures from the JSON alone (no device work) and keeps reading notes.
     data["meta"]["notes"] = ["a note"]
