@@ -146,6 +146,11 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert rank["drafter_rank"]["num_heads"] * rank["tp"] == rank["drafter_full"]["num_heads"]
     assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_ms"}
     assert row["dense_ms"] > 0 and "unaccounted_ms" in row
+    # The MoE floor counts the experts the timed step activated, and the MoE component ran on inputs
+    # calibrated to reach about as many.
+    assert row["moe_distinct_experts_per_layer"] == row["moe_distinct_in_step"] > 0
+    calibrated = data["meta"]["moe_inputs"]["9"]
+    assert 1 <= calibrated["distinct_rows"] <= 9 and calibrated["steps_distinct_experts"] == row["moe_distinct_in_step"]
     assert (tmp_path / "dc.md").exists()
     # --render recomputes the derived figures from the JSON alone (no device work) and keeps reading notes.
     data["meta"]["notes"] = ["a note"]
