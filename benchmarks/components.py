@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -61,10 +60,11 @@ def moe_loop(iters: int):
 
 def dense_loop(iters: int):
     """jit(x, model, absorbed, cos, sin): `iters` rounds of every layer's work outside its attention op and its
-    MoE block: the two norms, MLA's projections (the token's latent row, the queries, the absorbed up- and down-
-    projections, o_proj) and the dense layers' MLP. `absorbed`: each layer's absorbed_weights(), computed once
-    outside the loop as a decode loop does. The attention op's output is replaced by the queries' latent part
-    plus the token's latent row: the same shapes, and every projection stays live."""
+    MoE block: the two norms, MLA's projections (the token's latent row, MLA.query_rows and MLA.output, as the
+    model runs them) and the dense layers' MLP. `absorbed`: each layer's absorbed_weights(), computed once
+    outside the loop as a decode loop does. The attention op's output is replaced by the query rows' latent
+    part plus the token's latent row and the roped part's first dim: the same shapes, and every projection
+    stays live."""
 
     @jax.jit
     def run(x, model, absorbed, cos, sin):
@@ -73,11 +73,10 @@ def dense_loop(iters: int):
                 mla = block.self_attn
                 h = block.input_layernorm(x)
                 rows = mla.latent_rows(h, cos, sin)
-                q_nope, q_pe = mla.queries(h, cos, sin)
-                q_latent = jnp.einsum("bthn,hcn->bthc", q_nope, w_uk)
-                stand_in = q_latent + rows[:, :, None, :q_latent.shape[-1]] + q_pe[..., :1]
-                out = jnp.einsum("bthc,hvc->bthv", stand_in.astype(x.dtype), w_uv)
-                x = x + mla.o_proj(out.reshape(*x.shape[:-1], -1))
+                q_rows = mla.query_rows(h, cos, sin, w_uk)
+                latent = w_uk.shape[1]
+                stand_in = q_rows[..., :latent] + rows[:, :, None, :latent] + q_rows[..., latent:latent + 1]
+                x = x + mla.output(stand_in, w_uv, x)
                 normed = block.post_attention_layernorm(x)
                 x = x + (normed * 1e-3 if block.is_moe else block.mlp(normed))
             return x

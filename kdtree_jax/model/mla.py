@@ -99,13 +99,22 @@ class MLA(nnx.Module):
         # In place when kv_pages is donated: one row per new token, no copy of the pool.
         kv_pages = kv_pages.at[layer, batch.write_slots].set(rows, mode="drop")
 
-        q_nope, q_pe = self.queries(x, cos, sin)
         w_uk, w_uv = self.absorbed_weights() if absorbed is None else absorbed
-        q_latent = jnp.einsum("bthn,hcn->bthc", q_nope, w_uk)
-        q_rows = jnp.concatenate([q_latent, q_pe], axis=-1).astype(kv_pages.dtype)
+        q_rows = self.query_rows(x, cos, sin, w_uk).astype(kv_pages.dtype)
         out_latent = self.attend(q_rows, kv_pages, layer, batch, impl)
+        return self.output(out_latent, w_uv, x), kv_pages
+
+    def query_rows(self, x, cos, sin, w_uk):
+        """The attention op's queries [B, T, H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent
+        space by W_UK, then the roped part."""
+        q_nope, q_pe = self.queries(x, cos, sin)
+        q_latent = jnp.einsum("bthn,hcn->bthc", q_nope, w_uk)
+        return jnp.concatenate([q_latent, q_pe], axis=-1)
+
+    def output(self, out_latent, w_uv, x):
+        """The attention op's latent output [B, T, H, kv_lora_rank] up-projected by W_UV, then o_proj."""
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), w_uv)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1)), kv_pages
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
     def attend(self, q_rows, kv_pages, layer: int, batch: AttentionBatch, impl: str):
         """The verify-attention op; on a mesh, each device runs it on its own heads against its
