@@ -1164,6 +1164,12 @@ cudaError_t ensure_smem_limit(int device) {
   return smem_status[device];
 }
 
+// A main kernel: with one split its kDirect instance writes the result, else the other writes partials for the merge.
+void launch_main(void (*direct)(Params), void (*split)(Params), const Params& p, dim3 grid, int threads, int smem,
+                 cudaStream_t stream) {
+  (p.num_splits == 1 ? direct : split)<<<grid, threads, smem, stream>>>(p);
+}
+
 // kGroups 1 or 2: verify_attention_kernel; kWideKernel / kWsKernel: the wide / warp-specialised kernel (32 rows
 // per block, like two groups).
 constexpr int kWideKernel = 0, kWsKernel = 3;
@@ -1174,24 +1180,14 @@ void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = tru
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
   if (!main) {  // (bench_verify_attention: the merge alone)
   } else if constexpr (kGroups == kWideKernel) {
-    constexpr int threads = WideConfig::kThreads, smem = WideConfig::kSmemBytes;
-    if (p.num_splits == 1) {
-      verify_attention_wide_kernel<true><<<grid, threads, smem, stream>>>(p);
-      return;
-    }
-    verify_attention_wide_kernel<false><<<grid, threads, smem, stream>>>(p);
+    launch_main(verify_attention_wide_kernel<true>, verify_attention_wide_kernel<false>, p, grid,
+                WideConfig::kThreads, WideConfig::kSmemBytes, stream);
   } else if constexpr (kGroups == kWsKernel) {
-    constexpr int threads = WsConfig::kThreads, smem = WsConfig::kSmemBytes;
-    if (p.num_splits == 1) {
-      verify_attention_ws_kernel<true><<<grid, threads, smem, stream>>>(p);
-      return;
-    }
-    verify_attention_ws_kernel<false><<<grid, threads, smem, stream>>>(p);
-  } else if (p.num_splits == 1) {
-    verify_attention_kernel<true, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
-    return;
+    launch_main(verify_attention_ws_kernel<true>, verify_attention_ws_kernel<false>, p, grid, WsConfig::kThreads,
+                WsConfig::kSmemBytes, stream);
   } else {
-    verify_attention_kernel<false, kGroups><<<grid, Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream>>>(p);
+    launch_main(verify_attention_kernel<true, kGroups>, verify_attention_kernel<false, kGroups>, p, grid,
+                Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream);
   }
   if (merge && p.num_splits > 1) {
     merge_splits_kernel<<<dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(batch), kMergeQuarters),
