@@ -134,7 +134,7 @@ def dense_mlp(rows, group_sizes, gate_t, up_t, down_t):
 
 
 def use_cpu_gather(rows, gate, impl: str) -> bool:
-    """Whether the CPU branch of "auto" gathers the rows' experts (else ragged_dot)."""
+    """Whether the CPU branch of "auto" gathers the rows' experts (else ragged_dot, or dense_mlp in a decode loop)."""
     num_rows = rows.shape[0]
     num_experts, hidden, inter = gate.shape
     gathered = 3 * num_rows * hidden * inter * gate.dtype.itemsize
