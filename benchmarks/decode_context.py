@@ -19,12 +19,14 @@ nodes, verify forward, acceptance, commit -- timed as the mean over K steps of o
 `lax.while_loop` (the engine's own decode loop), with the FFI kernel ("auto") and with the XLA
 reference attention, in the same run.
 
-Per component, timed alone in jitted loops of the same shapes: attention (the verify op of every layer),
-routed + shared MoE, the dense parts (every layer's norms and MLA projections, and the dense layer's MLP:
-benchmarks/components.py dense_loop), the drafter (its pass over the block, the top-K, and the context
-extension), the target's final norm + lm head, tree build / acceptance / commit; "unaccounted" is the step
-minus all of them (the embedding, the pool writes, the loop's own bookkeeping, and whatever the parts cost
-more or less inside the step than alone).
+Per component, two ways. (1) Inside the step: one run of each step loop under the profiler, its kernels
+grouped by the named scopes the engine and model set (benchmarks/step_profile.py): attention (the verify
+op), MoE (router, routed and shared experts), dense (everything else of the verify forward: norms, MLA
+projections, the dense layer's MLP), drafter (its pass, top-K and context extension), head, tree + accept +
+commit; "unaccounted" is the step less them: kernels outside every part plus the GPU's idle time. (2) Alone,
+in jitted loops of the same shapes (benchmarks/components.py), kept beside for comparison; a part alone
+pays its own launches and bookkeeping, and those loops summed to ~1.2x the step. Rows without a profile
+(--profile none, or the reference rows under the default) show the parts timed alone.
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
 weights of the experts the router activated in the timed step itself (the engine's router statistics:
@@ -63,6 +65,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from components import attention_loop, dense_loop, median_seconds, moe_loop  # noqa: E402
+from step_profile import profile_call  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -77,6 +80,9 @@ from kdtree_jax.spec import engine
 from kdtree_jax.spec import tree as trees
 
 TP = 8  # the tensor-parallel degree whose one rank is modelled
+# Row fields that a profile of the step replaces: field -> step_profile component.
+PROFILED_PARTS = {"attention_ms": "attention", "moe_ms": "moe", "dense_ms": "dense", "drafter_ms": "drafter",
+                  "head_ms": "head", "tree_accept_commit_ms": "tree_accept_commit"}
 TOPK = 8
 ITERS = 8  # rounds per component loop
 
@@ -290,6 +296,8 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     spread over them: a small overestimate). It uses the step as measured, so components timed alone
     enter only through the MoE and the per-step parts. Rows from before the dense parts were timed
     (no "dense_ms") get "dense_rest_ms", the step less the other parts, instead of "unaccounted_ms".
+    Profiled rows (their parts measured inside the step) also get the kernels outside every part and the
+    GPU's idle time (the step less the union of its kernels), which together make "unaccounted".
     """
     parts = ("attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms")
     f = row["floors"]
@@ -299,6 +307,9 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     per_step = row["drafter_ms"] + row["head_ms"] + row["tree_accept_commit_ms"]
     rest = s - row["attention_ms"] - row["moe_ms"] - per_step
     measured = {"dense_rest_ms": rest} if row.get("dense_ms") is None else {"unaccounted_ms": rest - row["dense_ms"]}
+    if row.get("profile"):  # unaccounted = kernels outside the named parts + the GPU idle between kernels
+        measured.update(other_kernels_ms=row["profile"]["components_ms"]["other"],
+                        idle_ms=s - row["profile"]["busy_ms"])
     layer_part = s - per_step
     missing = 61 - layers
     projected = s + missing * ((layer_part - row["moe_ms"]) / layers + row["moe_ms"] / max(num_moe, 1))
@@ -437,6 +448,9 @@ def main(argv=None):
                    help="contexts at which impls other than 'auto' also run ('all': every context)")
     p.add_argument("--deadline-s", type=float, default=0, help="start no new point after this many seconds (0: none)")
     p.add_argument("--compile-threads", type=int, default=0, help="0: one per CPU core")
+    p.add_argument("--profile", choices=("kernel", "all", "none"), default="kernel",
+                   help="profile one run of each step loop (kernel: the FFI kernel's steps only) and split the step "
+                        "into its parts by the kernels' named scopes (benchmarks/step_profile.py)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--tree-only", action="store_true",
@@ -662,6 +676,14 @@ def main(argv=None):
             extra[key] = {"steps": steps_run,
                           "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1)),
                           "moe_distinct_in_step": float(active.sum(-1).mean() / steps_run) if active.size else None}
+            if args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"):
+                try:
+                    final = None
+                    s = jax.tree.map(jnp.copy, job.args[2])
+                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), steps=steps_run)
+                except Exception as e:  # a failed profile leaves the timing and the components timed alone
+                    extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+                    log(f"profile of {key}: {extra[key]['profile_error']}")
             return float(np.median(times[1:])) / steps_run
         if kind == "moe_counts":
             return np.asarray(exe(*job.args))
@@ -707,6 +729,10 @@ def main(argv=None):
                "floors": floors}
         if errs:
             row["errors"] = errs
+        profile = row.get("profile")
+        if profile is not None:  # the parts as they ran inside the step; the loops' figures are kept beside
+            row["alone_ms"] = {k: parts[k] for k in PROFILED_PARTS}
+            row.update({k: profile["components_ms"][c] for k, c in PROFILED_PARTS.items()})
         if step is None or any(v is None for k, v in parts.items() if k != "dense_ms") or floors["moe_ms"] is None:
             return row
         return derive(row, layers, num_moe)
@@ -754,8 +780,10 @@ def write_markdown(path, meta, rows):
              f"{rm['drafter_rank']['intermediate_size']} (of {rm['drafter_full']['num_heads']} / "
              f"{rm['drafter_full']['num_kv_heads']} / {rm['drafter_full']['intermediate_size']}), fc "
              f"{rm['drafter_fc']}, the head slice shared. Not modelled: {rm['not_modelled']}.", "",
-             "Times in ms, floors in parentheses (bytes / bandwidth). Tree+accept+commit: the three together, "
-             "then [build / acceptance] alone.", "",
+             "Times in ms, floors in parentheses (bytes / bandwidth). Parts: kernel time inside the timed step, "
+             "from a profile of one run of it (benchmarks/step_profile.py), on rows marked * ; otherwise each part "
+             "timed alone in its own loop. Unaccounted: the step less the parts. Tree+accept+commit [build / "
+             "acceptance]: the brackets are timed alone.", "",
              "| L | T | attention | tau | step (floor) | step / floor | attention (floor) share | MoE (floor) | "
              "drafter (floor) | head (floor) | tree+accept+commit [build / accept] share | dense (floor) | "
              "unaccounted | 61 layers, projected (floor) |",
@@ -768,7 +796,7 @@ def write_markdown(path, meta, rows):
                          + (f" errors: {'; '.join(r['errors'].values())[:300]}" if r.get("errors") else ""))
             continue
         lines.append(
-            f"| {r['context']} | {r['nodes']} | {r['impl']} | {r['tau']:.2f} | {r['step_ms']:.3f} ({r['step_floor_ms']:.3f}) | "
+            f"| {r['context']} | {r['nodes']} | {r['impl']}{' *' if r.get('profile') else ''} | {r['tau']:.2f} | {r['step_ms']:.3f} ({r['step_floor_ms']:.3f}) | "
             f"{r['step_over_floor']:.2f} | {r['attention_ms']:.3f} ({f['attention_ms']:.3f}) {100 * r['attention_share']:.1f}% | "
             f"{r['moe_ms']:.3f} ({f['moe_ms']:.3f}) | {r['drafter_ms']:.3f} ({f['drafter_ms']:.3f}) | "
             f"{r['head_ms']:.3f} ({f['head_ms']:.3f}) | {r['tree_accept_commit_ms']:.3f} [{r['tree_build_ms']:.3f} / "
@@ -786,6 +814,20 @@ def write_markdown(path, meta, rows):
                 lines.append(f"| {c} | {t} | {a['step_ms']:.3f} | {ref['step_ms']:.3f} | {ref['step_ms'] / a['step_ms']:.2f} | "
                              f"{a['attention_ms']:.3f} | {ref['attention_ms']:.3f} | {a['projected_61_layer_step_ms']:.1f} | "
                              f"{ref['projected_61_layer_step_ms']:.1f} |")
+    profiled = [r for r in full if r.get("profile") and r.get("alone_ms")]
+    if profiled:
+        names = [("attention_ms", "attention"), ("moe_ms", "MoE"), ("dense_ms", "dense"), ("drafter_ms", "drafter"),
+                 ("head_ms", "head"), ("tree_accept_commit_ms", "tree+accept+commit")]
+        lines += ["", "Inside the step (profile) vs alone (own loop), ms per step; other: kernels outside the "
+                  "named parts (embedding, pool writes, the loop's bookkeeping); idle: the step less the union of its "
+                  "kernels (launch gaps); kernels: per step.", "",
+                  "| L | T | attention | " + " | ".join(n for _, n in names[1:]) + " | other | idle | step | kernels |",
+                  "|---|---|" + "---|" * (len(names) + 4)]
+        for r in profiled:
+            cells = " | ".join(f"{r[k]:.3f} / {r['alone_ms'][k]:.3f}" if r["alone_ms"].get(k) is not None
+                               else f"{r[k]:.3f} / –" for k, _ in names)
+            lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
+                         f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {r['profile']['kernels_per_step']:.0f} |")
     kernel = [r for r in full if r["impl"] == "auto"]
     if kernel:
         def span(vals, fmt):

@@ -3,6 +3,7 @@
 // Why a kernel of our own.  At decode-sized token counts (a verify step of T = 9..64 tokens × top-8) each
 // active expert sees one or two rows, so the op is a grouped GEMV: its cost is reading the weights of the
 // experts that are actually used, once.  XLA's ragged_dot runs far from that floor there.  Here:
+//   table,    one block:                          groups = (expert, first row, count) of each expert with rows
 //   kernel 1, grid (I-tiles, H-splits, groups): partial[s, r, 0|1, tile] = x_r[split s]·Wg|Wu[e][split s, tile]
 //   finish,   grid-stride over rows x I:          hidden[r, c] = silu(sum_s gate part) * (sum_s up part)
 //   kernel 2, grid (H-tiles, groups):             out[r, tile] = hidden_r·Wd[e][:, tile]
@@ -56,8 +57,9 @@ struct Params {
   const uint16_t* gate;   // [E, H, I]
   const uint16_t* up;     // [E, H, I]
   const uint16_t* down;   // [E, I, H]
-  const int32_t* groups;  // [3, G]
-  const int32_t* num_active;
+  const int32_t* group_sizes;  // [E]
+  int32_t* groups;        // [3, G]: the table group_table_kernel writes (scratch)
+  int32_t* num_active;
   uint16_t* out;          // [M, H]
   float* partial;         // [splits, M, 2, I]: kernel 1's per-split gate / up sums
   float* hidden;          // [M, I]
@@ -339,8 +341,73 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
   }
 }
 
+// The group table from group_sizes, on the device (one block; runs first): slot g of the table is the g-th
+// expert with rows, its first row the sum of the sizes before it.  Two block-wide exclusive scans (count of
+// active experts, rows), E / 1024 rounds.  In XLA this table was ~8 small kernels (cumsum, nonzero, stack),
+// ~25 us of a ~260 us MoE layer at T = 9 on an H200; here it is one launch.  Sizes are clamped to [0, M]
+// and groups that would start at or past row M are dropped, so bad sizes can only shrink groups.
+constexpr int kTableThreads = 1024;
+
+// Block-wide exclusive scan of v; *total gets the block's sum.  All threads must call it.
+__device__ __forceinline__ int64_t block_exclusive_scan(int64_t v, int64_t* warp_sums, int64_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int64_t inc = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int64_t n = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += n;
+  }
+  if (lane == 31) warp_sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t w = lane < kTableThreads / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int64_t n = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += n;
+    }
+    warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int64_t before = warp == 0 ? 0 : warp_sums[warp - 1];
+  *total = warp_sums[kTableThreads / 32 - 1];
+  __syncthreads();  // warp_sums is reused by the next scan
+  return before + inc - v;
+}
+
+__global__ void __launch_bounds__(kTableThreads) group_table_kernel(const int32_t* sizes, int32_t* groups,
+                                                                    int32_t* num_active, int64_t E, int64_t M, int G) {
+  __shared__ int64_t warp_sums[32];
+  int64_t groups_before = 0, rows_before = 0;
+  for (int64_t e0 = 0; e0 < E; e0 += kTableThreads) {
+    const int64_t e = e0 + threadIdx.x;
+    int64_t size = e < E ? sizes[e] : 0;
+    size = size < 0 ? 0 : (size > M ? M : size);
+    int64_t n_groups, n_rows;
+    const int64_t start = rows_before + block_exclusive_scan(size, warp_sums, &n_rows);
+    // Starts never decrease, so the groups that start inside [0, M) are a prefix of the active experts.
+    const bool active = size > 0 && start < M;
+    const int64_t g = groups_before + block_exclusive_scan(active, warp_sums, &n_groups);
+    if (active && g < G) {
+      groups[g] = static_cast<int32_t>(e);
+      groups[G + g] = static_cast<int32_t>(start);
+      groups[2 * G + g] = static_cast<int32_t>(size < M - start ? size : M - start);
+    }
+    groups_before += n_groups;
+    rows_before += n_rows;
+  }
+  const int64_t active = groups_before < G ? groups_before : G;
+  for (int64_t g = active + threadIdx.x; g < G; g += kTableThreads) {  // unused slots: empty groups
+    groups[g] = 0;
+    groups[G + g] = 0;
+    groups[2 * G + g] = 0;
+  }
+  if (threadIdx.x == 0) *num_active = static_cast<int32_t>(active);
+}
+
 template <bool kVec, int kMinBlocks>
 void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t stream) {
+  group_table_kernel<<<1, kTableThreads, 0, stream>>>(p.group_sizes, p.groups, p.num_active, p.E, p.M, p.G);
   if (p.G > 0 && p.I > 0) {
     gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
     const int64_t blocks = (p.M * p.I + 255) / 256;
@@ -356,14 +423,15 @@ ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("moe_experts (CUDA): ") + what + ": " + cudaGetErrorString(err));
 }
 
+using Sizes = ffi::Buffer<ffi::S32, 1>;
 using Groups = ffi::Buffer<ffi::S32, 2>;
 using Scalar32 = ffi::Buffer<ffi::S32, 0>;
 using Hidden = ffi::Buffer<ffi::F32, 2>;
 
 ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                          ffi::AnyBuffer down, Groups groups, Scalar32 num_active,
-                          int64_t blocks_per_sm, int64_t splits, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<Hidden> partial, ffi::Result<Hidden> hidden) {
+                          ffi::AnyBuffer down, Sizes group_sizes, int64_t blocks_per_sm, int64_t splits,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<Hidden> partial, ffi::Result<Hidden> hidden,
+                          ffi::Result<Groups> groups, ffi::Result<Scalar32> num_active) {
   for (const ffi::AnyBuffer* b : {&rows, &gate, &up, &down}) {
     if (b->element_type() != ffi::DataType::BF16) {
       return ffi::Error::InvalidArgument("moe_experts (CUDA): rows, gate, up and down must be bfloat16");
@@ -373,17 +441,17 @@ ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuff
     return ffi::Error::InvalidArgument("moe_experts (CUDA): out must be bfloat16");
   }
   const auto rd = rows.dimensions(), gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
-  const auto td = groups.dimensions(), od = out->dimensions(), hd = hidden->dimensions();
+  const auto td = groups->dimensions(), sd = group_sizes.dimensions(), od = out->dimensions(), hd = hidden->dimensions();
   if (rd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || od.size() != 2) {
     return ffi::Error::InvalidArgument("moe_experts (CUDA): rows/out must be 2-D, gate/up/down 3-D");
   }
   const int64_t M = rd[0], H = rd[1], E = gd[0], I = gd[2];
   if (gd[1] != H || ud[0] != E || ud[1] != H || ud[2] != I || dd[0] != E || dd[1] != I || dd[2] != H ||
-      od[0] != M || od[1] != H || td[0] != 3 || td[1] > 65535 || hd[0] * hd[1] < M * I ||
+      od[0] != M || od[1] != H || sd[0] != E || td[0] != 3 || td[1] < 1 || td[1] > 65535 || hd[0] * hd[1] < M * I ||
       (blocks_per_sm != 1 && blocks_per_sm != 4) || splits < 1 || splits > 65535 ||
       partial->element_count() < splits * M * 2 * I) {
     return ffi::Error::InvalidArgument("moe_experts (CUDA): inconsistent shapes (rows [M,H], gate/up [E,H,I], "
-                                       "down [E,I,H], groups [3,G<=65535], out [M,H], partial >= splits*M*2*I, hidden >= M*I) "
+                                       "down [E,I,H], group_sizes [E], groups [3,1<=G<=65535], out [M,H], partial >= splits*M*2*I, hidden >= M*I) "
                                        "or blocks_per_sm not 1/4");
   }
   if (M == 0 || H == 0) return ffi::Error::Success();
@@ -393,8 +461,9 @@ ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuff
   p.gate = static_cast<const uint16_t*>(gate.untyped_data());
   p.up = static_cast<const uint16_t*>(up.untyped_data());
   p.down = static_cast<const uint16_t*>(down.untyped_data());
-  p.groups = groups.typed_data();
-  p.num_active = num_active.typed_data();
+  p.group_sizes = group_sizes.typed_data();
+  p.groups = groups->typed_data();
+  p.num_active = num_active->typed_data();
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.partial = partial->typed_data();
   p.hidden = hidden->typed_data();
@@ -433,11 +502,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_experts_cuda, MoeExpertsCuda,
                                   .Arg<ffi::AnyBuffer>()  // gate
                                   .Arg<ffi::AnyBuffer>()  // up
                                   .Arg<ffi::AnyBuffer>()  // down
-                                  .Arg<Groups>()          // groups [3, G]
-                                  .Arg<Scalar32>()        // num_active
+                                  .Arg<Sizes>()           // group_sizes [E]
                                   .Attr<int64_t>("blocks_per_sm")  // 1 or 4: register budget (see kernels)
                                   .Attr<int64_t>("splits")         // hidden-dim splits of kernel 1
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<Hidden>()          // partial (scratch) [splits * M * 2, I]
-                                  .Ret<Hidden>(),         // hidden (scratch) [M, I]
+                                  .Ret<Hidden>()          // hidden (scratch) [M, I]
+                                  .Ret<Groups>()          // groups (scratch) [3, G]: the active groups' table
+                                  .Ret<Scalar32>(),       // num_active (scratch): columns of groups in use
                               {ffi::Traits::kCmdBufferCompatible});

@@ -135,7 +135,8 @@ def test_replay_and_ddtree_acceptance():
 def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     import decode_context
 
-    decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "reference", "--out", str(tmp_path / "dc")])
+    decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "reference", "--profile", "all",
+                         "--out", str(tmp_path / "dc")])
     data = json.loads((tmp_path / "dc.json").read_text())
     assert data["rows"] and all("errors" not in r for r in data["rows"])
     row = data["rows"][0]
@@ -146,6 +147,10 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert rank["drafter_rank"]["num_heads"] * rank["tp"] == rank["drafter_full"]["num_heads"]
     assert set(row["floors"]) == {"attention_ms", "moe_ms", "drafter_ms", "head_ms", "dense_ms"}
     assert row["dense_ms"] > 0 and "unaccounted_ms" in row
+    # The parts come from a profile of the step (its kernels by named scope); the loops' figures are kept.
+    assert row["profile"]["kernels_per_step"] > 0 and row["attention_ms"] == row["profile"]["components_ms"]["attention"]
+    assert row["attention_ms"] > 0 and row["moe_ms"] > 0 and set(row["alone_ms"]) >= {"attention_ms", "moe_ms"}
+    assert "idle_ms" in row and "other_kernels_ms" in row
     # The MoE floor counts the experts the timed step activated, and the MoE component ran on inputs
     # calibrated to reach about as many.
     assert row["moe_distinct_experts_per_layer"] == row["moe_distinct_in_step"] > 0
@@ -158,6 +163,40 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     decode_context.main(["--render", str(tmp_path / "dc")])
     assert json.loads((tmp_path / "dc.json").read_text())["rows"][0]["step_over_floor"] == row["step_over_floor"]
     assert "a note" in (tmp_path / "dc.md").read_text()
+
+
+def test_step_profile_attributes_kernels_by_scope():
+    """A toy program: each scope's work lands in its part, work outside every scope in "other", and a
+    while loop's own thunk (which spans its body on a CPU) is not counted."""
+    import jax
+    import jax.numpy as jnp
+    import step_profile
+
+    assert step_profile.component_of("jit(decode_loop)/while/body/verify/moe/dot_general") == "moe"
+    assert step_profile.component_of("while/body/drafter/head/dot") == "drafter"  # the drafter's use of the head
+    assert step_profile.component_of("while/body/verify/add") == "dense"
+    assert step_profile.component_of("while/body/add") == "other"
+
+    @jax.jit
+    def program(x):
+        def body(i, x):
+            with jax.named_scope("verify"):
+                with jax.named_scope("attention_op"):
+                    x = jnp.tanh(x @ x)
+                with jax.named_scope("moe"):
+                    x = jnp.sin(x @ x.T)
+            return x  # (an op out here would fuse with sin and carry its own, outer, op_name)
+        return jax.lax.fori_loop(0, 4, body, x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(192, 192)), jnp.float32)
+    compiled = program.lower(x).compile()
+    compiled(x).block_until_ready()
+    prof = step_profile.profile_call(compiled, (x,), steps=4)
+    parts = prof["components_ms"]
+    assert parts["attention"] > 0 and parts["moe"] > 0
+    assert prof["kernel_sum_ms"] == pytest.approx(sum(parts.values()))
+    assert 0 < prof["busy_ms"] <= prof["kernel_sum_ms"] + 1e-9
+    assert parts["attention"] + parts["moe"] > 0.5 * prof["kernel_sum_ms"]  # the loop thunk is not in "other"
 
 
 def test_decode_context_tree_only_smoke(tmp_path):

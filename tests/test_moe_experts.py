@@ -19,7 +19,8 @@ from kdtree_jax.ops import moe as moe_ops
 
 
 def original_routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0):
-    """routed_experts as it was before the dispatch (the formulation the CPU path must keep)."""
+    """routed_experts as it was before the dispatch: ragged_dot, and a scatter-add of the weighted rows into
+    their tokens (an independent formulation of the combine, which is now a gather)."""
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
     local = indices - expert_offset
@@ -50,7 +51,7 @@ def make_case(seed, tokens, top_k, experts, hidden, inter, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["auto", "xla", "cuda"])
 @pytest.mark.parametrize("offset,local", [(0, 12), (4, 5)])
-def test_cpu_dispatch_is_the_original_formulation(dtype, impl, offset, local):
+def test_cpu_dispatch_matches_the_original_formulation(dtype, impl, offset, local):
     if impl == "cuda" and dtype != jnp.bfloat16:
         pytest.skip("impl='cuda' takes bfloat16 only")
     x, indices, weights, gate, up, down = make_case(1, 9, 3, 12, 24, 16, dtype)
@@ -58,12 +59,10 @@ def test_cpu_dispatch_is_the_original_formulation(dtype, impl, offset, local):
     new = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *parts, expert_offset=offset,
                                                              impl=impl)
     old = jax.jit(original_routed_experts)(x, indices, weights, *parts, expert_offset=offset)
-    rows = indices.size  # 27 (token, expert) pairs
-    if impl == "auto" and jax.default_backend() == "cpu" and moe_ops.use_cpu_gather(jnp.zeros((rows, x.shape[1])), parts[0], impl):
-        tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
-        np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), rtol=tol, atol=tol)
-    else:
-        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    # Not bit-identical: routed_experts now sums each token's weighted rows in float32 (a gather), where the
+    # original scatter-added them in the model's dtype; the CPU's gathered experts also round differently.
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("form", ["gathered", "dense"])

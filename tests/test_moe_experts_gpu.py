@@ -120,6 +120,44 @@ def test_grouped_mlp_matches_reference(case, blocks_per_sm, monkeypatch):
     np.testing.assert_array_equal(np.asarray(fn(rows, group_sizes, gate, up, down)), np.asarray(out))
 
 
+# (rows M, experts E, share of experts with rows): E > 1024 takes several rounds of the table kernel's scans;
+# M < E leaves fewer slots than experts; a share of 0 gives no group at all.
+TABLE_CASES = [(72, 384, 0.15), (9, 8, 0.6), (5, 3000, 0.001), (2048, 1500, 0.5), (7, 40, 0.0), (1, 1, 1.0)]
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_table_kernel_matches_group_table(case):
+    """The op's first kernel builds the same table as ops.moe.group_table (jnp), from random sizes whose sum
+    is at most M; the op runs on 8-wide toy experts so that only the table matters."""
+    num_rows, experts, share = case
+    rng = np.random.default_rng(num_rows * 7 + experts)
+    sizes = np.where(rng.uniform(size=experts) < share, rng.integers(1, 5, experts), 0)
+    while sizes.sum() > num_rows:  # keep sum <= M
+        sizes[rng.choice(np.flatnonzero(sizes))] -= 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    gate, up, down = make_weights(rng, experts, 8, 8)
+    rows = jnp.asarray(rng.normal(0, 1, (num_rows, 8)).astype(np.float32)).astype(jnp.bfloat16)
+    poison_allocator(((3, min(num_rows, experts)), jnp.int32))
+    out, groups, num_active = jax.jit(moe_ops.call_cuda_op)(rows, sizes, gate, up, down)
+    want_groups, want_active = moe_ops.group_table(sizes, num_rows)
+    assert int(num_active) == int(want_active)
+    np.testing.assert_array_equal(np.asarray(groups), np.asarray(want_groups))
+    assert_close(out, reference_grouped(rows, sizes, gate, up, down))
+
+
+def test_table_kernel_clamps_bad_sizes():
+    """Negative sizes count as 0 and sizes past M are cut at row M: the op stays in bounds."""
+    num_rows, experts = 6, 5
+    sizes = jnp.asarray([2, -3, 3, 4, 1], jnp.int32)  # 2 + 3 + 4 > 6: the third group is cut, the fourth dropped
+    rng = np.random.default_rng(11)
+    gate, up, down = make_weights(rng, experts, 16, 8)
+    rows = jnp.asarray(rng.normal(0, 1, (num_rows, 16)).astype(np.float32)).astype(jnp.bfloat16)
+    out, groups, num_active = jax.jit(moe_ops.call_cuda_op)(rows, sizes, gate, up, down)
+    assert int(num_active) == 3
+    np.testing.assert_array_equal(np.asarray(groups)[:, :3], [[0, 2, 3], [0, 2, 5], [2, 3, 1]])
+    assert_close(out, reference_grouped(rows, jnp.asarray([2, 0, 3, 1, 0]), gate, up, down))
+
+
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_routed_experts_device_slices(layout):
     """Each device's share as shard_map hands it over (tp: a slice of every expert's intermediate dim;
@@ -162,8 +200,7 @@ def test_auto_uses_cuda_op_and_agrees_with_ragged_dot():
 
 
 def test_inside_while_loop():
-    """Inside lax.fori_loop (XLA may capture the loop body in a CUDA graph): same result as plain calls
-    (up to the order of the bf16 scatter-add, which is not fixed on GPU)."""
+    """Inside lax.fori_loop (XLA may capture the loop body in a CUDA graph): same result as plain calls."""
     rng = np.random.default_rng(5)
     gate, up, down = make_weights(rng, 16, 256, 128)
     indices, weights = random_routing(rng, 9, 8, 16, "random")

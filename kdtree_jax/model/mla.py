@@ -122,9 +122,10 @@ class MLA(nnx.Module):
         op = functools.partial(verify_attention, softmax_scale=self.cfg.softmax_scale,
                                rope_dim=self.cfg.qk_rope_head_dim, impl=impl)
         args = (q_rows, kv_pages, jnp.asarray(layer, jnp.int32), batch.kv_slots, batch.kv_lens, batch.tree_mask)
-        if self.mesh is None:
-            return op(*args)[0]
-        heads = P(None, None, MESH_AXIS, None)
-        sharded = jax.shard_map(op, mesh=self.mesh, in_specs=(heads, P(), P(), P(), P(), P()),
-                                out_specs=(heads, P(None, None, MESH_AXIS)), check_vma=False)
-        return sharded(*args)[0]
+        with jax.named_scope("attention_op"):  # profiles attribute by this scope (see engine._speculative_step)
+            if self.mesh is None:
+                return op(*args)[0]
+            heads = P(None, None, MESH_AXIS, None)
+            sharded = jax.shard_map(op, mesh=self.mesh, in_specs=(heads, P(), P(), P(), P(), P()),
+                                    out_specs=(heads, P(None, None, MESH_AXIS)), check_vma=False)
+            return sharded(*args)[0]

@@ -60,9 +60,14 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     rows = x2d[token_of_row]
     group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
     out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl, expert_second=expert_second)
-    row_weight = jnp.where(here, weights, 0.0).reshape(-1)[order]
-    out_rows = out_rows * row_weight[:, None].astype(out_rows.dtype)
-    return jnp.zeros_like(x2d).at[token_of_row].add(out_rows)
+    # Back to (token, choice) order by a gather, then each token's weighted sum in float32: one fusion. The
+    # scatter-add of the sorted rows into their tokens that this replaces took ~25 us per layer at T = 9
+    # on an H200 (k colliding bf16 atomic adds per element), a tenth of the layer's MoE.
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                   unique_indices=True)
+    pair_out = out_rows[position].reshape(num_tokens, k, -1).astype(jnp.float32)
+    pair_weight = jnp.where(here, weights, 0.0).astype(jnp.float32)
+    return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
 
 
 class Router(nnx.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -44,7 +45,9 @@ class DecoderLayer(nnx.Module):
                                         absorbed=None if lw is None else lw.absorbed)
         x = x + attn
         if self.is_moe:
-            mlp_out, expert_counts = self.mlp(self.post_attention_layernorm(x), None if lw is None else lw.experts)
+            normed = self.post_attention_layernorm(x)
+            with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
+                mlp_out, expert_counts = self.mlp(normed, None if lw is None else lw.experts)
             return x + mlp_out, kv_pages, expert_counts
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
 
@@ -85,7 +88,8 @@ class Transformer(nnx.Module):
 
     def head(self, hidden):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
-        return self.lm_logits(self.norm(hidden))
+        with jax.named_scope("head"):
+            return self.lm_logits(self.norm(hidden))
 
     def loop_weights(self) -> tuple[LoopWeights, ...]:
         """Every layer's LoopWeights: what a decode loop computes once, before its while loop, and passes to

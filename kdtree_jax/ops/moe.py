@@ -10,12 +10,13 @@ which is what `routed_experts` (model/moe.py) runs after sorting its (token, exp
 Why two implementations.  In a decode / verify step (T = 1..64 tokens × top-8) almost every active expert
 gets one or two rows, so the op is a grouped GEMV whose cost is reading the active experts' weights once.
 XLA's ragged_dot is several times off that floor there; the CUDA op (ffi/moe_experts.cu) reads each
-active expert's weights once per chunk of 4 rows and never touches inactive experts.  It runs three
-kernels: gate/up partial sums over splits of the hidden dim, their sum + SwiGLU, and the down projection.  With many rows per
-expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above `CUDA_MAX_ROWS` rows.
+active expert's weights once per chunk of 4 rows and never touches inactive experts.  It runs four
+kernels: the table of active groups (expert id, first row, row count; `group_table` in jnp) from
+group_sizes, gate/up partial sums over splits of the hidden dim, their sum + SwiGLU, and the down
+projection.  With many rows per expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above
+`CUDA_MAX_ROWS` rows.
 
-The CUDA op gets a table of the active groups (expert id, first row, row count) computed here from
-group_sizes, plus the count of active groups: all device data, so nothing syncs with the host and the call
+The table and the count of active groups are device data, so nothing syncs with the host and the call
 can sit inside `lax.while_loop` / CUDA graphs.  Its grid has min(M, E) static group slots (the most groups
 M rows can fill); slots past the active count exit at once.  `jax.lax.platform_dependent` picks the CUDA
 branch when the program is lowered for a GPU.
@@ -143,7 +144,9 @@ def use_cpu_gather(rows, gate, impl: str) -> bool:
 
 def group_table(group_sizes, num_rows: int):
     """(groups [3, G] int32: expert id / first row / row count of each active expert in order,
-    num_active [] int32) with G = min(num_rows, E) static slots; unused slots hold count 0."""
+    num_active [] int32) with G = min(num_rows, E) static slots; unused slots hold count 0.
+    The CUDA op builds this table itself, in one kernel (it was ~8 small XLA kernels); this is its
+    statement in jnp, which the GPU tests compare it with."""
     num_experts = group_sizes.shape[0]
     slots = max(1, min(num_rows, num_experts))
     sizes = group_sizes.astype(jnp.int32)
@@ -163,20 +166,28 @@ def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
     return int(max(1, min(-(-hidden // CUDA_SPLIT_ROWS), PARTIAL_BYTES // per_split)))
 
 
-def _call_cuda(rows, group_sizes, gate, up, down):
+def call_cuda_op(rows, group_sizes, gate, up, down):
+    """The CUDA op's outputs: (out, groups, num_active), the last two the group table its first kernel built
+    (what `group_table` computes; exposed for tests)."""
     num_rows, hidden = rows.shape
-    inter = gate.shape[2]
-    groups, num_active = group_table(group_sizes, num_rows)
+    num_experts, _, inter = gate.shape
     splits = choose_splits(num_rows, hidden, inter)
+    slots = max(1, min(num_rows, num_experts))
     # Scratch as outputs (fixed addresses under CUDA graphs, as in ops/ffi.py): per-split gate/up partial
-    # sums, then the SwiGLU activations.
+    # sums, the SwiGLU activations, the group table.
     out_types = (jax.ShapeDtypeStruct((num_rows, hidden), rows.dtype),
                  jax.ShapeDtypeStruct((splits * num_rows * 2, inter), jnp.float32),
-                 jax.ShapeDtypeStruct((num_rows, inter), jnp.float32))
+                 jax.ShapeDtypeStruct((num_rows, inter), jnp.float32),
+                 jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                 jax.ShapeDtypeStruct((), jnp.int32))
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
-    out, _, _ = call(rows, gate, up, down, groups, num_active, blocks_per_sm=np.int64(blocks_per_sm()),
-                     splits=np.int64(splits))
-    return out
+    out, _, _, groups, num_active = call(rows, gate, up, down, group_sizes.astype(jnp.int32),
+                                         blocks_per_sm=np.int64(blocks_per_sm()), splits=np.int64(splits))
+    return out, groups, num_active
+
+
+def _call_cuda(rows, group_sizes, gate, up, down):
+    return call_cuda_op(rows, group_sizes, gate, up, down)[0]
 
 
 def validate_args(rows, group_sizes, gate, up, down, impl: str) -> None:

@@ -108,42 +108,51 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
     start = state.cache.seq_lens
     if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
         return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
-    logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
-    if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
-        logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
-    top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
-    if spec.tree == "ddtree":
-        return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
-    if spec.tree == "chain":
-        return trees.build_chain(top_tok, top_lp, state.bonus, start)
-    return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
+    with jax.named_scope("drafter"):
+        logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
+        if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
+            logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
+        top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
+    with jax.named_scope("tree"):
+        if spec.tree == "ddtree":
+            return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
+        if spec.tree == "chain":
+            return trees.build_chain(top_tok, top_lp, state.bonus, start)
+        return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
 
 
 def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
                       loop_weights=None) -> LoopState:
+    # The named scopes name the step's parts in the compiled program's metadata, which is how a profile
+    # of the step attributes its kernels (benchmarks/step_profile.py).
     tree = _draft_tree(drafter, target, state, spec)
     num_nodes = tree.num_nodes
-    cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
+    with jax.named_scope("tree"):
+        cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
     hidden_layers = () if drafter is None else drafter.target_layer_ids
     # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
-    fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
-                 hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights)
+    with jax.named_scope("verify"):
+        fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
+                     hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights)
     cache = cache._replace(pages=fwd.kv_pages)
 
-    if spec.temperature == 0:
-        acc = acceptance.accept_greedy(tree, fwd.logits)
-    else:
-        acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
-                                        temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+    with jax.named_scope("accept"):
+        if spec.temperature == 0:
+            acc = acceptance.accept_greedy(tree, fwd.logits)
+        else:
+            acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
+                                            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
     active = state.active
-    cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
+    with jax.named_scope("commit"):
+        cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
     num_keep = jnp.where(active, acc.num_accepted + 1, 0)
 
     dcache = state.dcache
     if drafter is not None:
-        path = jnp.clip(acc.path, 0, num_nodes - 1)
-        path_hidden = jnp.take_along_axis(fwd.hidden, path[None, :, :, None], axis=2)  # [n, B, D+1, H]
-        dcache = drafter.extend_context(dcache, path_hidden, num_keep)
+        with jax.named_scope("drafter"):
+            path = jnp.clip(acc.path, 0, num_nodes - 1)
+            path_hidden = jnp.take_along_axis(fwd.hidden, path[None, :, :, None], axis=2)  # [n, B, D+1, H]
+            dcache = drafter.extend_context(dcache, path_hidden, num_keep)
 
     # Emit: the accepted tokens then the bonus, cut after a stop token.
     emitted = acc.emitted  # [B, D+1], -1 past num_emitted

@@ -1,0 +1,147 @@
+"""Where the time of one compiled program goes: its kernels, from a device trace, grouped by the model's parts.
+
+    profile = profile_call(compiled, args, steps=8)    # {"components_ms": {...}, "busy_ms": ..., ...} per step
+
+The program runs once under `jax.profiler` (CUPTI on a GPU); the trace is read back with
+`jax.profiler.ProfileData` (no TensorBoard needed). Every kernel carries the XLA instruction it came from:
+on a GPU, XLA's annotation "name=<op_name path>,hlo_op=<instruction>"; on a CPU, the instruction alone, whose
+op_name this looks up in the compiled program's HLO text. The op_name path holds the `jax.named_scope`s
+that the engine and model set around their parts (drafter, tree, verify, attention_op, moe, head, accept,
+commit), so each kernel's time lands in one part (`component_of`). A kernel that fuses ops of two parts
+lands in the outer one (on a GPU it carries the fused ops' common op_name prefix, on a CPU its root's): the
+MoE's final weighted sum fused with the residual add counts as "dense". Such kernels are small.
+
+Why a profile and not only components timed alone: alone, each part's loop pays its own launches and
+bookkeeping, and the sum over parts came to ~1.2x the step (decode_context at f57f08a, 25 layers, H200).
+Inside the step the kernel times add up to at most the step; the rest ("idle") is the GPU waiting.
+
+A profiled run launches kernels one by one (XLA does not replay CUDA graphs under the profiler), so its
+wall time is not the step's: only kernel durations are taken from it, and the step time is the unprofiled one.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import shutil
+import tempfile
+
+import jax
+
+# (scope in the op_name path, component): the first scope found in a kernel's path decides. The drafter
+# first: it calls the target's head and embedding inside its own scope.
+SCOPES = (("drafter", "drafter"), ("attention_op", "attention"), ("moe", "moe"), ("head", "head"),
+          ("tree", "tree_accept_commit"), ("accept", "tree_accept_commit"), ("commit", "tree_accept_commit"),
+          ("verify", "dense"))
+COMPONENTS = ("attention", "moe", "dense", "drafter", "head", "tree_accept_commit", "other")
+
+_HLO_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
+_ANNOTATION_NAME = re.compile(r"[#,]name=([^,#]+)")
+_ANNOTATION_OP = re.compile(r"hlo_op=([^,#]+)")
+# Lines that tools derive from the kernels (absent from a raw trace, skipped if present: they would count twice).
+# Control flow: on a CPU the thunk of a while loop spans its body's thunks (and would count them twice).
+_CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+_DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework Ops", "Framework Name Scope", "Source code",
+                  "XLA TraceMe", "Launch Stats")
+
+
+def component_of(op_name: str) -> str:
+    parts = set(op_name.split("/"))
+    for scope, component in SCOPES:
+        if scope in parts:
+            return component
+    return "other"
+
+
+def op_names_from_hlo(hlo_text: str) -> dict:
+    """{instruction name: op_name} from an HLO module's text (metadata printed)."""
+    return {m.group(1): m.group(2) for m in _HLO_LINE.finditer(hlo_text)}
+
+
+def kernel_events(xspace_path: str, module_names=()):
+    """[(start_ns, end_ns, kernel name, op_name or None, hlo_op or None)] of the trace's device kernels (GPU
+    planes), or, on a CPU-only trace, of the XLA thunks of `module_names` (hlo_module stat)."""
+    data = jax.profiler.ProfileData.from_file(xspace_path)
+    planes = list(data.planes)
+    devices = [p for p in planes if p.name.startswith("/device:GPU")]
+    events = []
+    for plane in devices or [p for p in planes if p.name.startswith("/host:CPU")]:
+        for line in plane.lines:
+            if line.name in _DERIVED_LINES:
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                hlo_op, op_name = stats.get("hlo_op"), None
+                # Annotations nest ("XlaModule:#..#::Thunk:#..#::Thunk:#name=..,hlo_op=..#"): the innermost
+                # one that names an instruction is the kernel's.
+                segments = [seg for v in stats.values() if isinstance(v, str) for seg in v.split("::")]
+                for seg in reversed(segments):
+                    if (m := _ANNOTATION_OP.search(seg)) is not None:
+                        hlo_op = hlo_op or m.group(1)
+                        op_name = (n := _ANNOTATION_NAME.search(seg)) and n.group(1)
+                        break
+                if not devices and (hlo_op is None or _CONTROL_FLOW.match(hlo_op)
+                                    or (module_names and stats.get("hlo_module") not in module_names)):
+                    continue  # a host trace: only the program's own thunks, not its loops
+                events.append((ev.start_ns, ev.end_ns, ev.name, op_name, hlo_op))
+    return events
+
+
+def busy_ns(events) -> float:
+    """Length of the union of the events' intervals (kernels that overlap count once)."""
+    total, end = 0.0, None
+    for start, stop, *_ in sorted(events):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def attribute(events, op_names: dict) -> dict:
+    """{component: kernel ns} over the events."""
+    out = dict.fromkeys(COMPONENTS, 0.0)
+    for start, stop, _, op_name, hlo_op in events:
+        if op_name is None and hlo_op is not None:
+            op_name = op_names.get(hlo_op, "")
+        out[component_of(op_name or "")] += stop - start
+    return out
+
+
+def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None) -> dict:
+    """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
+    kernel intervals per step ("busy_ms"), the kernel count, and the most frequent unattributed kernels.
+    `compiled`: a jax Compiled (its HLO text maps instructions to op_names). keep_dir: copy the trace there."""
+    hlo = compiled.as_text() or ""
+    module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
+    trace_dir = tempfile.mkdtemp(prefix="step_profile_")
+    try:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(compiled(*args))
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+        events = kernel_events(paths[0], module_names)
+        if keep_dir:
+            shutil.copy(paths[0], keep_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if not events:
+        raise RuntimeError("the trace holds no kernel of the program")
+    op_names = op_names_from_hlo(hlo)
+    by_component = attribute(events, op_names)
+    other = {}
+    for start, stop, name, op_name, hlo_op in events:
+        if component_of(op_name or op_names.get(hlo_op or "", "")) == "other":
+            other[name] = other.get(name, 0.0) + (stop - start)
+    top_other = sorted(other.items(), key=lambda kv: -kv[1])[:5]
+    return {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
+            "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
+            "busy_ms": busy_ns(events) / steps / 1e6,
+            "kernels_per_step": len(events) / steps,
+            "other_top": [(n[:80], round(v / steps / 1e6, 4)) for n, v in top_other]}
