@@ -680,7 +680,9 @@ def main(argv=None):
                 try:
                     final = None
                     s = jax.tree.map(jnp.copy, job.args[2])
-                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), steps=steps_run)
+                    first = not any("profile" in e for e in extra.values())  # keep raw stats of one trace
+                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), steps=steps_run,
+                                                         sample=12 if first else 0)
                 except Exception as e:  # a failed profile leaves the timing and the components timed alone
                     extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
                     log(f"profile of {key}: {extra[key]['profile_error']}")

@@ -34,6 +34,9 @@ SCOPES = (("drafter", "drafter"), ("attention_op", "attention"), ("moe", "moe"),
           ("tree", "tree_accept_commit"), ("accept", "tree_accept_commit"), ("commit", "tree_accept_commit"),
           ("verify", "dense"))
 COMPONENTS = ("attention", "moe", "dense", "drafter", "head", "tree_accept_commit", "other")
+# This project's CUDA kernels (FFI custom calls: XLA names no instruction after them).
+OWN_KERNELS = ((re.compile(r"verify_attention|merge_splits"), "attention"),
+               (re.compile(r"gate_up_kernel|down_kernel|finish_kernel|group_table_kernel"), "moe"))
 
 _HLO_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
 _ANNOTATION_NAME = re.compile(r"[#,]name=([^,#]+)")
@@ -58,19 +61,22 @@ def op_names_from_hlo(hlo_text: str) -> dict:
     return {m.group(1): m.group(2) for m in _HLO_LINE.finditer(hlo_text)}
 
 
-def kernel_events(xspace_path: str, module_names=()):
-    """[(start_ns, end_ns, kernel name, op_name or None, hlo_op or None)] of the trace's device kernels (GPU
-    planes), or, on a CPU-only trace, of the XLA thunks of `module_names` (hlo_module stat)."""
+def kernel_events(xspace_path: str, module_names=(), sample: int = 0):
+    """([(line, start_ns, end_ns, kernel name, op_name or None, hlo_op or None)], [a few events' raw stats])
+    of the trace's device kernels (GPU planes), or, on a CPU-only trace, of the XLA thunks of `module_names`
+    (hlo_module stat). `sample`: how many distinct kernels' stats to return (to see what a trace holds)."""
     data = jax.profiler.ProfileData.from_file(xspace_path)
     planes = list(data.planes)
     devices = [p for p in planes if p.name.startswith("/device:GPU")]
-    events = []
+    events, seen = [], {}
     for plane in devices or [p for p in planes if p.name.startswith("/host:CPU")]:
         for line in plane.lines:
             if line.name in _DERIVED_LINES:
                 continue
             for ev in line.events:
                 stats = dict(ev.stats)
+                if len(seen) < sample and ev.name not in seen:
+                    seen[ev.name] = {"line": line.name, **{k: str(v)[:160] for k, v in stats.items()}}
                 hlo_op, op_name = stats.get("hlo_op"), None
                 # Annotations nest ("XlaModule:#..#::Thunk:#..#::Thunk:#name=..,hlo_op=..#"): the innermost
                 # one that names an instruction is the kernel's.
@@ -83,14 +89,14 @@ def kernel_events(xspace_path: str, module_names=()):
                 if not devices and (hlo_op is None or _CONTROL_FLOW.match(hlo_op)
                                     or (module_names and stats.get("hlo_module") not in module_names)):
                     continue  # a host trace: only the program's own thunks, not its loops
-                events.append((ev.start_ns, ev.end_ns, ev.name, op_name, hlo_op))
-    return events
+                events.append((line.name, ev.start_ns, ev.end_ns, ev.name, op_name, hlo_op))
+    return events, [{"kernel": k[:100], **v} for k, v in seen.items()]
 
 
 def busy_ns(events) -> float:
     """Length of the union of the events' intervals (kernels that overlap count once)."""
     total, end = 0.0, None
-    for start, stop, *_ in sorted(events):
+    for start, stop in sorted((e[1], e[2]) for e in events):
         if end is None or start > end:
             total += stop - start
             end = stop
@@ -100,20 +106,58 @@ def busy_ns(events) -> float:
     return total
 
 
-def attribute(events, op_names: dict) -> dict:
-    """{component: kernel ns} over the events."""
-    out = dict.fromkeys(COMPONENTS, 0.0)
-    for start, stop, _, op_name, hlo_op in events:
-        if op_name is None and hlo_op is not None:
-            op_name = op_names.get(hlo_op, "")
-        out[component_of(op_name or "")] += stop - start
-    return out
+def resolve(event, op_names: dict, kernel_op_names: dict):
+    """(component, how) of one kernel, or (None, None): by XLA's annotation (its op_name path), by the
+    instruction it names, by its kernel name (XLA names a fusion's kernel after the instruction, "." -> "_"),
+    or, for this project's own CUDA kernels (FFI custom calls), by their names."""
+    _, _, _, name, op_name, hlo_op = event
+    if op_name:
+        return component_of(op_name), "annotation"
+    if hlo_op in op_names:
+        return component_of(op_names[hlo_op]), "instruction"
+    for key in (name, re.sub(r"_\d+$", "", name)):
+        if key in kernel_op_names:
+            return component_of(kernel_op_names[key]), "kernel name"
+    for pattern, component in OWN_KERNELS:
+        if pattern.search(name):
+            return component, "own kernel"
+    return None, None
 
 
-def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None) -> dict:
+def attribute(events, op_names: dict):
+    """({component: kernel ns}, {how: kernel ns}) over the events. A kernel that names nothing (a library's
+    GEMM called by a custom call) takes the part of the next resolved kernel on its stream (else the last):
+    XLA runs a part's instructions together, so a library kernel sits among its part's own."""
+    kernel_op_names = {re.sub(r"[.\-]", "_", k): v for k, v in op_names.items()}
+    out, how_ns = dict.fromkeys(COMPONENTS, 0.0), {}
+    by_line = {}
+    for ev in sorted(events, key=lambda e: (e[0], e[1])):
+        by_line.setdefault(ev[0], []).append(ev)
+    for line_events in by_line.values():
+        resolved = [resolve(ev, op_names, kernel_op_names) for ev in line_events]
+        following = None
+        for i in range(len(line_events) - 1, -1, -1):  # the next resolved component, scanning backwards
+            component, how = resolved[i]
+            if component is None:
+                resolved[i] = (following, "next kernel") if following else (None, None)
+            else:
+                following = component
+        last = None
+        for i, (component, how) in enumerate(resolved):
+            if component is None:
+                component, how = (last or "other"), ("previous kernel" if last else "none")
+            last = component
+            ns = line_events[i][2] - line_events[i][1]
+            out[component] += ns
+            how_ns[how] = how_ns.get(how, 0.0) + ns
+    return out, how_ns
+
+
+def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sample: int = 0) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
-    kernel intervals per step ("busy_ms"), the kernel count, and the most frequent unattributed kernels.
-    `compiled`: a jax Compiled (its HLO text maps instructions to op_names). keep_dir: copy the trace there."""
+    kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
+    and the largest kernels of "other". `compiled`: a jax Compiled (its HLO text maps instructions to
+    op_names). keep_dir: copy the trace there; sample: include that many kernels' raw stats."""
     hlo = compiled.as_text() or ""
     module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
     trace_dir = tempfile.mkdtemp(prefix="step_profile_")
@@ -126,7 +170,7 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None) ->
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
-        events = kernel_events(paths[0], module_names)
+        events, stats_sample = kernel_events(paths[0], module_names, sample)
         if keep_dir:
             shutil.copy(paths[0], keep_dir)
     finally:
@@ -134,14 +178,19 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None) ->
     if not events:
         raise RuntimeError("the trace holds no kernel of the program")
     op_names = op_names_from_hlo(hlo)
-    by_component = attribute(events, op_names)
+    by_component, how_ns = attribute(events, op_names)
+    kernel_op_names = {re.sub(r"[.\-]", "_", k): v for k, v in op_names.items()}
     other = {}
-    for start, stop, name, op_name, hlo_op in events:
-        if component_of(op_name or op_names.get(hlo_op or "", "")) == "other":
-            other[name] = other.get(name, 0.0) + (stop - start)
+    for ev in events:
+        if resolve(ev, op_names, kernel_op_names)[0] == "other":
+            other[ev[3]] = other.get(ev[3], 0.0) + (ev[2] - ev[1])
     top_other = sorted(other.items(), key=lambda kv: -kv[1])[:5]
-    return {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
-            "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
-            "busy_ms": busy_ns(events) / steps / 1e6,
-            "kernels_per_step": len(events) / steps,
-            "other_top": [(n[:80], round(v / steps / 1e6, 4)) for n, v in top_other]}
+    result = {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
+              "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
+              "busy_ms": busy_ns(events) / steps / 1e6,
+              "kernels_per_step": len(events) / steps,
+              "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
+              "other_top": [(n[:80], round(v / steps / 1e6, 4)) for n, v in top_other]}
+    if sample:
+        result["stats_sample"] = stats_sample
+    return result
