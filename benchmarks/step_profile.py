@@ -3,22 +3,23 @@
     profile = profile_call(compiled, args, steps=8)    # {"components_ms": {...}, "busy_ms": ..., ...} per step
 
 The program runs once under `jax.profiler` (CUPTI on a GPU); the trace is read back with
-`jax.profiler.ProfileData` (no TensorBoard needed). Every kernel carries the XLA instruction it came from:
-on a GPU, XLA's annotation "name=<op_name path>,hlo_op=<instruction>"; on a CPU, the instruction alone, whose
-op_name this looks up in the compiled program's HLO text. The op_name path holds the `jax.named_scope`s
+`jax.profiler.ProfileData` (no TensorBoard needed). Each kernel is traced to the XLA instruction it came
+from, whose op_name (HLO metadata, from the compiled program's text: `HloIndex`) holds the `jax.named_scope`s
 that the engine and model set around their parts (drafter, tree, verify, attention_op, moe, head, accept,
-commit), so each kernel's time lands in one part (`component_of`). A kernel that fuses ops of two parts
-lands in the outer one (on a GPU it carries the fused ops' common op_name prefix, on a CPU its root's): the
-MoE's final weighted sum fused with the residual add counts as "dense". Such kernels are small.
+commit), so its time lands in one part (`component_of`). The instruction, in order of trust (`resolve`):
+the trace's own stat (kernels launched one by one); else the kernel's name, which XLA derives from the fusion
+it compiles (kernels replayed in a CUDA graph carry only the graph's command-buffer instruction); else, for
+this project's FFI kernels, their names. A library kernel (cuBLAS inside a custom call) names nothing; the
+schedule places it (`attribute`). On the H200 at edbe0cd, of a 25-layer step's ~7.5 ms of kernels, 2.6 ms
+resolved by name, 4.9 ms were the FFI kernels and 0.15 ms (T = 9) to 0.6 ms (200k, T = 33) needed their
+neighbours. A kernel that fuses ops of two parts lands in the outer one (its op_name is the fused ops'
+common prefix, or on a CPU its root's): the MoE's final weighted sum fused with the residual add counts as
+"dense". Such kernels are small.
 
-Why a profile and not only components timed alone: alone, each part's loop pays its own launches and
-bookkeeping, and the sum over parts came to ~1.2x the step (decode_context at f57f08a, 25 layers, H200).
-Inside the step the kernel times add up to at most the step; the rest ("idle") is the GPU waiting.
-
-A profiled run launches kernels one by one (XLA does not replay CUDA graphs under the profiler), so its
-wall time is not the step's: only kernel durations are taken from it, and the step time is the unprofiled one.
-"""
-
+Why a profile and not only components timed alone: alone, each part's loop is wall time, with its own
+launch gaps and bookkeeping, and the parts summed to ~1.2x the step (decode_context at f57f08a, 25 layers,
+H200). Inside the step the kernel times add up to at most the step; the rest ("idle") is the GPU waiting.
+Only kernel durations are taken from the profiled run; the step time is the unprofiled one.
 from __future__ import annotations
 
 import glob
@@ -56,9 +57,44 @@ def component_of(op_name: str) -> str:
     return "other"
 
 
-def op_names_from_hlo(hlo_text: str) -> dict:
-    """{instruction name: op_name} from an HLO module's text (metadata printed)."""
-    return {m.group(1): m.group(2) for m in _HLO_LINE.finditer(hlo_text)}
+class HloIndex:
+    """What a profile needs of a compiled module's HLO text: each instruction's op_name (its metadata), its
+    opcode and custom-call target, and its place in its computation's printed order, which for a scheduled
+    module (XLA:GPU prints one) is the order its kernels run in; `by_kernel`: XLA's kernel names (an
+    instruction's name with "." and "-" as "_") -> instruction."""
+
+    _INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+    _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+    def __init__(self, hlo_text: str):
+        self.op_name, self.opcode, self.target, self.place, self.order = {}, {}, {}, {}, {}
+        computation = None
+        for line in hlo_text.splitlines():
+            if (m := self._COMPUTATION.match(line)) is not None:
+                computation = m.group(1)
+                self.order[computation] = []
+                continue
+            if computation is None or (m := self._INSTR.match(line)) is None:
+                continue
+            name, rhs = m.groups()
+            self.place[name] = (computation, len(self.order[computation]))
+            self.order[computation].append(name)
+            if (op := re.search(r"\s([a-z][a-z0-9\-]*)\(", " " + rhs)) is not None:
+                self.opcode[name] = op.group(1)
+            if (meta := re.search(r'op_name="([^"]*)"', rhs)) is not None:
+                self.op_name[name] = meta.group(1)
+            if (target := re.search(r'custom_call_target="([^"]+)"', rhs)) is not None:
+                self.target[name] = target.group(1)
+        self.by_kernel = {re.sub(r"[.\-]", "_", k): k for k in self.place}
+
+    def library_calls_between(self, first: str, last: str) -> list:
+        """The custom calls scheduled strictly between two instructions of one computation, other than this
+        project's own (their kernels are named): the candidates for a library kernel seen between them."""
+        (comp_a, i), (comp_b, j) = self.place[first], self.place[last]
+        if comp_a != comp_b or i >= j:
+            return []
+        return [n for n in self.order[comp_a][i + 1:j]
+                if self.opcode.get(n) == "custom-call" and not self.target.get(n, "").startswith("kdtree_")]
 
 
 def kernel_events(xspace_path: str, module_names=(), sample: int = 0):
@@ -106,44 +142,57 @@ def busy_ns(events) -> float:
     return total
 
 
-def resolve(event, op_names: dict, kernel_op_names: dict):
-    """(component, how) of one kernel, or (None, None): by XLA's annotation (its op_name path), by the
-    instruction it names, by its kernel name (XLA names a fusion's kernel after the instruction, "." -> "_"),
-    or, for this project's own CUDA kernels (FFI custom calls), by their names."""
+def resolve(event, hlo: HloIndex):
+    """(component, how, instruction or None) of one kernel, or (None, None, None): by XLA's annotation (its
+    op_name path), by the instruction it names, by its kernel name (XLA names a fusion's kernel after the
+    instruction), or, for this project's own CUDA kernels (FFI custom calls), by their names."""
     _, _, _, name, op_name, hlo_op = event
     if op_name:
-        return component_of(op_name), "annotation"
-    if hlo_op in op_names:
-        return component_of(op_names[hlo_op]), "instruction"
+        return component_of(op_name), "annotation", hlo_op if hlo_op in hlo.place else None
+    if hlo_op in hlo.op_name:
+        return component_of(hlo.op_name[hlo_op]), "instruction", hlo_op
     for key in (name, re.sub(r"_\d+$", "", name)):
-        if key in kernel_op_names:
-            return component_of(kernel_op_names[key]), "kernel name"
+        if key in hlo.by_kernel and hlo.by_kernel[key] in hlo.op_name:
+            instr = hlo.by_kernel[key]
+            return component_of(hlo.op_name[instr]), "kernel name", instr
     for pattern, component in OWN_KERNELS:
         if pattern.search(name):
-            return component, "own kernel"
-    return None, None
+            return component, "own kernel", None
+    return None, None, None
 
 
-def attribute(events, op_names: dict):
-    """({component: kernel ns}, {how: kernel ns}) over the events. A kernel that names nothing (a library's
-    GEMM called by a custom call) takes the part of the next resolved kernel on its stream (else the last):
-    XLA runs a part's instructions together, so a library kernel sits among its part's own."""
-    kernel_op_names = {re.sub(r"[.\-]", "_", k): v for k, v in op_names.items()}
+def attribute(events, hlo: HloIndex):
+    """({component: kernel ns}, {how: kernel ns}) over the events.
+
+    A kernel that names nothing (a library GEMM that a custom call ran inside a CUDA graph) is placed by the
+    schedule: between the instructions of the nearest resolved kernels before and after it on its stream,
+    the library calls scheduled there; if they all belong to one part, it is that part's ("schedule").
+    Failing that, it takes the part of the next resolved kernel on its stream (else the previous one)."""
     out, how_ns = dict.fromkeys(COMPONENTS, 0.0), {}
     by_line = {}
     for ev in sorted(events, key=lambda e: (e[0], e[1])):
         by_line.setdefault(ev[0], []).append(ev)
     for line_events in by_line.values():
-        resolved = [resolve(ev, op_names, kernel_op_names) for ev in line_events]
+        resolved = [resolve(ev, hlo) for ev in line_events]
+        placed = [i for i, r in enumerate(resolved) if r[2] is not None]
+        for i, (component, _, _) in enumerate(resolved):
+            if component is not None:
+                continue
+            before = [j for j in placed if j < i]
+            after = [j for j in placed if j > i]
+            if before and after:
+                calls = hlo.library_calls_between(resolved[before[-1]][2], resolved[after[0]][2])
+                parts = {component_of(hlo.op_name.get(c, "")) for c in calls}
+                if len(parts) == 1:
+                    resolved[i] = (parts.pop(), "schedule", None)
         following = None
-        for i in range(len(line_events) - 1, -1, -1):  # the next resolved component, scanning backwards
-            component, how = resolved[i]
-            if component is None:
-                resolved[i] = (following, "next kernel") if following else (None, None)
+        for i in range(len(resolved) - 1, -1, -1):  # the next resolved component, scanning backwards
+            if resolved[i][0] is None:
+                resolved[i] = (following, "next kernel", None) if following else resolved[i]
             else:
-                following = component
+                following = resolved[i][0]
         last = None
-        for i, (component, how) in enumerate(resolved):
+        for i, (component, how, _) in enumerate(resolved):
             if component is None:
                 component, how = (last or "other"), ("previous kernel" if last else "none")
             last = component
@@ -177,12 +226,11 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sa
         shutil.rmtree(trace_dir, ignore_errors=True)
     if not events:
         raise RuntimeError("the trace holds no kernel of the program")
-    op_names = op_names_from_hlo(hlo)
-    by_component, how_ns = attribute(events, op_names)
-    kernel_op_names = {re.sub(r"[.\-]", "_", k): v for k, v in op_names.items()}
+    index = HloIndex(hlo)
+    by_component, how_ns = attribute(events, index)
     other = {}
     for ev in events:
-        if resolve(ev, op_names, kernel_op_names)[0] == "other":
+        if resolve(ev, index)[0] == "other":
             other[ev[3]] = other.get(ev[3], 0.0) + (ev[2] - ev[1])
     top_other = sorted(other.items(), key=lambda kv: -kv[1])[:5]
     result = {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
