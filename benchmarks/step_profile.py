@@ -20,6 +20,8 @@ Why a profile and not only components timed alone: alone, each part's loop is wa
 launch gaps and bookkeeping, and the parts summed to ~1.2x the step (decode_context at f57f08a, 25 layers,
 H200). Inside the step the kernel times add up to at most the step; the rest ("idle") is the GPU waiting.
 Only kernel durations are taken from the profiled run; the step time is the unprofiled one.
+"""
+
 from __future__ import annotations
 
 import glob
