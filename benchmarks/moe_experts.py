@@ -4,7 +4,7 @@ Two per-device slices of one K2 layer (hidden 7168, moe_intermediate 2048, 384 e
   ep: 96 whole experts (4-way expert parallelism; pairs routed to the other 288 experts contribute 0 here)
   tp: all 384 experts, a quarter (512) of each one's intermediate dim (4-way tensor parallelism)
 for T tokens (batch-1 verify steps) with uniformly random top-8 routing.  Each impl runs routed_experts
-(sort, gather, grouped MLP, weighted scatter-add) `--iters` times inside a jitted fori_loop whose input
+(sort, gather, grouped MLP, weighted sum back into tokens) `--iters` times inside a jitted fori_loop whose input
 depends on the carry; the time per call is the median over --reps of loop time / iters.  The floor is the
 bytes of the weights of the experts active on this device (3 matrices each) at 4.3 TB/s: reading each
 used expert once and nothing else.
@@ -109,7 +109,7 @@ def bench_layout(layout, widths, n_dev, tokens_list, iters, reps, log):
 def markdown(meta, rows):
     lines = [f"# Routed MoE, one K2 layer slice: ragged_dot vs the CUDA grouped GEMV ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. routed_experts (sort, gather, grouped "
-             f"SwiGLU, weighted scatter-add) per call, median of {meta['reps']} runs of a jitted fori_loop of "
+             f"SwiGLU, weighted sum back into tokens) per call, median of {meta['reps']} runs of a jitted fori_loop of "
              f"{meta['iters']} calls. Floor = bytes of the experts active on this device / 4.3 TB/s. "
              f"`cuda bps4` / `bps1`: the CUDA op at 128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM); "
              f"auto dispatch uses the CUDA op up to {meta['cuda_max_rows']} rows (pairs) per device. Last column: "

@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
 // The group table from group_sizes, on the device (one block; runs first): slot g of the table is the g-th
 // expert with rows, its first row the sum of the sizes before it.  Two block-wide exclusive scans (count of
 // active experts, rows), E / 1024 rounds.  In XLA this table was ~8 small kernels (cumsum, nonzero, stack),
-// ~25 us of a ~260 us MoE layer at T = 9 on an H200; here it is one launch.  Sizes are clamped to [0, M]
+// ~27 us of a ~260 us MoE layer at T = 9 on an H200; here it is one 3 us launch.  Sizes are clamped to [0, M]
 // and groups that would start at or past row M are dropped, so bad sizes can only shrink groups.
 constexpr int kTableThreads = 1024;
 

@@ -1,5 +1,5 @@
 """Nsight Compute helper for the routed MoE at decode sizes: one `routed_experts` call (sort, gather, the CUDA
-grouped expert MLP, weighted scatter-add) on one device's slice of a K2 layer, uniform random top-8 routing,
+grouped expert MLP, weighted sum back into tokens) on one device's slice of a K2 layer, uniform random top-8 routing,
 run once between cuProfilerStart/Stop so that `ncu --profile-from-start off` sees exactly that call's kernels.
 Plain jax.jit on arrays, like probe_verify.py (an nnx.jit probe of the whole MoE block segfaulted under ncu).
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
