@@ -26,7 +26,7 @@ projections, the dense layer's MLP), drafter (its pass, top-K and context extens
 commit; "unaccounted" is the step less them: kernels outside every part plus the GPU's idle time. (2) Alone,
 in jitted loops of the same shapes (benchmarks/components.py), kept beside for comparison; a part alone
 pays its own launches and bookkeeping, and those loops summed to ~1.2x the step. Rows without a profile
-(--profile none, or the reference rows under the default) show the parts timed alone.
+(--profile none or kernel, or a failed profile) show the parts timed alone.
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
 weights of the experts the router activated in the timed step itself (the engine's router statistics:
@@ -448,9 +448,10 @@ def main(argv=None):
                    help="contexts at which impls other than 'auto' also run ('all': every context)")
     p.add_argument("--deadline-s", type=float, default=0, help="start no new point after this many seconds (0: none)")
     p.add_argument("--compile-threads", type=int, default=0, help="0: one per CPU core")
-    p.add_argument("--profile", choices=("kernel", "all", "none"), default="kernel",
-                   help="profile one run of each step loop (kernel: the FFI kernel's steps only) and split the step "
-                        "into its parts by the kernels' named scopes (benchmarks/step_profile.py)")
+    p.add_argument("--profile", choices=("all", "kernel", "none"), default="all",
+                   help="profile one run of each step loop (kernel: the FFI kernel's steps only; a few seconds per "
+                        "step loop) and split the step into its parts by the kernels' named scopes "
+                        "(benchmarks/step_profile.py)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--tree-only", action="store_true",
