@@ -831,6 +831,13 @@ def write_markdown(path, meta, rows):
                                else f"{r[k]:.3f} / –" for k, _ in names)
             lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
                          f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {r['profile']['kernels_per_step']:.0f} |")
+    shown = next((r for r in profiled if (r["context"], r["nodes"], r["impl"]) == (65536, 9, "auto")),
+                 profiled[0] if profiled else None)
+    if shown is not None and shown["profile"].get("top_kernels"):
+        lines += ["", f"Largest kernels per part at L = {shown['context']}, T = {shown['nodes']}, {shown['impl']} "
+                  "(ms per step, launches per step; a kernel's instances in every layer added up):", ""]
+        for part, top in shown["profile"]["top_kernels"].items():
+            lines.append(f"- {part}: " + "; ".join(f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in top[:4]))
     kernel = [r for r in full if r["impl"] == "auto"]
     if kernel:
         def span(vals, fmt):

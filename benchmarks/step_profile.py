@@ -163,14 +163,28 @@ def resolve(event, hlo: HloIndex):
     return None, None, None
 
 
+def kernel_family(name: str) -> str:
+    """A kernel name without its instance numbers ("loop_add_fusion_12" -> "loop_add_fusion") or its parameter
+    list, so that one kernel's instances in every layer add up."""
+    if name.endswith(")"):  # a C++ kernel: cut its final (parameter) group
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return re.sub(r"(_\d+)+$", "", name)[:80]
+
+
 def attribute(events, hlo: HloIndex):
-    """({component: kernel ns}, {how: kernel ns}) over the events.
+    """({component: kernel ns}, {how: kernel ns}, {component: {kernel family: [ns, count]}}) over the events.
 
     A kernel that names nothing (a library GEMM that a custom call ran inside a CUDA graph) is placed by the
     schedule: between the instructions of the nearest resolved kernels before and after it on its stream,
     the library calls scheduled there; if they all belong to one part, it is that part's ("schedule").
     Failing that, it takes the part of the next resolved kernel on its stream (else the previous one)."""
-    out, how_ns = dict.fromkeys(COMPONENTS, 0.0), {}
+    out, how_ns, families = dict.fromkeys(COMPONENTS, 0.0), {}, {c: {} for c in COMPONENTS}
     by_line = {}
     for ev in sorted(events, key=lambda e: (e[0], e[1])):
         by_line.setdefault(ev[0], []).append(ev)
@@ -201,13 +215,16 @@ def attribute(events, hlo: HloIndex):
             ns = line_events[i][2] - line_events[i][1]
             out[component] += ns
             how_ns[how] = how_ns.get(how, 0.0) + ns
-    return out, how_ns
+            family = families[component].setdefault(kernel_family(line_events[i][3]), [0.0, 0])
+            family[0] += ns
+            family[1] += 1
+    return out, how_ns, families
 
 
 def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sample: int = 0) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
     kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
-    and the largest kernels of "other". `compiled`: a jax Compiled (its HLO text maps instructions to
+    and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
     op_names). keep_dir: copy the trace there; sample: include that many kernels' raw stats."""
     hlo = compiled.as_text() or ""
     module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
@@ -229,18 +246,16 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sa
     if not events:
         raise RuntimeError("the trace holds no kernel of the program")
     index = HloIndex(hlo)
-    by_component, how_ns = attribute(events, index)
-    other = {}
-    for ev in events:
-        if resolve(ev, index)[0] == "other":
-            other[ev[3]] = other.get(ev[3], 0.0) + (ev[2] - ev[1])
-    top_other = sorted(other.items(), key=lambda kv: -kv[1])[:5]
+    by_component, how_ns, families = attribute(events, index)
+    top = {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
+               for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:6]]
+           for c, fam in families.items() if fam}
     result = {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
               "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
               "busy_ms": busy_ns(events) / steps / 1e6,
               "kernels_per_step": len(events) / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
-              "other_top": [(n[:80], round(v / steps / 1e6, 4)) for n, v in top_other]}
+              "top_kernels": top}
     if sample:
         result["stats_sample"] = stats_sample
     return result

@@ -151,6 +151,8 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert row["profile"]["kernels_per_step"] > 0 and row["attention_ms"] == row["profile"]["components_ms"]["attention"]
     assert row["attention_ms"] > 0 and row["moe_ms"] > 0 and set(row["alone_ms"]) >= {"attention_ms", "moe_ms"}
     assert "idle_ms" in row and "other_kernels_ms" in row
+    assert row["profile"]["top_kernels"]["attention"][0][1] > 0  # [family, ms, launches] per step
+    assert "Largest kernels" in (tmp_path / "dc.md").read_text()
     # The MoE floor counts the experts the timed step activated, and the MoE component ran on inputs
     # calibrated to reach about as many.
     assert row["moe_distinct_experts_per_layer"] == row["moe_distinct_in_step"] > 0
@@ -225,11 +227,14 @@ def test_step_profile_places_library_kernels_by_schedule():
               ("Stream #1", 7 * ms, 8 * ms, "fusion_4", None, "command_buffer_3"),
               ("Stream #1", 8 * ms, 10 * ms, "sm90_xmma_gemm", None, "command_buffer_3"),  # two parts' calls between
               ("Stream #1", 10 * ms, 11 * ms, "fusion_7", None, "command_buffer_3")]
-    parts, how = step_profile.attribute(events, hlo)
+    parts, how, families = step_profile.attribute(events, hlo)
     assert parts["head"] == 3 * ms  # fusion.1 and the GEMM the schedule places in the head
     assert parts["attention"] == 4 * ms and parts["tree_accept_commit"] == 1 * ms
     assert parts["moe"] == 3 * ms  # fusion.7, and the ambiguous GEMM by its next kernel
     assert how == {"kernel name": 3 * ms, "schedule": 2 * ms, "own kernel": 4 * ms, "next kernel": 2 * ms}
+    assert families["head"] == {"fusion": [1 * ms, 1], "nvjet_tst_gemm": [2 * ms, 1]}
+    assert step_profile.kernel_family("void (anonymous namespace)::gate_up_kernel<true, 4>((anonymous namespace)::Params)") \
+        == "gate_up_kernel<true, 4>"
 
 
 def test_decode_context_tree_only_smoke(tmp_path):
