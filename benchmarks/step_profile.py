@@ -164,7 +164,7 @@ def resolve(event, hlo: HloIndex):
 
 
 def kernel_family(name: str) -> str:
-    """A kernel name without its instance numbers ("loop_add_fusion_12" -> "loop_add_fusion") or its parameter
+    """A kernel name without its instance numbers ("loop_add_fusion_12", "ynn_fusion.3" -> "..._fusion") or its parameter
     list, so that one kernel's instances in every layer add up."""
     if name.endswith(")"):  # a C++ kernel: cut its final (parameter) group
         depth = 0
@@ -174,7 +174,7 @@ def kernel_family(name: str) -> str:
                 name = name[:i]
                 break
     name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
-    return re.sub(r"(_\d+)+$", "", name)[:80]
+    return re.sub(r"([._]\d+)+$", "", name)[:80]  # GPU kernels "fusion_12", CPU thunks "fusion.12"
 
 
 def attribute(events, hlo: HloIndex):
