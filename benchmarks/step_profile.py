@@ -10,9 +10,9 @@ commit), so its time lands in one part (`component_of`). The instruction, in ord
 the trace's own stat (kernels launched one by one); else the kernel's name, which XLA derives from the fusion
 it compiles (kernels replayed in a CUDA graph carry only the graph's command-buffer instruction); else, for
 this project's FFI kernels, their names. A library kernel (cuBLAS inside a custom call) names nothing; the
-schedule places it (`attribute`). On the H200 at edbe0cd, of a 25-layer step's ~7.5 ms of kernels, 2.6 ms
-resolved by name, 4.9 ms were the FFI kernels and 0.15 ms (T = 9) to 0.6 ms (200k, T = 33) needed their
-neighbours. A kernel that fuses ops of two parts lands in the outer one (its op_name is the fused ops'
+schedule places it (`attribute`). On the H200 at edbe0cd, of a 25-layer step's 7.6 ms of kernels at 4k,
+T = 9, 2.6 ms resolved by name, 4.9 ms were the FFI kernels and 0.15 ms needed their neighbours (0.6 ms of
+28.6 at 200k, T = 33). A kernel that fuses ops of two parts lands in the outer one (its op_name is the fused ops'
 common prefix, or on a CPU its root's): the MoE's final weighted sum fused with the residual add counts as
 "dense". Such kernels are small.
 
