@@ -490,6 +490,8 @@ def main(argv=None):
         f"vocab slice {cfg.vocab_size}; drafter per rank {dcfg}")
     target = on_device(lambda: Transformer(cfg, jnp.bfloat16, rngs=nnx.Rngs(0)))
     drafter = on_device(lambda: Drafter(cfg, dcfg, jnp.bfloat16, rngs=nnx.Rngs(1)))
+    jax.block_until_ready((nnx.state(target), nnx.state(drafter)))
+    log(f"random weights on the device ({time.perf_counter() - t_start:.0f} s)")  # 94-129 s of a fit run: which part?
     bws = copy_bandwidth()
     bw_name = max(bws, key=bws.get)
     bandwidth = bws[bw_name]
