@@ -20,7 +20,7 @@ nodes, verify forward, acceptance, commit -- timed as the mean over K steps of o
 reference attention, in the same run.
 
 Per component, two ways. (1) Inside the step: one run of each step loop under the profiler, its kernels
-grouped by the named scopes the engine and model set (benchmarks/step_profile.py): attention (the verify
+grouped by the named scopes the engine and model set (kdtree_jax/profiling.py): attention (the verify
 op), MoE (router, routed and shared experts), dense (everything else of the verify forward: norms, MLA
 projections, the dense layer's MLP), drafter (its pass, top-K and context extension), head, tree + accept +
 commit; "unaccounted" is the step less them: kernels outside every part plus the GPU's idle time. (2) Alone,
@@ -65,7 +65,6 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from components import attention_loop, dense_loop, median_seconds, moe_loop  # noqa: E402
-from step_profile import profile_call  # noqa: E402
 
 import kdtree_jax
 from kdtree_jax import kv_pool
@@ -74,13 +73,14 @@ from kdtree_jax.model.layers import rope_cos_sin
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.profiling import profile_call
 from kdtree_jax.provenance import git_commit
 from kdtree_jax.spec import accept as acceptance
 from kdtree_jax.spec import engine
 from kdtree_jax.spec import tree as trees
 
 TP = 8  # the tensor-parallel degree whose one rank is modelled
-# Row fields that a profile of the step replaces: field -> step_profile component.
+# Row fields that a profile of the step replaces: field -> kdtree_jax.profiling component.
 PROFILED_PARTS = {"attention_ms": "attention", "moe_ms": "moe", "dense_ms": "dense", "drafter_ms": "drafter",
                   "head_ms": "head", "tree_accept_commit_ms": "tree_accept_commit"}
 TOPK = 8
@@ -451,7 +451,7 @@ def main(argv=None):
     p.add_argument("--profile", choices=("all", "kernel", "none"), default="all",
                    help="profile one run of each step loop (kernel: the FFI kernel's steps only; a few seconds per "
                         "step loop) and split the step into its parts by the kernels' named scopes "
-                        "(benchmarks/step_profile.py)")
+                        "(kdtree_jax/profiling.py)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--tree-only", action="store_true",
@@ -786,7 +786,7 @@ def write_markdown(path, meta, rows):
              f"{rm['drafter_full']['num_kv_heads']} / {rm['drafter_full']['intermediate_size']}), fc "
              f"{rm['drafter_fc']}, the head slice shared. Not modelled: {rm['not_modelled']}.", "",
              "Times in ms, floors in parentheses (bytes / bandwidth). Parts: kernel time inside the timed step, "
-             "from a profile of one run of it (benchmarks/step_profile.py), on rows marked * ; otherwise each part "
+             "from a profile of one run of it (kdtree_jax/profiling.py), on rows marked * ; otherwise each part "
              "timed alone in its own loop. Unaccounted: the step less the parts. Tree+accept+commit [build / "
              "acceptance]: the brackets are timed alone.", "",
              "| L | T | attention | tau | step (floor) | step / floor | attention (floor) share | MoE (floor) | "

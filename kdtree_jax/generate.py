@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"],
                    help="verify-attention implementation")
+    p.add_argument("--profile", action="store_true",
+                   help="first run the decode loop once under the profiler and print where a step's time goes: "
+                        "kernel time per part (drafter, tree + accept + commit, the verify pass's attention, MoE and "
+                        "dense layers, lm head) and the device's idle time (stats.profile with --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
     return p
 
@@ -111,7 +115,8 @@ def main(argv=None) -> int:
     try:
         res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                               topk=args.topk, tree_temperature=args.tree_temperature, temperature=args.temperature,
-                              top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed, tree=tree, impl=args.impl)
+                              top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed, tree=tree, impl=args.impl,
+                              profile=args.profile)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     tokens = res.tokens[0]
@@ -125,7 +130,24 @@ def main(argv=None) -> int:
           f"{stats['new_tokens']} tokens · tree {stats['tree']} budget {stats['budget']}"
           f"{' tree temperature %g' % stats['tree_temperature'] if stats['tree'] == 'ddtree' and stats['budget'] else ''} "
           f"(compile {stats['compile_seconds']:.1f} s, not counted)", file=sys.stderr)
+    if args.profile:
+        print(profile_line(stats["profile"]), file=sys.stderr)
     return 0
+
+
+def profile_line(profile: dict) -> str:
+    """One line: a step's kernel time by part, largest first, then (on a GPU) the device's idle time."""
+    names = {"attention": "attention", "moe": "MoE", "dense": "dense", "drafter": "drafter", "head": "lm head",
+             "tree_accept_commit": "tree+accept+commit", "other": "other"}
+    total = profile["kernel_sum_ms"]
+    parts = sorted(profile["components_ms"].items(), key=lambda kv: -kv[1])
+    line = (f"per step, {profile['kernels_per_step']:.0f} kernels: "
+            + " · ".join(f"{names[k]} {v:.3f} ms ({100 * v / total:.0f}%)" for k, v in parts))
+    if profile["source"] == "device kernels":
+        return line + f"; the timed step {profile['step_ms']:.3f} ms, of which the device sat idle {profile['idle_ms']:.3f}"
+    # XLA:CPU runs thunks on several threads at once, and the profiler slows each one.
+    return line + (f" (CPU: thunks overlap across threads and the profiler slows each, so the shares are a guide "
+                   f"and their sum is not the step; the timed step {profile['step_ms']:.3f} ms)")
 
 
 class _CallableModule(types.ModuleType):

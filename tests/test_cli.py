@@ -60,3 +60,21 @@ def test_cli_rejects_bad_arguments(capsys):
         cli_main(["--prompt", "x", "--budget", "-3"])
     with pytest.raises(SystemExit):
         cli_main(["--prompt", "x", "--tree", "bush"])
+
+
+def test_cli_profile_splits_the_step_by_part(capsys):
+    """--profile: one profiled run of the decode loop before the timed one; the output is unchanged, the step's
+    kernel time is split by part (every part of a speculative step shows up) and printed on one line."""
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "8", "--budget", "4"]
+    assert cli_main(base + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli_main(base + ["--json", "--profile"]) == 0
+    profiled = json.loads(capsys.readouterr().out)
+    assert profiled["tokens"] == plain["tokens"]
+    prof = profiled["stats"]["profile"]
+    assert prof["steps"] == profiled["stats"]["steps"] and prof["kernels_per_step"] > 0
+    parts = prof["components_ms"]
+    assert all(parts[k] > 0 for k in ("attention", "moe", "dense", "drafter", "head", "tree_accept_commit"))
+    assert prof["step_ms"] > 0 and "idle_ms" in prof
+    assert cli_main(base + ["--profile"]) == 0
+    assert "per step," in capsys.readouterr().err

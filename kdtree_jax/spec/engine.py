@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import kv_pool
+from kdtree_jax import kv_pool, profiling
 from kdtree_jax.decode import prefill, validate_tokens
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
@@ -124,7 +124,7 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
 def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
                       loop_weights=None) -> LoopState:
     # The named scopes name the step's parts in the compiled program's metadata, which is how a profile
-    # of the step attributes its kernels (benchmarks/step_profile.py).
+    # of the step attributes its kernels (kdtree_jax/profiling.py).
     tree = _draft_tree(drafter, target, state, spec)
     num_nodes = tree.num_nodes
     with jax.named_scope("tree"):
@@ -241,7 +241,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
-             chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None) -> GenerateResult:
+             chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
+             profile: bool = False) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
@@ -251,6 +252,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
     acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
     (default: the target's mesh size) — the imbalance an expert-parallel layout would see.
+    profile: first run the decode loop once under the profiler, on a copy of its starting state (memory for a
+    second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
+    idle time of the timed run (its step time less the union of the profiled step's kernels).
     """
     cfg = target.cfg
     prompts, single = _as_batch(prompt_ids)
@@ -335,6 +339,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     t1 = time.perf_counter()
     loop = decode_loop.lower(target, drafter if use_drafter else None, state, spec=spec).compile()
     t_compile = time.perf_counter() - t1
+    step_profile = None
+    if profile:
+        copy = jax.tree.map(jnp.copy, state)  # the loop donates its state
+        step_profile = profiling.profile_call(loop, (target, drafter if use_drafter else None, copy),
+                                              steps_of=lambda out: out.step)
+        del copy
     t1 = time.perf_counter()
     final = loop(target, drafter if use_drafter else None, state)
     final.num_out.block_until_ready()
@@ -365,4 +375,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         "num_nodes": num_nodes,
         "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
     }
+    if step_profile is not None:
+        step_ms = t_decode / max(int(final.step), 1) * 1e3
+        stats["profile"] = {**step_profile, "step_ms": step_ms, "idle_ms": step_ms - step_profile["busy_ms"]}
     return GenerateResult(tokens=tokens, stats=stats)

@@ -221,18 +221,20 @@ def attribute(events, hlo: HloIndex):
     return out, how_ns, families
 
 
-def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sample: int = 0) -> dict:
+def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sample: int = 0,
+                 steps_of=None) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
     kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
     and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
-    op_names). keep_dir: copy the trace there; sample: include that many kernels' raw stats."""
+    op_names). keep_dir: copy the trace there; sample: include that many kernels' raw stats; steps_of: a
+    function of the program's output giving the steps to divide by (instead of `steps`)."""
     hlo = compiled.as_text() or ""
     module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
     trace_dir = tempfile.mkdtemp(prefix="step_profile_")
     try:
         jax.profiler.start_trace(trace_dir)
         try:
-            jax.block_until_ready(compiled(*args))
+            output = jax.block_until_ready(compiled(*args))
         finally:
             jax.profiler.stop_trace()
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -245,14 +247,18 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sa
         shutil.rmtree(trace_dir, ignore_errors=True)
     if not events:
         raise RuntimeError("the trace holds no kernel of the program")
+    if steps_of is not None:
+        steps = max(int(steps_of(output)), 1)
     index = HloIndex(hlo)
     by_component, how_ns, families = attribute(events, index)
     top = {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
                for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:6]]
            for c, fam in families.items() if fam}
-    result = {"components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
+    result = {"source": "device kernels" if jax.default_backend() == "gpu" else "host thunks",
+              "components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
               "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
               "busy_ms": busy_ns(events) / steps / 1e6,
+              "steps": steps,
               "kernels_per_step": len(events) / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
               "top_kernels": top}

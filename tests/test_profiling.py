@@ -1,0 +1,73 @@
+"""kdtree_jax.profiling: a compiled program's kernels attributed to the step's parts by named scope (CPU here;
+on a GPU, decode_context's profiled rows exercise the same code)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax import profiling
+
+
+def test_attributes_kernels_by_scope():
+    """A toy program: each scope's work lands in its part, work outside every scope in "other", and a
+    while loop's own thunk (which spans its body on a CPU) is not counted."""
+    assert profiling.component_of("jit(decode_loop)/while/body/verify/moe/dot_general") == "moe"
+    assert profiling.component_of("while/body/drafter/head/dot") == "drafter"  # the drafter's use of the head
+    assert profiling.component_of("while/body/verify/add") == "dense"
+    assert profiling.component_of("while/body/add") == "other"
+
+    @jax.jit
+    def program(x):
+        def body(i, x):
+            with jax.named_scope("verify"):
+                with jax.named_scope("attention_op"):
+                    x = jnp.tanh(x @ x)
+                with jax.named_scope("moe"):
+                    x = jnp.sin(x @ x.T)
+            return x  # (an op out here would fuse with sin and carry its own, outer, op_name)
+        return jax.lax.fori_loop(0, 4, body, x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(192, 192)), jnp.float32)
+    compiled = program.lower(x).compile()
+    compiled(x).block_until_ready()
+    prof = profiling.profile_call(compiled, (x,), steps=4)
+    parts = prof["components_ms"]
+    assert parts["attention"] > 0 and parts["moe"] > 0
+    assert prof["kernel_sum_ms"] == pytest.approx(sum(parts.values()))
+    assert 0 < prof["busy_ms"] <= prof["kernel_sum_ms"] + 1e-9
+    assert parts["attention"] + parts["moe"] > 0.5 * prof["kernel_sum_ms"]  # the loop thunk is not in "other"
+
+
+def test_places_library_kernels_by_schedule():
+    """A kernel that names no instruction (a cuBLAS GEMM inside a CUDA graph) takes the part of the library
+    calls scheduled between its resolved neighbours; this project's own custom calls are not candidates."""
+    hlo = profiling.HloIndex("""HloModule jit_step, is_scheduled=true
+
+%body.1 (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  %fusion.1 = f32[] fusion(f32[] %p), kind=kLoop, calls=%fc.1, metadata={op_name="jit(step)/while/body/verify/head/mul"}
+  %custom-call.2 = (f32[], s8[4]{0}) custom-call(f32[] %fusion.1), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/while/body/verify/head/dot_general"}
+  %custom-call.3 = f32[] custom-call(f32[] %fusion.1), custom_call_target="kdtree_verify_attention", metadata={op_name="jit(step)/while/body/verify/attention_op/op"}
+  %fusion.4 = f32[] fusion(f32[] %custom-call.3), kind=kLoop, calls=%fc.4, metadata={op_name="jit(step)/while/body/accept/add"}
+  %custom-call.5 = f32[] custom-call(f32[] %fusion.4), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/while/body/drafter/dot"}
+  %custom-call.6 = f32[] custom-call(f32[] %custom-call.5), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/while/body/verify/moe/dot"}
+  ROOT %fusion.7 = f32[] fusion(f32[] %custom-call.6), kind=kLoop, calls=%fc.7, metadata={op_name="jit(step)/while/body/verify/moe/add"}
+}
+""")
+    assert hlo.opcode["custom-call.2"] == "custom-call" and hlo.by_kernel["fusion_4"] == "fusion.4"
+    ms = 1_000_000
+    events = [("Stream #1", 0 * ms, 1 * ms, "fusion_1", None, "command_buffer_3"),
+              ("Stream #1", 1 * ms, 3 * ms, "nvjet_tst_gemm", None, "command_buffer_3"),
+              ("Stream #1", 3 * ms, 7 * ms, "verify_attention_wide_kernel", None, "command_buffer_3"),
+              ("Stream #1", 7 * ms, 8 * ms, "fusion_4", None, "command_buffer_3"),
+              ("Stream #1", 8 * ms, 10 * ms, "sm90_xmma_gemm", None, "command_buffer_3"),  # two parts' calls between
+              ("Stream #1", 10 * ms, 11 * ms, "fusion_7", None, "command_buffer_3")]
+    parts, how, families = profiling.attribute(events, hlo)
+    assert parts["head"] == 3 * ms  # fusion.1 and the GEMM the schedule places in the head
+    assert parts["attention"] == 4 * ms and parts["tree_accept_commit"] == 1 * ms
+    assert parts["moe"] == 3 * ms  # fusion.7, and the ambiguous GEMM by its next kernel
+    assert how == {"kernel name": 3 * ms, "schedule": 2 * ms, "own kernel": 4 * ms, "next kernel": 2 * ms}
+    assert families["head"] == {"fusion": [1 * ms, 1], "nvjet_tst_gemm": [2 * ms, 1]}
+    assert profiling.kernel_family("void (anonymous namespace)::gate_up_kernel<true, 4>((anonymous namespace)::Params)") \
+        == "gate_up_kernel<true, 4>"
