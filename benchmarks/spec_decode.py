@@ -192,15 +192,17 @@ def aggregate(results: list, batch_sizes: list) -> dict:
 
 
 def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperature, top_k, top_p, seed,
-               max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0):
-    """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s)."""
+               max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0, profile: bool = False):
+    """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s).
+    profile: the first call also runs the loop once under the profiler (kdtree_jax.profiling); its split of a
+    step's kernel time by part is stats["step_profile"] (with warmup, that call is not timed)."""
     kwargs = dict(max_new_tokens=max_new_tokens, budget=budget, topk=topk, temperature=temperature, top_k=top_k,
                   top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature)
     use = None if tree == "ar" else drafter
     if tree == "ar":
         kwargs.update(tree="ddtree", budget=0)
     t0 = time.perf_counter()
-    first = generate(target, use, prompt_batches[0], seed=seed, **kwargs)  # compiles (or hits the cache)
+    first = generate(target, use, prompt_batches[0], seed=seed, profile=profile, **kwargs)  # compiles (or hits the cache)
     compile_seconds = first.stats["compile_seconds"]
     results = [] if warmup else [first]
     for i, pb in enumerate(prompt_batches):
@@ -209,6 +211,8 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
         results.append(generate(target, use, pb, seed=seed + i, **kwargs))
     stats = aggregate(results, [len(pb) for pb in prompt_batches])
     stats["compile_seconds"] = compile_seconds
+    if profile:
+        stats["step_profile"] = first.stats["profile"]
     stats["wall_seconds"] = time.perf_counter() - t0
     return stats, [t for r in results for t in r.tokens]
 
@@ -231,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each decoder's warm-up call: a step's kernel time by part (drafter, tree, the verify "
+                        "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
@@ -287,7 +294,7 @@ def main(argv=None) -> int:
             stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
                                        temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                        max_new_tokens=args.max_new_tokens, impl=args.impl,
-                                       tree_temperature=args.tree_temperature)
+                                       tree_temperature=args.tree_temperature, profile=args.profile)
             if tree == "ar":
                 ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
             row = {"decoder": name, "tree": tree, "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
@@ -361,6 +368,20 @@ def render(result: dict) -> str:
                 cells.append("–" if r["mismatches_vs_ar"] is None else f"{r['mismatches_vs_ar']}/{m['prompts']}")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        profiled = [r for r in sub if r.get("step_profile")]
+        if profiled:
+            parts = ("drafter", "tree_accept_commit", "attention", "moe", "dense", "head", "other")
+            lines += [f"Where a step goes ({label}; ms of kernels per step by part, from one profiled warm-up call; "
+                      + ("on a CPU thunks overlap and the profiler slows them, so the parts need not add up to the step"
+                         if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels") + "):", "",
+                      "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in profiled:
+                prof = r["step_profile"]
+                lines.append(f"| {r['decoder']} | {prof['step_ms']:.3f} | "
+                             + " | ".join(f"{prof['components_ms'][k]:.3f}" for k in parts)
+                             + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |"))
+            lines.append("")
     return "\n".join(lines)
 
 

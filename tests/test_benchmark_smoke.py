@@ -31,7 +31,7 @@ def _one(path, pattern):
 
 
 def test_spec_decode_smoke(tmp_path):
-    assert spec_decode.main(["--smoke", "--out", str(tmp_path), "--batch", "2"] + NO_CACHE) == 0
+    assert spec_decode.main(["--smoke", "--out", str(tmp_path), "--batch", "2", "--profile"] + NO_CACHE) == 0
     data = json.loads(_one(tmp_path, "spec_decode_smoke_*.json").read_text())
     assert _one(tmp_path, "spec_decode_smoke_*.md").read_text().startswith("# Speculative decoding")
     meta, rows = data["meta"], data["rows"]
@@ -51,6 +51,10 @@ def test_spec_decode_smoke(tmp_path):
         if r["temperature"] == 0:
             assert r["mismatches_vs_ar"] == 0  # greedy speculative decoding is lossless
     assert [r["num_nodes"] for r in rows if r["temperature"] == 0] == [1, depth + 1, 5, 9]
+    # --profile: each decoder's warm-up call split by part; the drafter's share is there except autoregressively.
+    assert all(r["step_profile"]["kernels_per_step"] > 0 for r in rows)
+    assert all((r["step_profile"]["components_ms"]["drafter"] > 0) == (r["tree"] != "ar") for r in rows)
+    assert "Where a step goes" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
 
 
 def test_tree_shapes_smoke(tmp_path):
