@@ -171,6 +171,26 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert "a note" in (tmp_path / "dc.md").read_text()
 
 
+def test_decode_context_random_target_is_the_models_layout():
+    """random_target (one jitted init per kind of layer) gives Transformer's parameters: same tree, shapes and
+    dtypes, the initializers' spread, and every layer its own values."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import decode_context
+
+    cfg, _, _, _ = decode_context.rank_configs(True, 3)
+    model = decode_context.random_target(cfg, jnp.bfloat16, seed=0)
+    reference = nnx.eval_shape(lambda: decode_context.Transformer(cfg, jnp.bfloat16, rngs=nnx.Rngs(0)))
+    shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m))  # noqa: E731
+    assert shapes(model) == shapes(reference)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model)))
+    kernels = [np.asarray(layer.self_attn.kv_a_proj_with_mqa.kernel[...], np.float32) for layer in model.layers]
+    assert not np.array_equal(kernels[1], kernels[2])
+    assert abs(kernels[1].std() * np.sqrt(cfg.hidden_size) - 1) < 0.1  # normal(1 / sqrt(fan_in))
+
+
 def test_decode_context_tree_only_smoke(tmp_path):
     import decode_context
 
