@@ -41,17 +41,17 @@ COMPONENTS = ("attention", "moe", "dense", "drafter", "head", "tree_accept_commi
 OWN_KERNELS = ((re.compile(r"verify_attention|merge_splits"), "attention"),
                (re.compile(r"gate_up_kernel|down_kernel|finish_kernel|group_table_kernel"), "moe"))
 
-_HLO_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
 _ANNOTATION_NAME = re.compile(r"[#,]name=([^,#]+)")
 _ANNOTATION_OP = re.compile(r"hlo_op=([^,#]+)")
-# Lines that tools derive from the kernels (absent from a raw trace, skipped if present: they would count twice).
 # Control flow: on a CPU the thunk of a while loop spans its body's thunks (and would count them twice).
 _CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+# Lines that tools derive from the kernels (absent from a raw trace, skipped if present: they would count twice).
 _DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework Ops", "Framework Name Scope", "Source code",
                   "XLA TraceMe", "Launch Stats")
 
 
 def component_of(op_name: str) -> str:
+    """The part (COMPONENTS) of an op_name path: that of the first entry of SCOPES whose scope is in the path."""
     parts = set(op_name.split("/"))
     for scope, component in SCOPES:
         if scope in parts:
