@@ -24,6 +24,7 @@ Only kernel durations are taken from the profiled run; the step time is the unpr
 
 from __future__ import annotations
 
+import bisect
 import glob
 import re
 import shutil
@@ -190,14 +191,13 @@ def attribute(events, hlo: HloIndex):
         by_line.setdefault(ev[0], []).append(ev)
     for line_events in by_line.values():
         resolved = [resolve(ev, hlo) for ev in line_events]
-        placed = [i for i, r in enumerate(resolved) if r[2] is not None]
+        placed = [i for i, r in enumerate(resolved) if r[2] is not None]  # ascending
         for i, (component, _, _) in enumerate(resolved):
             if component is not None:
                 continue
-            before = [j for j in placed if j < i]
-            after = [j for j in placed if j > i]
-            if before and after:
-                calls = hlo.library_calls_between(resolved[before[-1]][2], resolved[after[0]][2])
+            k = bisect.bisect_left(placed, i)  # placed[k - 1] < i < placed[k]: i itself is not placed
+            if 0 < k < len(placed):
+                calls = hlo.library_calls_between(resolved[placed[k - 1]][2], resolved[placed[k]][2])
                 parts = {component_of(hlo.op_name.get(c, "")) for c in calls}
                 if len(parts) == 1:
                     resolved[i] = (parts.pop(), "schedule", None)
@@ -221,12 +221,11 @@ def attribute(events, hlo: HloIndex):
     return out, how_ns, families
 
 
-def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sample: int = 0,
-                 steps_of=None) -> dict:
+def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
     kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
     and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
-    op_names). keep_dir: copy the trace there; sample: include that many kernels' raw stats; steps_of: a
+    op_names). sample: include that many kernels' raw stats; steps_of: a
     function of the program's output giving the steps to divide by (instead of `steps`)."""
     hlo = compiled.as_text() or ""
     module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
@@ -241,8 +240,6 @@ def profile_call(compiled, args, steps: int = 1, keep_dir: str | None = None, sa
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
         events, stats_sample = kernel_events(paths[0], module_names, sample)
-        if keep_dir:
-            shutil.copy(paths[0], keep_dir)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
     if not events:
