@@ -142,12 +142,21 @@ def device_timing(batch, num_queries, heads, length, scattered, splits, row_grou
     return {k: (float(v) if v >= 0 else None) for k, v in zip(keys, res)}
 
 
-def sweep(ceilings, plan, on_row=lambda rows: None):
-    """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row."""
-    rows = []
+def row_key(batch, length, num_queries, heads, slots):
+    return (int(batch), int(length), int(num_queries), int(heads), slots)
+
+
+def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
+    """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row.
+    rows: rows measured before (--resume); their shapes are skipped and the new rows appended."""
+    rows = list(rows or [])
+    done = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]) for r in rows}
     pools = {}
     for batch, length, scattered, ts, ref_ts, *rest in plan:
         heads = rest[0] if rest else H
+        ts = [t for t in ts if row_key(batch, length, t, heads, "scattered" if scattered else "contiguous") not in done]
+        if not ts:
+            continue
         if (batch, length) not in pools:
             pools.clear()  # one pool at a time on the device
             pools[(batch, length)] = make_pool(jax.random.PRNGKey(length), batch, length)
@@ -299,6 +308,12 @@ def write_results(path, meta, ceilings, rows, loop_rows):
                                                         for r in rows if r.get("variant") is not None})) + ".", "",
              "| B | L | T | H | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if meta.get("resumed_from"):
+        earlier = meta["resumed_from"]
+        lines[4:4] = [f"Rows measured over several device calls (`--resume`): the earlier ones at {earlier['date']} "
+                      f"(commit `{earlier['commit']}`), each row's ceilings in the JSON.", ""]
+    # The table in a reading order (B, slots, H, L, T); the JSON keeps the order of measurement.
+    rows = sorted(rows, key=lambda r: (r["B"], r["slots"] != "scattered", r.get("H", H), r["L"], r["T"]))
     for r in rows:
         lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
@@ -335,6 +350,9 @@ def main():
     parser.add_argument("--device-timing", action="store_true",
                         help="also time each row's kernels with CUDA events outside XLA (plain launches, CUDA graph, "
                              "main kernel alone, merge alone)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows (and while-loop figure) already in OUT.json and measure only the missing "
+                             "ones: a sweep longer than one device call runs in several")
     parser.add_argument("--while-loop-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE_TIMING
@@ -352,7 +370,16 @@ def main():
         timing="command buffers (CUDA graph replay)" if args.command_buffers else "plain launches")
     ceilings = measure_ceilings(ext)
     print(json.dumps(ceilings), flush=True)
-    loop_rows = []
+    loop_rows, old_rows = [], []
+    if args.resume and os.path.exists(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            previous = json.load(f)
+        old_rows, loop_rows = previous["rows"], previous.get("while_loop", [])
+        meta["resumed_from"] = {k: previous["meta"].get(k) for k in ("date", "commit")}
+        # Each row keeps the ceilings of the run that measured it: a row's roofline used those.
+        for r in old_rows:
+            r.setdefault("ceilings", previous["ceilings"])
+        print(f"resuming: {len(old_rows)} rows from {args.out}.json ({previous['meta'].get('commit')})", flush=True)
     if args.plan in ("key", "mini"):
         plan = key_plan() if args.plan == "key" else mini_plan()
         sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, dict(meta, plan=args.plan), ceilings, rows, []))
@@ -361,21 +388,22 @@ def main():
 
     # The command-buffer figure runs in a child: XLA_FLAGS are read once, at backend start. It goes first
     # (it is short) and without preallocation, since this process already holds most of the memory.
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
-               XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, __file__, "--while-loop-only"], env=env, capture_output=True, text=True)
-    for line in child.stdout.splitlines():
-        if line.startswith("WHILE_LOOP_JSON "):
-            loop_rows = json.loads(line[len("WHILE_LOOP_JSON "):])
     if not loop_rows:
-        print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        child = subprocess.run([sys.executable, __file__, "--while-loop-only"], env=env, capture_output=True, text=True)
+        for line in child.stdout.splitlines():
+            if line.startswith("WHILE_LOOP_JSON "):
+                loop_rows = json.loads(line[len("WHILE_LOOP_JSON "):])
+        if not loop_rows:
+            print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
 
     plan = {"full": full_plan, "priority": priority_plan, "budget": budget_plan, "quick": quick_plan}[args.plan]()
     meta["plan"] = args.plan + (" (no XLA reference)" if args.no_ref else "")
     if args.no_ref:
         plan = [(b, length, scattered, ts, [], *rest) for b, length, scattered, ts, _, *rest in plan]
     # Results are rewritten after every row, so a run cut short still leaves its table.
-    sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows))
+    sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows), rows=old_rows)
     print(open(args.out + ".md").read())
 
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for issue 3's whole sweep, which takes longer than one call: build (sm_90), optionally
+# profile the per-call gap (GAP_SHAPES, ffi/tools/gap_profile.py), then benchmarks/verify_kernel.py --plan full
+# --device-timing --resume until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
+# checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
+#   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
+#   KDTREE_COMMIT=<h> BUDGET_S=540 RESUME_FROM=benchmarks/results/verify_kernel_h200_full bash ffi/tools/device_sweep.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+BUDGET_S=${BUDGET_S:-540}
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
+  python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build done at $(( $(date +%s) - T0 )) s"
+if [ -n "${GAP_SHAPES:-}" ]; then
+  IFS=';' read -ra shapes <<< "$GAP_SHAPES"
+  mkdir -p /tmp/gap
+  timeout "${GAP_S:-150}" python3 ffi/tools/gap_profile.py --out /tmp/gap "${shapes[@]}" > /tmp/gap/gap.txt 2>&1
+  echo "gap profile rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "^===|^wall|^device lines|Error|Traceback" /tmp/gap/gap.txt
+  tar -czf "$OUT/gap.tgz" -C /tmp/gap .
+fi
+if [ -n "${RESUME_FROM:-}" ]; then
+  cp "$RESUME_FROM.json" "$OUT/verify_kernel_h200.json" && echo "resuming from $RESUME_FROM.json"
+fi
+L=$(( $(left) - 10 )); [ $L -lt 20 ] && L=20
+timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" --device-timing --resume \
+  --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" > "$OUT/sweep.log" 2>&1
+echo "sweep rc=$? at $(( $(date +%s) - T0 )) s"
+python3 ffi/tools/rows.py < "$OUT/sweep.log" | tail -40
+python3 -c "import json; d=json.load(open('$OUT/verify_kernel_h200.json')); print(len(d['rows']), 'rows in the results')"
