@@ -7,9 +7,13 @@ and scattered slot tables (kv_lens = L for every sequence). Columns: time per ca
 fraction of the portable roofline max(KV bytes / copy BW, FLOPs / mma.sync rate) with
 FLOPs = 2*B*T*H*L*(576+512), and the XLA reference (gather + einsum) time with the speedup over it.
 
-Timing: a call's time is the slope of wall time over the number of calls in one jitted program (programs
-of K1 and K2 unrolled calls, median of several runs each), so dispatch overhead cancels; consecutive calls
-read different layers of a pool sized well past the 60 MB L2, as a model's layers do.
+Timing: the device time per call. One jitted program of k calls (each on its own layer of a pool sized well
+past the 60 MB L2, as a model's layers are; every output returned, so no call is dropped) runs once under the
+profiler; a call's time is the span from its first kernel's start to its last kernel's end over the k calls,
+divided by k (CUPTI's device timestamps: the calls run back to back in the CUDA graph XLA's default command
+buffers make of the program). The program's wall time per call is recorded as well ("wall µs"): it adds the host's
+launch of a k-call graph, a cost that grows with k (output allocation, a graph of 2k nodes: ~10-25 µs per
+call on an H200) and that a model's loop pays once per step, not per attention call.
 Ceilings: device-to-device cudaMemcpy (bytes read + written), XLA's bf16 dot on random 8192^3 operands, and
 an mma.sync m16n8k16 bf16 micro-benchmark compiled into the extension.
 A second figure: 64 calls inside one jitted `lax.while_loop` with XLA command buffers on (run in a child
@@ -22,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kdtree_jax import profiling  # noqa: E402
 from kdtree_jax.ops import verify_attention  # noqa: E402
 from kdtree_jax.ops import ffi as vffi  # noqa: E402
 from kdtree_jax.ops.masks import ancestor_mask  # noqa: E402
@@ -69,6 +75,40 @@ def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7, warm_s: float 
             times.append(time.perf_counter() - t0)
         medians.append(float(np.median(times)))
     return max((medians[1] - medians[0]) / (k2 - k1), 1e-9)
+
+
+OWN_KERNEL = re.compile(r"verify_attention|merge_splits")
+
+
+def device_per_call(make_fn, args, k: int, reps: int = 5, warm_s: float = 0.1) -> dict:
+    """One program of k calls: device µs per call (first kernel start to last kernel end, over k), its wall µs
+    per call (median of `reps` runs, host launch included), and the µs per call of each kernel family, after
+    `warm_s` seconds of back-to-back runs (the SM clock ramps up after the idle compile time)."""
+    compiled = make_fn(k).lower(*args).compile()
+    t_end = time.perf_counter() + warm_s
+    jax.block_until_ready(compiled(*args))
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(compiled(*args))
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        walls.append(time.perf_counter() - t0)
+    _, events, _ = profiling.trace_kernels(compiled, args)
+    span_ns = max(e[2] for e in events) - min(e[1] for e in events)
+    families = {}
+    for e in events:
+        name = profiling.kernel_family(e[3])
+        families[name] = families.get(name, 0.0) + (e[2] - e[1]) / k / 1e3
+    return dict(us=span_ns / k / 1e3, wall_us=float(np.median(walls)) / k * 1e6, kernels=families,
+                kernels_per_call=len(events) / k)
+
+
+def split_main_merge(kernels: dict) -> tuple:
+    """(main kernel µs, merge µs) per call from `device_per_call`'s kernel families."""
+    merge = sum(v for name, v in kernels.items() if "merge_splits" in name)
+    main = sum(v for name, v in kernels.items() if OWN_KERNEL.search(name) and "merge_splits" not in name)
+    return main, merge
 
 
 def unrolled(op, num_layers: int):
@@ -130,6 +170,7 @@ def reference_op(*a):
     return verify_attention(*a, softmax_scale=SCALE, impl="reference")
 
 
+T_START = time.perf_counter()
 DEVICE_TIMING = False  # --device-timing: also time each row's kernels with CUDA events outside XLA
 
 
@@ -168,19 +209,20 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
             kv_bytes = batch * length * ROW_BYTES
             flops = 2 * batch * num_queries * heads * length * (WIDTH + LATENT)
             roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
-            # Fewer, longer programs for the slow rows: the sweep must fit a 10-minute device call.
-            k1, k2, reps = (3, 12, 5) if roof < 200e-6 else ((2, 8, 5) if roof < 2e-3 else (1, 3, 3))
-            k2 = min(k2, num_layers - 1)
-            k1 = min(k1, k2 // 3)
-            t_kernel = wall_per_call(unrolled(kernel_op(), num_layers), args, k1, k2, reps)
+            # Fewer calls per program for the slow rows: the sweep must fit a few device calls.
+            k = min(8 if roof < 2e-3 else 3, num_layers - 1)
+            timed = device_per_call(unrolled(kernel_op(), num_layers), args, k)
+            t_kernel = timed["us"] * 1e-6
+            main_us, merge_us = split_main_merge(timed["kernels"])
             t_ref = None
             if num_queries in ref_ts and batch * num_queries * heads * length <= REF_MAX_SCORES:
-                t_ref = wall_per_call(unrolled(reference_op, num_layers), args, 1, 4, reps=3)
+                t_ref = device_per_call(unrolled(reference_op, num_layers), args, min(4, num_layers - 1), reps=3)["us"] * 1e-6
             splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
             row = dict(B=batch, L=length, T=num_queries, H=heads, slots="scattered" if scattered else "contiguous",
                        num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, heads),
                        variant=vffi.choose_variant() if vffi.choose_row_groups(num_queries, heads) == 2 else None,
-                       us=t_kernel * 1e6,
+                       us=t_kernel * 1e6, main_us=main_us, merge_us=merge_us, wall_us=timed["wall_us"],
+                       calls_per_program=k, kernels_per_call=timed["kernels_per_call"],
                        gbps=kv_bytes / t_kernel / 1e9,
                        tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
                        bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
@@ -189,6 +231,7 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
             if DEVICE_TIMING:
                 row.update(device_timing(batch, num_queries, heads, length, scattered, splits, row["row_groups"],
                                          row["variant"]))
+            row["elapsed_s"] = round(time.perf_counter() - T_START, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
             on_row(rows)
@@ -197,12 +240,13 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
 
 
 def full_plan():
-    """The issue's sweep: every (B, L, slots, T), the XLA reference on scattered slots. Ordered by what matters
+    """The issue's sweep: every (B, L, slots, T), the XLA reference where the issue gives its reference points
+    (B = 1, scattered, T in {1, 16}, L <= 128k: XLA's autotuning of each new shape is slow). Ordered by what matters
     most (B = 1 scattered first, then contiguous, then B = 8), so that a run cut short keeps the key rows."""
-    plan = [(b, length, scattered, TS, TS if scattered else [])
+    plan = [(b, length, scattered, TS, [1, 16] if (b == 1 and scattered and length <= 131072) else [])
             for b in BS for scattered in (True, False) for length in LS]
     # After B = 1 scattered: the 4-way tensor-parallel K2 shapes (H = 16 heads per device, T in {9, 33}).
-    plan[len(LS):len(LS)] = [(1, length, True, [9, 33], [9, 33], 16) for length in (4096, 16384, 65536)]
+    plan[len(LS):len(LS)] = [(1, length, True, [9, 33], [], 16) for length in (4096, 16384, 65536)]
     return plan
 
 
@@ -253,7 +297,9 @@ def quick_plan():
 
 
 def while_loop_figure(cases):
-    """Per-call time of 64 calls inside one jitted while loop (command buffers on in this process)."""
+    """64 calls inside one jitted while loop (command buffers incl. WHILE on in this process) against the same
+    call back to back in the unrolled program, both by device time: the op's kernels per iteration, the loop's
+    whole device span per iteration (its counter and predicate kernels included), and the wall per iteration."""
     out = []
     for batch, length, num_queries in cases:
         kv_pool = make_pool(jax.random.PRNGKey(length), batch, length)
@@ -264,25 +310,21 @@ def while_loop_figure(cases):
         def make(k):
             @jax.jit
             def run(q, kv_pool, kv_slots, kv_lens, tree_mask):
-                def body(i, acc):
-                    o, lse = op(q, kv_pool, i % num_layers, kv_slots, kv_lens, tree_mask)
+                def body(i, acc):  # the next call's layer depends on the carry: nothing can be hoisted
+                    layer = (i + (acc > 1e30).astype(jnp.int32)) % num_layers
+                    o, lse = op(q, kv_pool, layer, kv_slots, kv_lens, tree_mask)
                     return acc + lse[0, 0, 0]
                 return jax.lax.fori_loop(0, k, body, jnp.float32(0))
             return run
 
-        per_call_loop = wall_per_call(make, args, 1, 64, reps=5)
-        run64 = make(64)
-        jax.block_until_ready(run64(*args))
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run64(*args))
-            times.append(time.perf_counter() - t0)
-        single = wall_per_call(unrolled(op, num_layers), args, 3, 12, reps=5)
-        out.append(dict(B=batch, L=length, T=num_queries, single_call_us=single * 1e6,
-                        while_loop_per_call_us=per_call_loop * 1e6,
-                        while_loop_64_wall_over_64_us=float(np.median(times)) / 64 * 1e6,
-                        ratio=per_call_loop / single))
+        loop = device_per_call(make, args, 64)
+        single = device_per_call(unrolled(op, num_layers), args, min(8, num_layers - 1))
+        in_loop = sum(split_main_merge(loop["kernels"]))
+        alone = sum(split_main_merge(single["kernels"]))
+        out.append(dict(B=batch, L=length, T=num_queries, single_call_us=single["us"], single_kernels_us=alone,
+                        loop_kernels_us=in_loop, loop_span_us=loop["us"], loop_wall_us=loop["wall_us"],
+                        loop_kernels_per_iteration=loop["kernels_per_call"],
+                        ratio=in_loop / alone if alone else None, span_ratio=loop["us"] / single["us"]))
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -302,12 +344,15 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              f"Ceilings measured in the same run: copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
              f"XLA bf16 dot {ceilings['xla_dot_tflops']:.0f} TFLOP/s, mma.sync m16n8k16 bf16 "
              f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s.", "",
+             "µs: device time per call, first kernel start to last kernel end over k calls back to back in one XLA "
+             "program (a CUDA graph), from a CUPTI profile; main / merge: the two kernels' durations; wall µs: the "
+             "program's wall time / k, the host's launch of a k-call graph included. "
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
-             "XLA = the pure-JAX reference (gather + einsum), scattered slots only, skipped above 2^28 scores.", "",
+             "XLA = the pure-JAX reference (gather + einsum), device time the same way, at the issue's reference cells.", "",
              "Kernel for T·H > 16: " + ", ".join(sorted({("wide (variant 1)" if r.get("variant") == 1 else "two-group (variant 0)")
                                                         for r in rows if r.get("variant") is not None})) + ".", "",
-             "| B | L | T | H | slots | splits × groups | µs | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | L | T | H | slots | splits × groups | µs | main | merge | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup | wall µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if meta.get("resumed_from"):
         earlier = meta["resumed_from"]
         lines[4:4] = [f"Rows measured over several device calls (`--resume`): the earlier ones at {earlier['date']} "
@@ -316,11 +361,13 @@ def write_results(path, meta, ceilings, rows, loop_rows):
     rows = sorted(rows, key=lambda r: (r["B"], r["slots"] != "scattered", r.get("H", H), r["L"], r["T"]))
     for r in rows:
         lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {r['num_splits']} × {r['row_groups']} | {r['us']:.1f} | "
+                     f"{fmt(r.get('main_us'), '.1f')} | {fmt(r.get('merge_us'), '.1f')} | "
                      f"{r['gbps']:.0f} | {r['tflops']:.1f} | {r['bound']} | {r['roofline_us']:.1f} | "
-                     f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} |")
+                     f"{100 * r['roofline_frac']:.0f}% | {fmt(r['xla_us'], '.1f')} | {fmt(r['speedup'], '.1f')} | "
+                     f"{fmt(r.get('wall_us'), '.1f')} |")
     if any("device_us" in r for r in rows):
         lines += ["", "## The same rows timed with CUDA events outside XLA (`--device-timing`, µs per call, 20 calls)", "",
-                  "| B | L | T | H | slots | XLA program µs | plain launches | CUDA graph | main kernel alone | merge alone |",
+                  "| B | L | T | H | slots | XLA program, device µs | plain launches | CUDA graph | main kernel alone | merge alone |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "device_us" in r:
@@ -329,10 +376,15 @@ def write_results(path, meta, ceilings, rows, loop_rows):
                              f"{fmt(r['device_main_us'], '.1f')} | {fmt(r['device_merge_us'], '.1f')} |")
     if loop_rows:
         lines += ["", "## Inside a jitted while loop (64 calls, XLA command buffers incl. WHILE/CONDITIONAL)", "",
-                  "| B | L | T | single call µs | per call in loop µs | ratio |", "|---|---|---|---|---|---|"]
+                  "Device µs per call. Alone: the op's kernels back to back in the unrolled program (span in brackets); "
+                  "in the loop: the op's kernels per iteration, the loop's span per iteration (its counter and "
+                  "predicate work included) and its wall time per iteration.", "",
+                  "| B | L | T | op kernels alone (span) | op kernels in loop | ratio | loop span / iteration | span ratio | loop wall / iteration |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in loop_rows:
-            lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['single_call_us']:.1f} | "
-                         f"{r['while_loop_per_call_us']:.1f} | {r['ratio']:.2f} |")
+            lines.append(f"| {r['B']} | {r['L']} | {r['T']} | {r['single_kernels_us']:.1f} ({r['single_call_us']:.1f}) | "
+                         f"{r['loop_kernels_us']:.1f} | {fmt(r['ratio'], '.2f')} | {r['loop_span_us']:.1f} | "
+                         f"{r['span_ratio']:.2f} | {r['loop_wall_us']:.1f} |")
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 

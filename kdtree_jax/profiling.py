@@ -221,12 +221,9 @@ def attribute(events, hlo: HloIndex):
     return out, how_ns, families
 
 
-def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None) -> dict:
-    """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
-    kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
-    and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
-    op_names). sample: include that many kernels' raw stats; steps_of: a
-    function of the program's output giving the steps to divide by (instead of `steps`)."""
+def trace_kernels(compiled, args, sample: int = 0):
+    """(output, kernel events as `kernel_events` gives them, raw stats sample) of one run of compiled(*args)
+    under the profiler. On a GPU the events are the program's device kernels with CUPTI's device timestamps."""
     hlo = compiled.as_text() or ""
     module_names = set(re.findall(r"^HloModule\s+([\w.\-]+)", hlo, re.M))
     trace_dir = tempfile.mkdtemp(prefix="step_profile_")
@@ -244,9 +241,19 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
         shutil.rmtree(trace_dir, ignore_errors=True)
     if not events:
         raise RuntimeError("the trace holds no kernel of the program")
+    return output, events, stats_sample
+
+
+def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None) -> dict:
+    """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
+    kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
+    and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
+    op_names). sample: include that many kernels' raw stats; steps_of: a
+    function of the program's output giving the steps to divide by (instead of `steps`)."""
+    output, events, stats_sample = trace_kernels(compiled, args, sample)
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
-    index = HloIndex(hlo)
+    index = HloIndex(compiled.as_text() or "")
     by_component, how_ns, families = attribute(events, index)
     top = {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
                for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:6]]

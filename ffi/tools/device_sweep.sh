@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 3's whole sweep, which takes longer than one call: build (sm_90), optionally
 # profile the per-call gap (GAP_SHAPES, ffi/tools/gap_profile.py), then benchmarks/verify_kernel.py --plan full
-# --device-timing --resume until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
+# --resume (SWEEP_EXTRA: more arguments) until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
 # checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
 #   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
 #   KDTREE_COMMIT=<h> BUDGET_S=540 RESUME_FROM=benchmarks/results/verify_kernel_h200_full bash ffi/tools/device_sweep.sh
