@@ -197,6 +197,9 @@ def test_split_heuristic_uses_static_shapes_only():
     assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8   # 16 blocks of 32 rows x 8 = one wave of 132
     assert vffi.choose_num_splits(1, 16, 8, 130, 132) == 2     # 9 KV tiles: two splits of four or five
     assert vffi.choose_num_splits(1, 16, 8, 40, 132) == 1
+    # 9 row blocks x 8 sequences = 72 blocks, 55% of one wave: 5 splits fill three waves of 132 to 91%.
+    assert vffi.choose_num_splits(8, 33, 8, 4096, 132) == 5
+    assert vffi.choose_num_splits(8, 33, 8, 200, 132) == 3     # but no split shorter than four KV tiles
 
 
 def test_donated_pool_is_updated_in_place_not_copied():

@@ -64,7 +64,8 @@ GPU_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 5])
+# 16 and 17 splits: the largest count the warp-per-row merge takes, and the smallest the block merge takes.
+@pytest.mark.parametrize("num_splits", [0, 1, 5, 16, 17])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_cuda_matches_reference(shape, num_splits):
     batch, num_queries, num_heads, max_len = shape

@@ -3,6 +3,7 @@
 # profile the per-call gap (GAP_SHAPES, ffi/tools/gap_profile.py), then benchmarks/verify_kernel.py --plan full
 # --resume (SWEEP_EXTRA: more arguments) until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
 # checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
+# TESTS=1 runs the GPU kernel tests first (tests/test_verify_attention_gpu.py, -n 16, TESTS_S seconds at most).
 #   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
 #   KDTREE_COMMIT=<h> BUDGET_S=540 RESUME_FROM=benchmarks/results/verify_kernel_h200_full bash ffi/tools/device_sweep.sh
 set -uo pipefail
@@ -15,6 +16,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
+if [ "${TESTS:-0}" = 1 ]; then  # the CUDA kernels against the reference, compute-sanitizer included
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_S:-260}" python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider \
+    tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  echo "GPU tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+fi
 if [ -n "${GAP_SHAPES:-}" ]; then
   IFS=';' read -ra shapes <<< "$GAP_SHAPES"
   mkdir -p /tmp/gap
@@ -27,7 +33,7 @@ if [ -n "${RESUME_FROM:-}" ]; then
   cp "$RESUME_FROM.json" "$OUT/verify_kernel_h200.json" && echo "resuming from $RESUME_FROM.json"
 fi
 L=$(( $(left) - 10 )); [ $L -lt 20 ] && L=20
-timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" --device-timing --resume \
+timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} --resume \
   --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" > "$OUT/sweep.log" 2>&1
 echo "sweep rc=$? at $(( $(date +%s) - T0 )) s"
 python3 ffi/tools/rows.py < "$OUT/sweep.log" | tail -40
