@@ -381,6 +381,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
                   "(slope over 16 and 64 iterations) of the loop with the call and of the same loop without it; "
                   "the call in the loop is their difference (the profiler does not see kernels inside the loop's "
                   "conditional graph node).", "",
+                  *([f"From a later call ({meta['while_loop_from']['commit']}, {meta['while_loop_from']['date']}): "
+                     f"{meta['while_loop_from']['note']}.", ""] if meta.get("while_loop_from") else []),
                   "| B | L | T | alone µs | loop iteration µs | empty loop iteration µs | call in loop µs | ratio |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in loop_rows:
@@ -422,7 +424,8 @@ def main():
     ext = vffi._ext
     meta = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="minutes"), commit=args.commit, jax=jax.__version__, sm_count=vffi.sm_count(),
-        timing="command buffers (CUDA graph replay)" if args.command_buffers else "plain launches")
+        timing=("XLA command buffers incl. WHILE/CONDITIONAL" if args.command_buffers
+                else "XLA's default flags (its command buffers make each timed program one CUDA graph)"))
     ceilings = measure_ceilings(ext)
     print(json.dumps(ceilings), flush=True)
     loop_rows, old_rows = [], []
