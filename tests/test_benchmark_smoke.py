@@ -20,6 +20,7 @@ if BENCHMARKS not in sys.path:
 
 import spec_decode  # noqa: E402
 import tree_shapes  # noqa: E402
+import verify_kernel  # noqa: E402
 
 NO_CACHE = ["--cache-dir", ""]  # no persistent compilation cache from inside the test session
 
@@ -55,6 +56,28 @@ def test_spec_decode_smoke(tmp_path):
     assert all(r["step_profile"]["kernels_per_step"] > 0 for r in rows)
     assert all((r["step_profile"]["components_ms"]["drafter"] > 0) == (r["tree"] != "ar") for r in rows)
     assert "Where a step goes" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
+
+
+def test_verify_kernel_smoke_and_resume(tmp_path):
+    """The sweep script end to end on the FFI op (its CPU handler here), then --resume measuring only what is missing."""
+    out = str(tmp_path / "vk")
+    assert verify_kernel.main(["--smoke", "--out", out]) == 0
+    data = json.loads((tmp_path / "vk.json").read_text())
+    shapes = [(r["L"], r["T"], r["slots"]) for r in data["rows"]]
+    assert shapes == [(1000, 1, "scattered"), (1000, 9, "scattered"), (1000, 1, "contiguous")]
+    assert all(r["us"] > 0 and r["main_us"] > 0 and r["wall_us"] > 0 for r in data["rows"])
+    assert data["rows"][0]["xla_us"] > 0 and data["rows"][1]["xla_us"] is None
+    assert data["while_loop"][0]["single_call_us"] > 0
+    md = (tmp_path / "vk.md").read_text()
+    assert md.count("\n| 1 | 1000 |") == 3 + 1 and "A CPU smoke run" in md  # the rows and the loop figure
+
+    data["rows"] = data["rows"][:2]  # drop the contiguous row: the resumed run measures it and nothing else
+    (tmp_path / "vk.json").write_text(json.dumps(data))
+    assert verify_kernel.main(["--smoke", "--out", out, "--resume"]) == 0
+    resumed = json.loads((tmp_path / "vk.json").read_text())
+    assert [(r["L"], r["T"], r["slots"]) for r in resumed["rows"]] == shapes
+    assert resumed["rows"][:2] == [dict(r, ceilings=data["ceilings"]) for r in data["rows"]]
+    assert "resumed_from" in resumed["meta"] and "Rows measured over several device calls" in (tmp_path / "vk.md").read_text()
 
 
 def test_tree_shapes_smoke(tmp_path):
