@@ -209,13 +209,23 @@ def row_key(batch, length, num_queries, heads, slots):
 
 def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
     """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row.
-    rows: rows measured before (--resume); their shapes are skipped and the new rows appended."""
+    rows: rows measured before (--resume): their kernel times are kept, and only a reference the plan asks for and
+    they lack is measured (the reference's compile and autotuning take most of a sweep's time)."""
     rows = list(rows or [])
-    done = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]) for r in rows}
+    by_key = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]): r for r in rows}
     pools = {}
     for batch, length, scattered, ts, ref_ts, *rest in plan:
         heads = rest[0] if rest else H
-        ts = [t for t in ts if row_key(batch, length, t, heads, "scattered" if scattered else "contiguous") not in done]
+        slots = "scattered" if scattered else "contiguous"
+
+        def wants_ref(t):
+            return t in ref_ts and batch * t * heads * length <= REF_MAX_SCORES
+
+        def todo(t):
+            old = by_key.get(row_key(batch, length, t, heads, slots))
+            return old is None or (wants_ref(t) and old.get("xla_us") is None)
+
+        ts = [t for t in ts if todo(t)]
         if not ts:
             continue
         if (batch, length) not in pools:
@@ -226,47 +236,57 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
         for num_queries in ts:
             args = make_inputs(jax.random.PRNGKey(length + num_queries), kv_pool, batch, num_queries, length,
                                scattered, heads)
-            kv_bytes = batch * length * ROW_BYTES
-            flops = 2 * batch * num_queries * heads * length * (WIDTH + LATENT)
-            roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
-            # Fewer calls per program for the slow rows: the sweep must fit a few device calls.
-            k = min(8 if roof < 2e-3 else 3, num_layers - 1)
-            timed = device_per_call(unrolled(kernel_op(), num_layers), args, k)
-            t_kernel = timed["us"] * 1e-6
-            main_us, merge_us = split_main_merge(timed["kernels"])
-            t_ref = None
-            if num_queries in ref_ts and batch * num_queries * heads * length <= REF_MAX_SCORES:
-                t_ref = device_per_call(unrolled(reference_op, num_layers), args, min(4, num_layers - 1), reps=3)["us"] * 1e-6
-            splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
-            row = dict(B=batch, L=length, T=num_queries, H=heads, slots="scattered" if scattered else "contiguous",
-                       num_splits=splits, row_groups=vffi.choose_row_groups(num_queries, heads),
-                       variant=vffi.choose_variant() if vffi.choose_row_groups(num_queries, heads) == 2 else None,
-                       us=t_kernel * 1e6, main_us=main_us, merge_us=merge_us, wall_us=timed["wall_us"],
-                       calls_per_program=k, kernels_per_call=timed["kernels_per_call"],
-                       gbps=kv_bytes / t_kernel / 1e9,
-                       tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6, roofline_frac=roof / t_kernel,
-                       bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
-                       xla_us=None if t_ref is None else t_ref * 1e6,
-                       speedup=None if t_ref is None else t_ref / t_kernel)
-            if DEVICE_TIMING:
-                row.update(device_timing(batch, num_queries, heads, length, scattered, splits, row["row_groups"],
-                                         row["variant"]))
+            row = by_key.get(row_key(batch, length, num_queries, heads, slots))
+            if row is None:
+                row = measure_kernel_row(ceilings, args, batch, length, num_queries, heads, slots, num_layers)
+                rows.append(row)
+            else:
+                row["xla_filled_later"] = True  # a reference added to a row of an earlier call
+            if wants_ref(num_queries):
+                t_ref = device_per_call(unrolled(reference_op, num_layers), args, min(4, num_layers - 1), reps=3)["us"]
+                row.update(xla_us=t_ref, speedup=t_ref / row["us"])
             row["elapsed_s"] = round(time.perf_counter() - T_START, 1)
-            rows.append(row)
             print(json.dumps(row), flush=True)
             on_row(rows)
             del args
     return rows
 
 
+def measure_kernel_row(ceilings, args, batch, length, num_queries, heads, slots, num_layers) -> dict:
+    """One row of the table: the op's device time per call and what follows from it (no reference yet)."""
+    kv_bytes = batch * length * ROW_BYTES
+    flops = 2 * batch * num_queries * heads * length * (WIDTH + LATENT)
+    roof = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["mma_sync_tflops"] * 1e12))
+    # Fewer calls per program for the slow rows: the sweep must fit a few device calls.
+    k = min(8 if roof < 2e-3 else 3, num_layers - 1)
+    timed = device_per_call(unrolled(kernel_op(), num_layers), args, k)
+    t_kernel = timed["us"] * 1e-6
+    main_us, merge_us = split_main_merge(timed["kernels"])
+    splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
+    row_groups = vffi.choose_row_groups(num_queries, heads)
+    row = dict(B=batch, L=length, T=num_queries, H=heads, slots=slots, num_splits=splits, row_groups=row_groups,
+               variant=vffi.choose_variant() if row_groups == 2 else None,
+               us=t_kernel * 1e6, main_us=main_us, merge_us=merge_us, wall_us=timed["wall_us"],
+               calls_per_program=k, kernels_per_call=timed["kernels_per_call"],
+               gbps=kv_bytes / t_kernel / 1e9, tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6,
+               roofline_frac=roof / t_kernel,
+               bound="memory" if kv_bytes / (ceilings["copy_gbps"] * 1e9) >= roof else "mma",
+               xla_us=None, speedup=None)
+    if DEVICE_TIMING:
+        row.update(device_timing(batch, num_queries, heads, length, slots == "scattered", splits, row_groups,
+                                 row["variant"]))
+    return row
+
+
 def full_plan():
-    """The issue's sweep: every (B, L, slots, T), the XLA reference where the issue gives its reference points
-    (B = 1, scattered, T in {1, 16}, L <= 128k: XLA's autotuning of each new shape is slow). Ordered by what matters
+    """The issue's sweep: every (B, L, slots, T), the XLA reference on scattered slots up to REF_MAX_SCORES (its
+    compile and autotuning take ~20 s a row on an H200: run the kernels first with --no-ref, then the references
+    with --resume over further calls). Ordered by what matters
     most (B = 1 scattered first, then contiguous, then B = 8), so that a run cut short keeps the key rows."""
-    plan = [(b, length, scattered, TS, [1, 16] if (b == 1 and scattered and length <= 131072) else [])
+    plan = [(b, length, scattered, TS, TS if scattered else [])
             for b in BS for scattered in (True, False) for length in LS]
     # After B = 1 scattered: the 4-way tensor-parallel K2 shapes (H = 16 heads per device, T in {9, 33}).
-    plan[len(LS):len(LS)] = [(1, length, True, [9, 33], [], 16) for length in (4096, 16384, 65536)]
+    plan[len(LS):len(LS)] = [(1, length, True, [9, 33], [9, 33], 16) for length in (4096, 16384, 65536)]
     return plan
 
 

@@ -79,6 +79,13 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
     assert resumed["rows"][:2] == [dict(r, ceilings=data["ceilings"]) for r in data["rows"]]
     assert "resumed_from" in resumed["meta"] and "Rows measured over several device calls" in (tmp_path / "vk.md").read_text()
 
+    resumed["rows"][0].update(xla_us=None, speedup=None)  # a row whose reference a later call fills in
+    (tmp_path / "vk.json").write_text(json.dumps(resumed))
+    assert verify_kernel.main(["--smoke", "--out", out, "--resume"]) == 0
+    filled = json.loads((tmp_path / "vk.json").read_text())["rows"]
+    assert filled[0]["us"] == resumed["rows"][0]["us"] and filled[0]["xla_us"] > 0 and filled[0]["xla_filled_later"]
+    assert filled[1:] == resumed["rows"][1:]
+
 
 def test_tree_shapes_smoke(tmp_path):
     assert tree_shapes.main(["--smoke", "--out", str(tmp_path)] + NO_CACHE) == 0
