@@ -84,7 +84,9 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
     assert verify_kernel.main(["--smoke", "--out", out, "--resume"]) == 0
     filled = json.loads((tmp_path / "vk.json").read_text())["rows"]
     assert filled[0]["us"] == resumed["rows"][0]["us"] and filled[0]["xla_us"] > 0 and filled[0]["xla_filled_later"]
-    assert filled[1:] == resumed["rows"][1:]
+    def without_ceilings(rs):  # each resumed row is given the ceilings of the run that measured it
+        return [{k: v for k, v in r.items() if k != "ceilings"} for r in rs]
+    assert without_ceilings(filled[1:]) == without_ceilings(resumed["rows"][1:])
 
 
 def test_tree_shapes_smoke(tmp_path):
