@@ -17,7 +17,7 @@ KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
 if [ "${TESTS:-0}" = 1 ]; then  # the CUDA kernels against the reference, compute-sanitizer included
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_S:-260}" python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_S:-320}" python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider \
     tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "GPU tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
 fi
