@@ -34,6 +34,11 @@ NB_MODULE(_verify_attention_ext, m) {
         nb::arg("scattered") = true, nb::arg("iters") = 20,
         "The verify kernels timed with CUDA events outside XLA, us per call: [plain launches, CUDA graph replay, "
         "main kernel alone, merge alone] (-1 on failure).");
+  m.def("bench_verify_block_times", &kdtree::bench_verify_block_times, nb::arg("batch"), nb::arg("num_queries"),
+        nb::arg("num_heads"), nb::arg("length"), nb::arg("num_splits"), nb::arg("row_groups"), nb::arg("variant"),
+        nb::arg("scattered") = true, nb::arg("warmup") = 3,
+        "The main verify kernel's block timeline of one call: [start, end] of every block in us since the first "
+        "start (%globaltimer), flattened; empty on failure and unless built with KDTREE_JAX_BLOCK_CLOCK=1.");
 #else
   m.attr("with_cuda") = false;
 #endif

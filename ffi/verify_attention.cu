@@ -119,7 +119,26 @@ struct Params {
   int num_queries, num_heads, rows, mask_words, max_len, num_layers, num_splits;
   int64_t num_slots;
   float scale_log2;           // softmax_scale * log2(e): the softmax runs in base 2 (ex2.approx)
+#if defined(KDTREE_VERIFY_BLOCK_CLOCK)
+  // [blocks][2]: %globaltimer (ns) when each block of the main kernel starts and ends, for the benchmark harness's
+  // block timeline (bench_verify_block_times); nullptr in the op. A diagnostic build only: with this member, even
+  // unused, ptxas scheduled the wide kernel's main loop differently (495 -> 521 SASS instructions on sm_90).
+  unsigned long long* block_clock;
+#endif
 };
+
+// Stamp this block's start (which = 0) or end (1) into p.block_clock when the harness asks for it (a diagnostic
+// build, KDTREE_JAX_BLOCK_CLOCK=1 at install; a no-op otherwise).
+__device__ __forceinline__ void stamp_block([[maybe_unused]] const Params& p, [[maybe_unused]] int which) {
+#if defined(KDTREE_VERIFY_BLOCK_CLOCK)
+  if (p.block_clock != nullptr && threadIdx.x == 0) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    const int64_t block = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    p.block_clock[2 * block + which] = now;
+  }
+#endif
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2 ulp, exp2(-inf) = 0
   float y;
@@ -501,6 +520,7 @@ __global__ void __launch_bounds__(Config<kGroups>::kThreads, Config<kGroups>::kM
 verify_attention_kernel(const Params p) {
   using C = Config<kGroups>;
   constexpr int kTile = C::kTile, kSub = C::kSub, kBlocksN = C::kBlocksN, kScoreStride = C::kScoreStride;
+  stamp_block(p, 0);
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t kv_smem = smem_addr(smem);
 
@@ -706,6 +726,7 @@ verify_attention_kernel(const Params p) {
       if (warp == 0 && qd == 0) p.lse_part[row_index] = lse_row[h];
     }
   }
+  stamp_block(p, 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -749,6 +770,7 @@ struct WideConfig {
 template <bool kDirect>
 __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide_kernel(const Params p) {
   using W = WideConfig;
+  stamp_block(p, 0);
   constexpr int kTile = W::kTile;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t kv_smem = smem_addr(smem);
@@ -864,6 +886,7 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   }
   __syncthreads();
   write_rows<kDirect>(p, acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
+  stamp_block(p, 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1455,6 +1478,88 @@ std::vector<double> bench_verify_attention(int64_t batch, int64_t num_queries, i
     if (ptr) cudaFree(ptr);
   }
   return result;
+}
+
+// The main kernel's block timeline of one call (after `warmup` calls on other layers): {start, end} of every block
+// in µs since the earliest start, blocks in launch order ((split, row tile) per sequence); the kernels and inputs of
+// bench_verify_attention. Empty on failure and in a build without KDTREE_VERIFY_BLOCK_CLOCK.
+std::vector<double> bench_verify_block_times(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
+                                             int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
+                                             int warmup) {
+  std::vector<double> times;
+#if !defined(KDTREE_VERIFY_BLOCK_CLOCK)
+  if (batch > 0) return times;  // not a diagnostic build: the kernels do not stamp
+#endif
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || ensure_smem_limit(device) != cudaSuccess) return times;
+  if (batch < 1 || num_queries < 1 || num_heads < 1 || length < num_queries || num_splits < 1 || num_splits > kMaxSplits ||
+      warmup < 0 || (row_groups != 1 && row_groups != 2)) {
+    return times;
+  }
+  const int64_t rows = num_queries * num_heads, num_slots = batch * length, mask_words = (num_queries + 31) / 32;
+  const int64_t layer_elems = num_slots * kWidth;
+  const int64_t num_layers = std::max<int64_t>(2, std::min<int64_t>(64, ((int64_t{512} << 20) / 2 + layer_elems - 1) / layer_elems));
+  const int64_t rows_per_block = row_groups == 1 ? kRows : 32;
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block * num_splits * batch;
+  std::vector<int32_t> h_slots(num_slots), h_lens(batch, static_cast<int32_t>(length)), h_layers(num_layers);
+  std::iota(h_slots.begin(), h_slots.end(), 0);
+  if (scattered) std::shuffle(h_slots.begin(), h_slots.end(), std::mt19937(12345));
+  std::iota(h_layers.begin(), h_layers.end(), 0);
+  std::vector<uint32_t> h_mask(batch * num_queries * mask_words, 0u);  // causal, as bench_verify_attention's
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < num_queries; ++i)
+      for (int64_t j = 0; j <= i; ++j) h_mask[(b * num_queries + i) * mask_words + j / 32] |= 1u << (j % 32);
+  std::vector<unsigned long long> h_clock(2 * blocks, 0);
+  uint16_t *q = nullptr, *pool = nullptr, *out = nullptr;
+  int32_t *slots = nullptr, *lens = nullptr, *layers = nullptr;
+  uint32_t* mask = nullptr;
+  float *lse = nullptr, *out_part = nullptr, *lse_part = nullptr;
+  unsigned long long* clock = nullptr;
+  bool ok = cudaMalloc(&q, batch * rows * kWidth * 2) == cudaSuccess &&
+            cudaMalloc(&pool, num_layers * layer_elems * 2) == cudaSuccess &&
+            cudaMalloc(&out, batch * rows * kLatent * 2) == cudaSuccess &&
+            cudaMalloc(&slots, num_slots * 4) == cudaSuccess && cudaMalloc(&lens, batch * 4) == cudaSuccess &&
+            cudaMalloc(&layers, num_layers * 4) == cudaSuccess && cudaMalloc(&mask, h_mask.size() * 4) == cudaSuccess &&
+            cudaMalloc(&lse, batch * rows * 4) == cudaSuccess &&
+            cudaMalloc(&out_part, batch * num_splits * rows * kLatent * 4) == cudaSuccess &&
+            cudaMalloc(&lse_part, batch * num_splits * rows * 4) == cudaSuccess &&
+            cudaMalloc(&clock, h_clock.size() * 8) == cudaSuccess;
+  if (ok) {
+    fill_random_bf16<<<1024, 256>>>(q, batch * rows * kWidth, 1u);
+    fill_random_bf16<<<4096, 256>>>(pool, num_layers * layer_elems, 2u);
+    ok = cudaMemcpy(slots, h_slots.data(), num_slots * 4, cudaMemcpyHostToDevice) == cudaSuccess &&
+         cudaMemcpy(lens, h_lens.data(), batch * 4, cudaMemcpyHostToDevice) == cudaSuccess &&
+         cudaMemcpy(layers, h_layers.data(), num_layers * 4, cudaMemcpyHostToDevice) == cudaSuccess &&
+         cudaMemcpy(mask, h_mask.data(), h_mask.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess;
+  }
+  if (ok) {
+    Params p{};
+    p.q = q; p.kv_pool = pool; p.kv_slots = slots; p.kv_lens = lens; p.tree_mask = mask;
+    p.out = out; p.lse = lse; p.out_part = out_part; p.lse_part = lse_part;
+    p.num_queries = static_cast<int>(num_queries); p.num_heads = static_cast<int>(num_heads); p.rows = static_cast<int>(rows);
+    p.mask_words = static_cast<int>(mask_words); p.max_len = static_cast<int>(length); p.num_layers = static_cast<int>(num_layers);
+    p.num_slots = num_slots; p.num_splits = static_cast<int>(num_splits); p.scale_log2 = 0.07f * kLog2e;
+    for (int i = 0; i <= warmup; ++i) {  // the last call, on a layer of its own, is the one stamped
+      p.layer = layers + i % num_layers;
+#if defined(KDTREE_VERIFY_BLOCK_CLOCK)
+      p.block_clock = i == warmup ? clock : nullptr;
+#endif
+      launch_any(p, batch, nullptr, row_groups, variant);
+    }
+    ok = cudaDeviceSynchronize() == cudaSuccess && cudaGetLastError() == cudaSuccess &&
+         cudaMemcpy(h_clock.data(), clock, h_clock.size() * 8, cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+  if (ok) {
+    const unsigned long long t0 = *std::min_element(h_clock.begin(), h_clock.end());
+    times.reserve(h_clock.size());
+    for (unsigned long long t : h_clock) times.push_back((t - t0) * 1e-3);
+  }
+  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(pool), static_cast<void*>(out), static_cast<void*>(slots),
+                    static_cast<void*>(lens), static_cast<void*>(layers), static_cast<void*>(mask), static_cast<void*>(lse),
+                    static_cast<void*>(out_part), static_cast<void*>(lse_part), static_cast<void*>(clock)}) {
+    if (ptr) cudaFree(ptr);
+  }
+  return times;
 }
 }  // namespace kdtree
 

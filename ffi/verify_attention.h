@@ -53,5 +53,10 @@ double bench_copy_gbps(int device, int64_t bytes, int iters);  // cudaMemcpy D2D
 std::vector<double> bench_verify_attention(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
                                            int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
                                            int iters);
+// The main kernel's block timeline of one call after `warmup` others: {start, end} per block, µs since the first
+// start (%globaltimer); empty on failure (verify_attention.cu).
+std::vector<double> bench_verify_block_times(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
+                                             int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
+                                             int warmup);
 }  // namespace kdtree
 #endif

@@ -4,6 +4,8 @@
 # --resume (SWEEP_EXTRA: more arguments) until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
 # checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
 # TESTS=1 runs the GPU kernel tests first (tests/test_verify_attention_gpu.py, -n 16, TESTS_S seconds at most).
+# SKEW_SHAPES="B T H L [splits];..." first runs ffi/tools/block_skew.py on a diagnostic build (block start/end
+# stamps), then rebuilds without them; PLAN=none stops before the sweep.
 #   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
 #   KDTREE_COMMIT=<h> BUDGET_S=540 RESUME_FROM=benchmarks/results/verify_kernel_h200_full bash ffi/tools/device_sweep.sh
 set -uo pipefail
@@ -13,6 +15,13 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+if [ -n "${SKEW_SHAPES:-}" ]; then  # block timelines first, on a diagnostic build (ffi/tools/block_skew.py)
+  KDTREE_JAX_BLOCK_CLOCK=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
+    python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build_block_clock.log" 2>&1 || { tail -40 "$OUT/build_block_clock.log"; exit 1; }
+  IFS=';' read -ra shapes <<< "$SKEW_SHAPES"
+  timeout "${SKEW_S:-120}" python3 ffi/tools/block_skew.py --out "$OUT" "${shapes[@]}" 2>&1 | tail -40
+  echo "block timelines done at $(( $(date +%s) - T0 )) s; rebuilding without the stamps"
+fi
 KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
@@ -32,6 +41,7 @@ fi
 if [ -n "${RESUME_FROM:-}" ]; then
   cp "$RESUME_FROM.json" "$OUT/verify_kernel_h200.json" && echo "resuming from $RESUME_FROM.json"
 fi
+[ "${PLAN:-full}" = none ] && { ls -la "$OUT"; exit 0; }
 L=$(( $(left) - 10 )); [ $L -lt 20 ] && L=20
 timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} --resume \
   --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" > "$OUT/sweep.log" 2>&1
