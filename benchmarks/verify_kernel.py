@@ -1,6 +1,7 @@
 """Verify-attention kernel sweep on one GPU, with the ceilings measured in the same run.
 
-    python benchmarks/verify_kernel.py [--plan full|budget|quick] [--commit SHA] [--out benchmarks/results/verify_kernel_h200]
+    python benchmarks/verify_kernel.py [--plan full|priority|...] [--resume] [--commit SHA] [--out benchmarks/results/verify_kernel_h200]
+    python benchmarks/verify_kernel.py --smoke        # the script's whole path on any backend, in seconds
 
 Rows: L in {4k, 16k, 64k, 128k, 200k} x T in {1, 9, 16, 33, 64, 128, 257} x H = 8 x B in {1, 8}, contiguous
 and scattered slot tables (kv_lens = L for every sequence). Columns: time per call, KV GB/s, TFLOP/s, the
@@ -16,8 +17,10 @@ launch of a k-call graph, a cost that grows with k (output allocation, a graph o
 call on an H200) and that a model's loop pays once per step, not per attention call.
 Ceilings: device-to-device cudaMemcpy (bytes read + written), XLA's bf16 dot on random 8192^3 operands, and
 an mma.sync m16n8k16 bf16 micro-benchmark compiled into the extension.
-A second figure: 64 calls inside one jitted `lax.while_loop` with XLA command buffers on (run in a child
-process that sets XLA_FLAGS) against the single-call time.
+A second figure: 64 calls inside one jitted `lax.while_loop` with XLA command buffers incl. WHILE (run in a
+child process that sets XLA_FLAGS): the call's cost per iteration (the loop's wall-time slope minus that of the
+same loop without the call; the profiler does not see kernels inside the loop's conditional graph node) against
+its device time alone.
 """
 
 from __future__ import annotations
@@ -437,7 +440,7 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", choices=["full", "priority", "budget", "quick", "key", "mini"], default="full",
-                        help="full: the issue's whole sweep; budget: B=1 over all (L, T) plus a few rows; quick: smoke")
+                        help="full: the issue's whole sweep; priority: the same, the targets' rows first; budget: B=1 over all (L, T) plus a few rows; quick, key, mini: a few rows on the GPU")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference (its compiles dominate a sweep)")
