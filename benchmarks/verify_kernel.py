@@ -440,7 +440,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", choices=["full", "priority", "budget", "quick", "key", "mini"], default="full",
-                        help="full: the issue's whole sweep; priority: the same, the targets' rows first; budget: B=1 over all (L, T) plus a few rows; quick, key, mini: a few rows on the GPU")
+                        help="full: the issue's whole sweep; priority: the same, the targets' rows first; "
+                             "budget: B=1 over all (L, T) plus a few rows; quick, key, mini: a few rows on the GPU")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference (its compiles dominate a sweep)")
