@@ -61,22 +61,24 @@ MAX_LAYERS = 21                 # calls per timed program <= layers - 1: no two 
 REF_MAX_SCORES = 1 << 28        # skip the XLA reference above 2^28 scores (1 GiB of float32 per temporary)
 
 
+def median_wall(fn, args, reps: int, warm_s: float) -> float:
+    """Median seconds of `reps` runs of fn(*args), after one run (the compile) and `warm_s` seconds of
+    back-to-back runs (the SM clock ramps up after the idle compile time)."""
+    jax.block_until_ready(fn(*args))
+    t_end = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7, warm_s: float = 0.1) -> float:
-    """Seconds per call: slope between programs of k1 and k2 calls (medians of `reps` runs), each timed
-    after `warm_s` seconds of back-to-back runs (the SM clock ramps up after the idle compile time)."""
-    medians = []
-    for k in (k1, k2):
-        fn = make_fn(k)
-        jax.block_until_ready(fn(*args))  # compile
-        t_end = time.perf_counter() + warm_s
-        while time.perf_counter() < t_end:
-            jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        medians.append(float(np.median(times)))
+    """Seconds per call: slope between programs of k1 and k2 calls (`median_wall` of each)."""
+    medians = [median_wall(make_fn(k), args, reps, warm_s) for k in (k1, k2)]
     return max((medians[1] - medians[0]) / (k2 - k1), 1e-9)
 
 
@@ -85,25 +87,16 @@ OWN_KERNEL = re.compile(r"verify_attention|merge_splits")
 
 def device_per_call(make_fn, args, k: int, reps: int = 5, warm_s: float = 0.1) -> dict:
     """One program of k calls: device µs per call (first kernel start to last kernel end, over k), its wall µs
-    per call (median of `reps` runs, host launch included), and the µs per call of each kernel family, after
-    `warm_s` seconds of back-to-back runs (the SM clock ramps up after the idle compile time)."""
+    per call (`median_wall`, host launch included), and the µs per call of each kernel family."""
     compiled = make_fn(k).lower(*args).compile()
-    t_end = time.perf_counter() + warm_s
-    jax.block_until_ready(compiled(*args))
-    while time.perf_counter() < t_end:
-        jax.block_until_ready(compiled(*args))
-    walls = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        walls.append(time.perf_counter() - t0)
+    wall = median_wall(compiled, args, reps, warm_s)
     _, events, _ = profiling.trace_kernels(compiled, args)
     span_ns = max(e[2] for e in events) - min(e[1] for e in events)
     families = {}
     for e in events:
         name = profiling.kernel_family(e[3])
         families[name] = families.get(name, 0.0) + (e[2] - e[1]) / k / 1e3
-    return dict(us=span_ns / k / 1e3, wall_us=float(np.median(walls)) / k * 1e6, kernels=families,
+    return dict(us=span_ns / k / 1e3, wall_us=wall / k * 1e6, kernels=families,
                 kernels_per_call=len(events) / k)
 
 
