@@ -58,7 +58,7 @@ TS = [1, 9, 16, 33, 64, 128, 257]
 BS = [1, 8]
 POOL_MAX_BYTES = 12 << 30       # per (B, L) pool
 MAX_LAYERS = 21                 # calls per timed program <= layers - 1: no two calls are identical
-REF_MAX_SCORES = 1 << 28        # skip the XLA reference above 2^28 scores (1 GiB of float32 per temporary)
+REF_FEW_CALLS_SCORES = 1 << 28  # above 2^28 scores (1 GiB of float32 per temporary) the reference runs 2 calls, not 4
 
 
 def median_wall(fn, args, reps: int, warm_s: float) -> float:
@@ -85,10 +85,20 @@ def wall_per_call(make_fn, args, k1: int, k2: int, reps: int = 7, warm_s: float 
 OWN_KERNEL = re.compile(r"verify_attention|merge_splits")
 
 
-def device_per_call(make_fn, args, k: int, reps: int = 5, warm_s: float = 0.1) -> dict:
+def device_per_call(make_fn, args, k: int, reps: int = 5, warm_s: float = 0.1, compiled_cache=None) -> dict:
     """One program of k calls: device µs per call (first kernel start to last kernel end, over k), its wall µs
-    per call (`median_wall`, host launch included), and the µs per call of each kernel family."""
-    compiled = make_fn(k).lower(*args).compile()
+    per call (`median_wall`, host launch included), and the µs per call of each kernel family.
+    compiled_cache: a dict that keeps the compiled program by k and the arguments' shapes, for a caller whose
+    make_fn is the same for every row (the XLA reference: its compile and autotuning are most of a sweep's time,
+    and the contiguous row of a shape reuses the scattered row's program)."""
+    key = (k, tuple((a.shape, str(a.dtype)) for a in args))
+    compiled = compiled_cache.get(key) if compiled_cache is not None else None
+    t0 = time.perf_counter()
+    if compiled is None:
+        compiled = make_fn(k).lower(*args).compile()
+        if compiled_cache is not None:
+            compiled_cache[key] = compiled
+    compile_s = time.perf_counter() - t0
     wall = median_wall(compiled, args, reps, warm_s)
     _, events, _ = profiling.trace_kernels(compiled, args)
     span_ns = max(e[2] for e in events) - min(e[1] for e in events)
@@ -97,7 +107,7 @@ def device_per_call(make_fn, args, k: int, reps: int = 5, warm_s: float = 0.1) -
         name = profiling.kernel_family(e[3])
         families[name] = families.get(name, 0.0) + (e[2] - e[1]) / k / 1e3
     return dict(us=span_ns / k / 1e3, wall_us=wall / k * 1e6, kernels=families,
-                kernels_per_call=len(events) / k)
+                kernels_per_call=len(events) / k, compile_s=compile_s)
 
 
 def split_main_merge(kernels: dict) -> tuple:
@@ -203,19 +213,22 @@ def row_key(batch, length, num_queries, heads, slots):
     return (int(batch), int(length), int(num_queries), int(heads), slots)
 
 
-def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
+def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None):
     """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row.
     rows: rows measured before (--resume): their kernel times are kept, and only a reference the plan asks for and
-    they lack is measured (the reference's compile and autotuning take most of a sweep's time)."""
+    they lack is measured (the reference's compile and autotuning take most of a sweep's time).
+    known_refs: row key -> a row of an earlier run whose XLA reference is taken instead of measured (--refs-from:
+    the reference does not change when the kernels do)."""
     rows = list(rows or [])
     by_key = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]): r for r in rows}
-    pools = {}
+    known_refs = known_refs or {}
+    pools, ref_programs = {}, {}  # ref_programs: the reference's compiled programs, by shape
     for batch, length, scattered, ts, ref_ts, *rest in plan:
         heads = rest[0] if rest else H
         slots = "scattered" if scattered else "contiguous"
 
         def wants_ref(t):
-            return t in ref_ts and batch * t * heads * length <= REF_MAX_SCORES
+            return t in ref_ts
 
         def todo(t):
             old = by_key.get(row_key(batch, length, t, heads, slots))
@@ -239,13 +252,30 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None):
             else:
                 row["xla_filled_later"] = True  # a reference added to a row of an earlier call
             if wants_ref(num_queries):
-                t_ref = device_per_call(unrolled(reference_op, num_layers), args, min(4, num_layers - 1), reps=3)["us"]
-                row.update(xla_us=t_ref, speedup=t_ref / row["us"])
+                row.update(reference_row(args, batch, num_queries, heads, length, num_layers, row["us"],
+                                         known_refs.get(row_key(batch, length, num_queries, heads, slots)),
+                                         ref_programs))
             row["elapsed_s"] = round(time.perf_counter() - T_START, 1)
             print(json.dumps(row), flush=True)
             on_row(rows)
             del args
     return rows
+
+
+def reference_row(args, batch, num_queries, heads, length, num_layers, kernel_us, known, ref_programs) -> dict:
+    """The XLA reference's columns of a row: taken from `known` (a row of an earlier run) when it has them, else
+    measured; a failure (e.g. out of memory on the largest rows) is recorded, not raised, so the sweep goes on."""
+    if known is not None and known.get("xla_us") is not None:
+        return dict(xla_us=known["xla_us"], speedup=known["xla_us"] / kernel_us,
+                    xla_from=known.get("xla_from", "earlier run"))
+    big = batch * num_queries * heads * length > REF_FEW_CALLS_SCORES
+    try:
+        timed = device_per_call(unrolled(reference_op, num_layers), args, min(2 if big else 4, num_layers - 1),
+                                reps=3, compiled_cache=ref_programs)
+    except Exception as e:  # noqa: BLE001 -- XLA raises its own runtime error type; the row keeps the message
+        print(f"XLA reference failed at B={batch} T={num_queries} H={heads} L={length}: {e}"[:400], flush=True)
+        return dict(xla_us=None, speedup=None, xla_error=str(e)[:200])
+    return dict(xla_us=timed["us"], speedup=timed["us"] / kernel_us, xla_compile_s=round(timed["compile_s"], 1))
 
 
 def measure_kernel_row(ceilings, args, batch, length, num_queries, heads, slots, num_layers) -> dict:
@@ -275,15 +305,43 @@ def measure_kernel_row(ceilings, args, batch, length, num_queries, heads, slots,
 
 
 def full_plan():
-    """The issue's sweep: every (B, L, slots, T), the XLA reference on scattered slots up to REF_MAX_SCORES (its
-    compile and autotuning take ~20 s a row on an H200: run the kernels first with --no-ref, then the references
-    with --resume over further calls). Ordered by what matters
-    most (B = 1 scattered first, then contiguous, then B = 8), so that a run cut short keeps the key rows."""
-    plan = [(b, length, scattered, TS, TS if scattered else [])
+    """The issue's sweep: every (B, L, slots, T) with the XLA reference (its compile and autotuning take ~20 s a
+    shape on an H200, the contiguous row reuses the scattered row's program: run the kernels first with --no-ref,
+    then the references with --resume, --shard over GPUs and calls). Ordered by what matters most (B = 1
+    scattered first, then contiguous, then B = 8), so that a run cut short keeps the key rows."""
+    plan = [(b, length, scattered, TS, TS)
             for b in BS for scattered in (True, False) for length in LS]
     # After B = 1 scattered: the 4-way tensor-parallel K2 shapes (H = 16 heads per device, T in {9, 33}).
     plan[len(LS):len(LS)] = [(1, length, True, [9, 33], [9, 33], 16) for length in (4096, 16384, 65536)]
     return plan
+
+
+def shard_plan(plan, index: int, count: int):
+    """The plan entries of shard `index` of `count` (--shard, one process per GPU): whole (B, L, H) groups, so
+    a shape's scattered and contiguous rows share one compiled reference, dealt round robin."""
+    groups = sorted({(e[0], e[1], e[5] if len(e) > 5 else H) for e in plan})
+    mine = set(groups[index::count])
+    return [e for e in plan if (e[0], e[1], e[5] if len(e) > 5 else H) in mine]
+
+
+def merge_results(paths):
+    """--merge: one table from the JSON files of several shards or calls. A row measured in several keeps the
+    latest measurement of the kernel, and a reference from whichever file has one."""
+    merged, meta, ceilings, loop_rows = {}, None, None, []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = meta or data["meta"]
+        ceilings = ceilings or data["ceilings"]
+        loop_rows = loop_rows or data.get("while_loop", [])
+        for r in data["rows"]:
+            r.setdefault("ceilings", data["ceilings"])
+            key = row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"])
+            old = merged.get(key)
+            if old is not None and r.get("xla_us") is None and old.get("xla_us") is not None:
+                r = dict(r, xla_us=old["xla_us"], speedup=old["xla_us"] / r["us"])
+            merged[key] = r
+    return meta, ceilings, list(merged.values()), loop_rows
 
 
 def budget_plan():
@@ -371,8 +429,9 @@ def fmt(x, spec):
 
 
 def write_results(path, meta, ceilings, rows, loop_rows):
-    with open(path + ".json", "w") as f:
+    with open(path + ".json.tmp", "w") as f:  # then renamed: a run killed by its time limit leaves a whole file
         json.dump(dict(meta=meta, ceilings=ceilings, rows=rows, while_loop=loop_rows), f, indent=1)
+    os.replace(path + ".json.tmp", path + ".json")
     lines = [f"# Verify-attention kernel on {meta['device']}", "",
              f"Date {meta['date']}, commit `{meta['commit']}`, jax {meta['jax']}, H = {H}, kv_lens = L, "
              f"split count automatic ({meta['sm_count']} SMs), plan `{meta['plan']}`, "
@@ -385,7 +444,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              "program (a CUDA graph), from a CUPTI profile; main / merge: the two kernels' durations; wall µs: the "
              "program's wall time / k, the host's launch of a k-call graph included. "
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
-             "XLA = the pure-JAX reference (gather + einsum), device time the same way, at the issue's reference cells.", "",
+             "XLA = the pure-JAX reference (gather + einsum), device time the same way (2 calls a program above 2^28 scores, "
+             "4 below); – where not measured, the reason in the JSON.", "",
              "Kernel for T·H > 16: " + ", ".join(sorted({("wide (variant 1)" if r.get("variant") == 1 else "two-group (variant 0)")
                                                         for r in rows if r.get("variant") is not None})) + ".", "",
              "| B | L | T | H | slots | splits × groups | µs | main | merge | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup | wall µs |",
@@ -452,8 +512,20 @@ def main(argv=None) -> int:
                              "op (the FFI's CPU handler on a CPU), the XLA reference on one, the while-loop figure "
                              "in-process; ceilings from a jitted copy and XLA's dot; OUT defaults to "
                              "benchmarks/results/verify_kernel_smoke")
+    parser.add_argument("--shard", metavar="I/N", help="measure only shard I of N of the plan's (B, L) groups (one process "
+                        "per GPU: CUDA_VISIBLE_DEVICES=I); --merge joins the shards' tables")
+    parser.add_argument("--refs-from", metavar="JSON", help="take the XLA reference of a row from this earlier "
+                        "result where it has one, instead of measuring it (the kernels changed, the reference did not)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="measure nothing: write OUT from these results "
+                        "(shards or calls), later files' kernel rows first, references from any")
     parser.add_argument("--while-loop-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.merge:
+        meta, ceilings, rows, loop_rows = merge_results(args.merge)
+        meta = dict(meta, merged_from=args.merge)
+        write_results(args.out, meta, ceilings, rows, loop_rows)
+        print(f"{len(rows)} rows ({sum(r.get('xla_us') is not None for r in rows)} with the reference) -> {args.out}.json")
+        return 0
     global DEVICE_TIMING
     DEVICE_TIMING = args.device_timing and not args.smoke
     if args.smoke:
@@ -515,8 +587,24 @@ def main(argv=None) -> int:
     meta["plan"] = ("smoke" if args.smoke else args.plan) + (" (no XLA reference)" if args.no_ref else "")
     if args.no_ref:
         plan = [(b, length, scattered, ts, [], *rest) for b, length, scattered, ts, _, *rest in plan]
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        plan = shard_plan(plan, index, count)
+        meta["shard"] = args.shard
+        old_rows = [r for r in old_rows if any((r["B"], r["L"], r.get("H", H)) == (e[0], e[1], e[5] if len(e) > 5 else H)
+                                               for e in plan)]
+    known_refs = {}
+    if args.refs_from:
+        with open(args.refs_from) as f:
+            earlier = json.load(f)
+        for r in earlier["rows"]:
+            if r.get("xla_us") is not None:
+                known_refs[row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"])] = dict(
+                    r, xla_from=r.get("xla_from", f"{earlier['meta'].get('commit')}, {earlier['meta'].get('date')}"))
     # Results are rewritten after every row, so a run cut short still leaves its table.
-    sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows), rows=old_rows)
+    rows = sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows),
+                 rows=old_rows, known_refs=known_refs)
+    write_results(args.out, meta, ceilings, rows, loop_rows)  # also when there was nothing left to measure
     print(open(args.out + ".md").read())
     return 0
 

@@ -88,6 +88,20 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
         return [{k: v for k, v in r.items() if k != "ceilings"} for r in rs]
     assert without_ceilings(filled[1:]) == without_ceilings(resumed["rows"][1:])
 
+    # Shards over GPUs and calls: --merge joins them, the later kernel rows first, a reference from any file.
+    (tmp_path / "later.json").write_text(json.dumps(dict(resumed, rows=[dict(r, us=2 * r["us"]) for r in resumed["rows"]])))
+    assert verify_kernel.main(["--merge", out + ".json", str(tmp_path / "later.json"), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [r["us"] for r in merged] == [2 * r["us"] for r in resumed["rows"]]
+    assert merged[0]["xla_us"] == filled[0]["xla_us"] and merged[0]["speedup"] == filled[0]["xla_us"] / merged[0]["us"]
+    # The only (B, L) group is shard 0's: shard 1 of 2 measures nothing and still writes its (empty) table.
+    assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "s1"), "--shard", "1/2"]) == 0
+    assert json.loads((tmp_path / "s1.json").read_text())["rows"] == []
+    # New kernel rows, the reference taken from an earlier result instead of measured again.
+    assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "r"), "--refs-from", out + ".json"]) == 0
+    reused = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    assert reused["xla_us"] == filled[0]["xla_us"] and reused["xla_from"].startswith("unknown")
+
 
 def test_tree_shapes_smoke(tmp_path):
     assert tree_shapes.main(["--smoke", "--out", str(tmp_path)] + NO_CACHE) == 0

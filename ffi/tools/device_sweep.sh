@@ -4,6 +4,7 @@
 # --resume (SWEEP_EXTRA: more arguments) until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
 # checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
 # TESTS=1 runs the GPU kernel tests first (tests/test_verify_attention_gpu.py, -n 16, TESTS_S seconds at most).
+# SHARDS=N (a machine of N GPUs) runs the sweep as N processes, one per GPU (--shard i/N), and merges their tables.
 # SKEW_SHAPES="B T H L [splits];..." first runs ffi/tools/block_skew.py on a diagnostic build (block start/end
 # stamps), then rebuilds without them; PLAN=none stops before the sweep.
 #   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
@@ -42,9 +43,26 @@ if [ -n "${RESUME_FROM:-}" ]; then
   cp "$RESUME_FROM.json" "$OUT/verify_kernel_h200.json" && echo "resuming from $RESUME_FROM.json"
 fi
 [ "${PLAN:-full}" = none ] && { ls -la "$OUT"; exit 0; }
-L=$(( $(left) - 10 )); [ $L -lt 20 ] && L=20
-timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} --resume \
-  --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" > "$OUT/sweep.log" 2>&1
-echo "sweep rc=$? at $(( $(date +%s) - T0 )) s"
+L=$(( $(left) - 15 )); [ $L -lt 20 ] && L=20
+SHARDS=${SHARDS:-1}
+if [ "$SHARDS" -gt 1 ]; then  # one process per GPU, each on its (B, L) groups; the tables merged at the end
+  for i in $(seq 0 $((SHARDS - 1))); do
+    mkdir -p "/tmp/shard$i"
+    [ -f "$OUT/verify_kernel_h200.json" ] && cp "$OUT/verify_kernel_h200.json" "/tmp/shard$i/verify_kernel_h200.json"
+    CUDA_VISIBLE_DEVICES=$i timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} \
+      --resume --shard "$i/$SHARDS" --commit "${KDTREE_COMMIT:-unknown}" --out "/tmp/shard$i/verify_kernel_h200" \
+      > "/tmp/shard$i/sweep.log" 2>&1 &
+  done
+  wait
+  echo "shards done at $(( $(date +%s) - T0 )) s"
+  base=(); [ -f "$OUT/verify_kernel_h200.json" ] && base=("$OUT/verify_kernel_h200.json")
+  python3 benchmarks/verify_kernel.py --merge "${base[@]}" /tmp/shard*/verify_kernel_h200.json --out "$OUT/verify_kernel_h200"
+  cat /tmp/shard*/sweep.log > "$OUT/sweep.log"
+else
+  timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} --resume \
+    --commit "${KDTREE_COMMIT:-unknown}" --out "$OUT/verify_kernel_h200" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$? at $(( $(date +%s) - T0 )) s"
+fi
+grep -E "reference failed|Traceback|Error" "$OUT/sweep.log" | head -10
 python3 ffi/tools/rows.py < "$OUT/sweep.log" | tail -40
 python3 -c "import json; d=json.load(open('$OUT/verify_kernel_h200.json')); print(len(d['rows']), 'rows in the results')"
