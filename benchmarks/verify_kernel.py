@@ -213,6 +213,21 @@ def row_key(batch, length, num_queries, heads, slots):
     return (int(batch), int(length), int(num_queries), int(heads), slots)
 
 
+def remaining_plan(plan, rows):
+    """The plan without what `rows` (an earlier run's) already have: a T stays where its row is missing, or where
+    the plan asks for its reference and the row lacks it. Entries left with no T are dropped."""
+    by_key = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]): r for r in rows}
+    out = []
+    for batch, length, scattered, ts, ref_ts, *rest in plan:
+        heads = rest[0] if rest else H
+        slots = "scattered" if scattered else "contiguous"
+        olds = {t: by_key.get(row_key(batch, length, t, heads, slots)) for t in ts}
+        left = [t for t in ts if olds[t] is None or (t in ref_ts and olds[t].get("xla_us") is None)]
+        if left:
+            out.append((batch, length, scattered, left, ref_ts, *rest))
+    return out
+
+
 def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None):
     """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row.
     rows: rows measured before (--resume): their kernel times are kept, and only a reference the plan asks for and
@@ -223,20 +238,13 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None):
     by_key = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]): r for r in rows}
     known_refs = known_refs or {}
     pools, ref_programs = {}, {}  # ref_programs: the reference's compiled programs, by shape
-    for batch, length, scattered, ts, ref_ts, *rest in plan:
+    for batch, length, scattered, ts, ref_ts, *rest in remaining_plan(plan, rows):
         heads = rest[0] if rest else H
         slots = "scattered" if scattered else "contiguous"
 
         def wants_ref(t):
             return t in ref_ts
 
-        def todo(t):
-            old = by_key.get(row_key(batch, length, t, heads, slots))
-            return old is None or (wants_ref(t) and old.get("xla_us") is None)
-
-        ts = [t for t in ts if todo(t)]
-        if not ts:
-            continue
         if (batch, length) not in pools:
             pools.clear()  # one pool at a time on the device
             pools[(batch, length)] = make_pool(jax.random.PRNGKey(length), batch, length)
@@ -318,10 +326,21 @@ def full_plan():
 
 def shard_plan(plan, index: int, count: int):
     """The plan entries of shard `index` of `count` (--shard, one process per GPU): whole (B, L, H) groups, so
-    a shape's scattered and contiguous rows share one compiled reference, dealt round robin."""
+    a shape's scattered and contiguous rows share one compiled reference, dealt round robin (pass the remaining
+    plan, so that only groups with work left are dealt)."""
     groups = sorted({(e[0], e[1], e[5] if len(e) > 5 else H) for e in plan})
     mine = set(groups[index::count])
     return [e for e in plan if (e[0], e[1], e[5] if len(e) > 5 else H) in mine]
+
+
+def merged_from(paths):
+    """Where a merged table's rows came from: each file's commit, date and shard."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            m = json.load(f)["meta"]
+        out.append({k: m.get(k) for k in ("commit", "date", "shard", "plan")})
+    return out
 
 
 def merge_results(paths):
@@ -454,6 +473,11 @@ def write_results(path, meta, ceilings, rows, loop_rows):
         earlier = meta["resumed_from"]
         lines[4:4] = [f"Rows measured over several device calls (`--resume`): the earlier ones at {earlier['date']} "
                       f"(commit `{earlier['commit']}`), each row's ceilings in the JSON.", ""]
+    if meta.get("merged_from"):
+        parts = "; ".join(f"`{m['commit']}` at {m['date']}" + (f" (shard {m['shard']})" if m.get("shard") else "")
+                          for m in meta["merged_from"])
+        lines[4:4] = [f"Joined (`--merge`) from the results of several calls or GPUs: {parts}. A row keeps the latest "
+                      "kernel measurement and the XLA reference of whichever call measured it.", ""]
     # The table in a reading order (B, slots, H, L, T); the JSON keeps the order of measurement.
     rows = sorted(rows, key=lambda r: (r["B"], r["slots"] != "scattered", r.get("H", H), r["L"], r["T"]))
     for r in rows:
@@ -522,7 +546,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         meta, ceilings, rows, loop_rows = merge_results(args.merge)
-        meta = dict(meta, merged_from=args.merge)
+        meta = dict(meta, merged_from=merged_from(args.merge))
         write_results(args.out, meta, ceilings, rows, loop_rows)
         print(f"{len(rows)} rows ({sum(r.get('xla_us') is not None for r in rows)} with the reference) -> {args.out}.json")
         return 0
@@ -589,7 +613,7 @@ def main(argv=None) -> int:
         plan = [(b, length, scattered, ts, [], *rest) for b, length, scattered, ts, _, *rest in plan]
     if args.shard:
         index, count = (int(x) for x in args.shard.split("/"))
-        plan = shard_plan(plan, index, count)
+        plan = shard_plan(remaining_plan(plan, old_rows), index, count)
         meta["shard"] = args.shard
         old_rows = [r for r in old_rows if any((r["B"], r["L"], r.get("H", H)) == (e[0], e[1], e[5] if len(e) > 5 else H)
                                                for e in plan)]
