@@ -37,7 +37,8 @@ def timeline(batch, num_queries, heads, length, splits=0):
     return dict(B=batch, T=num_queries, H=heads, L=length, splits=splits, row_groups=row_groups, blocks=len(t),
                 span_us=round(float(span), 2), start_us=pct(start), duration_us=pct(dur), end_us=pct(end),
                 idle_share=round(float(1 - dur.sum() / (len(t) * span)), 3),
-                timer_step_us=round(float(steps[steps > 0].min()), 3) if (steps > 0).any() else None)
+                timer_step_us=round(float(steps[steps > 0].min()), 3) if (steps > 0).any() else None,
+                stamps_us=np.round(t, 3).tolist())  # [block] -> (start, end), block = x + gridDim.x * (y + gridDim.y * z)
 
 
 def main(argv=None) -> int:
@@ -54,9 +55,9 @@ def main(argv=None) -> int:
         print(f"B{row['B']} T{row['T']} H{row['H']} L{row['L']} {row['splits']} splits, {row['blocks']} blocks: "
               f"span {row['span_us']} us; starts {row['start_us']}; durations {row['duration_us']}; ends {row['end_us']}; "
               f"idle {100 * row['idle_share']:.0f}%; timer step {row['timer_step_us']} us", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "block_skew.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "block_skew.json"), "w") as f:  # after every shape: a cut run keeps its rows
+            json.dump(rows, f)
     return 0
 
 

@@ -4,7 +4,8 @@
 # --resume (SWEEP_EXTRA: more arguments) until BUDGET_S seconds after the start. RESUME_FROM (a path without .json in the
 # checkout) seeds the sweep with the rows of an earlier call; the results are $OUT/verify_kernel_h200.{json,md}.
 # TESTS=1 runs the GPU kernel tests first (tests/test_verify_attention_gpu.py, -n 16, TESTS_S seconds at most).
-# SHARDS=N (a machine of N GPUs) runs the sweep as N processes, one per GPU (--shard i/N), and merges their tables.
+# SHARDS=N (a machine of N GPUs) runs the sweep as N processes, one per GPU (--shard i/N), and merges their tables;
+# with TESTS=1 each GPU then runs its share of the tests (TESTS_RESERVE_S: seconds the sweep leaves them).
 # SKEW_SHAPES="B T H L [splits];..." first runs ffi/tools/block_skew.py on a diagnostic build (block start/end
 # stamps), then rebuilds without them; PLAN=none stops before the sweep.
 #   KDTREE_COMMIT=<h> BUDGET_S=540 GAP_SHAPES='1 1 8 4096;1 16 8 65536' bash ffi/tools/device_sweep.sh
@@ -15,6 +16,7 @@ BUDGET_S=${BUDGET_S:-540}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+at_least_20() { [ "$1" -lt 20 ] && echo 20 || echo "$1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 if [ -n "${SKEW_SHAPES:-}" ]; then  # block timelines first, on a diagnostic build (ffi/tools/block_skew.py)
   KDTREE_JAX_BLOCK_CLOCK=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
@@ -26,7 +28,11 @@ fi
 KDTREE_JAX_PTXAS_VERBOSE=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} \
   python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build done at $(( $(date +%s) - T0 )) s"
-if [ "${TESTS:-0}" = 1 ]; then  # the CUDA kernels against the reference, compute-sanitizer included
+SHARDS=${SHARDS:-1}
+if [ "${TESTS:-0}" = 1 ] && [ "$SHARDS" -gt 1 ]; then  # the tests follow each GPU's shard of the sweep (below)
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_verify_attention_gpu.py 2>/dev/null | grep "::" > /tmp/gpu_test_ids
+  echo "$(wc -l < /tmp/gpu_test_ids) GPU tests, dealt over $SHARDS GPUs"
+elif [ "${TESTS:-0}" = 1 ]; then  # the CUDA kernels against the reference, compute-sanitizer included
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_S:-320}" python3 -m pytest -q -n 16 --durations=5 -p no:cacheprovider \
     tests/test_verify_attention_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "GPU tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
@@ -44,17 +50,24 @@ if [ -n "${RESUME_FROM:-}" ]; then
 fi
 [ "${PLAN:-full}" = none ] && { ls -la "$OUT"; exit 0; }
 L=$(( $(left) - 15 )); [ $L -lt 20 ] && L=20
-SHARDS=${SHARDS:-1}
-if [ "$SHARDS" -gt 1 ]; then  # one process per GPU, each on its (B, L) groups; the tables merged at the end
-  for i in $(seq 0 $((SHARDS - 1))); do
+if [ "$SHARDS" -gt 1 ]; then  # one process per GPU, each on its (B, L) groups, then its share of the tests
+  shard_then_tests() {
+    local i=$1
     mkdir -p "/tmp/shard$i"
     [ -f "$OUT/verify_kernel_h200.json" ] && cp "$OUT/verify_kernel_h200.json" "/tmp/shard$i/verify_kernel_h200.json"
-    CUDA_VISIBLE_DEVICES=$i timeout $L python3 benchmarks/verify_kernel.py --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} \
-      --resume --shard "$i/$SHARDS" --commit "${KDTREE_COMMIT:-unknown}" --out "/tmp/shard$i/verify_kernel_h200" \
-      > "/tmp/shard$i/sweep.log" 2>&1 &
-  done
+    CUDA_VISIBLE_DEVICES=$i timeout "$(at_least_20 $(( $(left) - 15 - ${TESTS_RESERVE_S:-0} )))" python3 benchmarks/verify_kernel.py \
+      --plan "${PLAN:-full}" ${SWEEP_EXTRA:---device-timing} --resume --shard "$i/$SHARDS" --commit "${KDTREE_COMMIT:-unknown}" \
+      --out "/tmp/shard$i/verify_kernel_h200" > "/tmp/shard$i/sweep.log" 2>&1
+    echo "shard $i rc=$? at $(( $(date +%s) - T0 )) s"
+    if [ -f /tmp/gpu_test_ids ]; then
+      mapfile -t ids < <(awk -v i="$i" -v n="$SHARDS" '(NR - 1) % n == i' /tmp/gpu_test_ids)
+      CUDA_VISIBLE_DEVICES=$i XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(at_least_20 $(( $(left) - 10 )))" python3 -m pytest -q ${XDIST--n 12} \
+        --durations=5 -p no:cacheprovider "${ids[@]}" > "$OUT/gpu_tests_$i.log" 2>&1
+      echo "GPU tests $i (${#ids[@]}) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_$i.log" | tail -6
+    fi
+  }
+  for i in $(seq 0 $((SHARDS - 1))); do shard_then_tests "$i" & done
   wait
-  echo "shards done at $(( $(date +%s) - T0 )) s"
   base=(); [ -f "$OUT/verify_kernel_h200.json" ] && base=("$OUT/verify_kernel_h200.json")
   python3 benchmarks/verify_kernel.py --merge "${base[@]}" /tmp/shard*/verify_kernel_h200.json --out "$OUT/verify_kernel_h200"
   cat /tmp/shard*/sweep.log > "$OUT/sweep.log"
