@@ -339,7 +339,9 @@ def merged_from(paths):
     for path in paths:
         with open(path) as f:
             m = json.load(f)["meta"]
-        out.append({k: m.get(k) for k in ("commit", "date", "shard", "plan")})
+        for part in m.get("merged_from") or [{k: m.get(k) for k in ("commit", "date", "shard", "plan")}]:
+            if part not in out:  # a merged file stands for its parts
+                out.append(part)
     return out
 
 

@@ -1065,12 +1065,14 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) verify_attention_ws_ker
 }
 
 // Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
-// Grid (rows, B, 4 column quarters); 16 warps, warp w takes splits w, w+16, ...; lane l owns 4 columns.
-// Each thread keeps 8 16-byte loads in flight, and the first round is issued before the weights are known
-// (every split writes its partial, empty ones zeros): up to 128 splits cost one memory round trip, 256 two.
-constexpr int kMergeWarps = 16;
-constexpr int kMergeThreads = kMergeWarps * 32;
-constexpr int kMergeQuarters = kLatent / (32 * 4);  // 4
+// For more than 16 splits (few query rows: T*H <= 16 with B = 1 runs 256 splits): a 256-thread block per
+// (row, column chunk); kLanesPerSplit lanes cover the chunk's columns of one split (4 floats each), so a block
+// reads 256 / kLanesPerSplit splits per pass. Each thread keeps 8 16-byte loads in flight, and the first round is
+// issued before the weights are known (every split writes its partial, empty ones zeros). The chunk is narrow
+// when there are few rows: at T = 1, H = 8, B = 1 a (row, quarter) block had to read 128 KB (32 blocks for the
+// whole GPU, 3.9 us at 64k, H200, 5353a84); 32-column chunks give 128 blocks of 32 KB, one round trip each.
+constexpr int kMergeThreads = 256;
+constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMergeUnroll = 8;
 constexpr int kMaxSplits = 1024;
 
@@ -1088,21 +1090,30 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, bool is_m
   return total;
 }
 
+// Column chunks per row of a merge_splits_kernel instance (4 columns a lane).
+template <int kLanesPerSplit>
+constexpr int kMergeChunks = kLatent / (4 * kLanesPerSplit);
+
+template <int kLanesPerSplit>
 __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Params p) {
+  static_assert(kLanesPerSplit >= 8 && kLanesPerSplit <= 32 && 32 % kLanesPerSplit == 0, "splits share warps evenly");
+  constexpr int kChunks = kMergeChunks<kLanesPerSplit>;
+  constexpr int kSplitsPerPass = kMergeThreads / kLanesPerSplit;
   __shared__ float weight[kMaxSplits];
   __shared__ float scratch[kMergeWarps];
-  __shared__ float4 partial[kMergeWarps][32];
-  const int r = blockIdx.x, b = blockIdx.y, quarter = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float4 partial[kMergeWarps][kLanesPerSplit];
+  const int r = static_cast<int>(blockIdx.x / kChunks), chunk = static_cast<int>(blockIdx.x % kChunks);
+  const int b = blockIdx.y;
+  const int vec = threadIdx.x % kLanesPerSplit, grp = threadIdx.x / kLanesPerSplit;
   const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
-  const int col = quarter * 128 + lane * 4;
+  const int col = (chunk * kLanesPerSplit + vec) * 4;
   auto load_part = [&](int s) {
     return s < p.num_splits ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
                             : make_float4(0.f, 0.f, 0.f, 0.f);
   };
   float4 v[kMergeUnroll];
 #pragma unroll
-  for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(warp + u * kMergeWarps);  // round 0, in flight now
+  for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(grp + u * kSplitsPerPass);  // round 0, in flight now
 
   float local_max = -INFINITY;
   for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
@@ -1118,23 +1129,30 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   const float total = block_reduce(local_sum, scratch, false);  // (its barrier also publishes weight[])
 
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = warp;; ) {
+  for (int s0 = grp;; ) {
 #pragma unroll
     for (int u = 0; u < kMergeUnroll; ++u) {
-      const int s = s0 + u * kMergeWarps;
+      const int s = s0 + u * kSplitsPerPass;
       const float w = s < p.num_splits ? weight[s] : 0.f;
       sum.x += w * v[u].x; sum.y += w * v[u].y; sum.z += w * v[u].z; sum.w += w * v[u].w;
     }
-    s0 += kMergeWarps * kMergeUnroll;
+    s0 += kSplitsPerPass * kMergeUnroll;
     if (s0 >= p.num_splits) break;
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(s0 + u * kMergeWarps);  // the next round
+    for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(s0 + u * kSplitsPerPass);  // the next round
   }
-  partial[warp][lane] = sum;
+  // The groups of one warp (lanes kLanesPerSplit apart hold the same columns), then the warps.
+#pragma unroll
+  for (int o = kLanesPerSplit; o < 32; o *= 2) {
+    sum.x += __shfl_xor_sync(0xffffffffu, sum.x, o); sum.y += __shfl_xor_sync(0xffffffffu, sum.y, o);
+    sum.z += __shfl_xor_sync(0xffffffffu, sum.z, o); sum.w += __shfl_xor_sync(0xffffffffu, sum.w, o);
+  }
+  if (threadIdx.x % 32 < kLanesPerSplit) partial[threadIdx.x / 32][vec] = sum;
   __syncthreads();
-  if (warp != 0) return;
+  if (threadIdx.x >= kLanesPerSplit) return;  // thread t < kLanesPerSplit: vec = t, group 0 of warp 0
+#pragma unroll
   for (int w = 1; w < kMergeWarps; ++w) {
-    const float4 o = partial[w][lane];
+    const float4 o = partial[w][vec];
     sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
   }
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
@@ -1143,7 +1161,25 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   packed.x = pack_bf16(sum.x * inv_total, sum.y * inv_total);
   packed.y = pack_bf16(sum.z * inv_total, sum.w * inv_total);
   *reinterpret_cast<uint2*>(p.out + row_index * kLatent + col) = packed;
-  if (quarter == 0 && lane == 0) p.lse[row_index] = total > 0.f ? m + logf(total) : -INFINITY;
+  if (chunk == 0 && vec == 0) p.lse[row_index] = total > 0.f ? m + logf(total) : -INFINITY;
+}
+
+// A merge_splits_kernel instance and its grid for B * rows query rows.
+template <int kLanesPerSplit>
+void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream) {
+  merge_splits_kernel<kLanesPerSplit><<<dim3(static_cast<unsigned>(p.rows * kMergeChunks<kLanesPerSplit>),
+                                             static_cast<unsigned>(batch)), kMergeThreads, 0, stream>>>(p);
+}
+
+void launch_many_split_merge(const Params& p, int64_t batch, cudaStream_t stream) {
+  const int64_t rows = batch * p.rows;  // at least ~2 blocks per SM of an H200: 16 / 8 / 4 chunks per row
+  if (rows <= 16) {
+    launch_block_merge<8>(p, batch, stream);
+  } else if (rows <= 64) {
+    launch_block_merge<16>(p, batch, stream);
+  } else {
+    launch_block_merge<32>(p, batch, stream);
+  }
 }
 
 // The same merge for few splits (many query rows: T*H > 128 or B > 1): one warp per (row, column quarter), eight
@@ -1152,6 +1188,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
 // most of its warps idle and the blocks' launch and reductions dominate (H200, 2cc2658: 67 us for the 2,056
 // rows of T = 257, H = 8 over 2 splits, against 98 us for the main kernel at L = 4k).
 constexpr int kWarpMergeMaxSplits = 16;
+constexpr int kMergeQuarters = kLatent / (32 * 4);  // the warp merge's column quarters: 4
 constexpr int kWarpMergeWarps = 8;
 
 __global__ void __launch_bounds__(kWarpMergeWarps * 32) merge_splits_warp_kernel(const Params p, int64_t items) {
@@ -1224,13 +1261,12 @@ cudaError_t ensure_smem_limit(int device) {
     }
     // The merge runs right after the main kernel: the same carveout spares the multiprocessors a shared
     // memory / L1 reconfiguration (a drain) between the two launches.
-    if (err == cudaSuccess) {
-      err = cudaFuncSetAttribute(reinterpret_cast<const void*>(merge_splits_kernel),
-                                 cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    }
-    if (err == cudaSuccess) {
-      err = cudaFuncSetAttribute(reinterpret_cast<const void*>(merge_splits_warp_kernel),
-                                 cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    const void* merges[] = {reinterpret_cast<const void*>(merge_splits_kernel<8>),
+                            reinterpret_cast<const void*>(merge_splits_kernel<16>),
+                            reinterpret_cast<const void*>(merge_splits_kernel<32>),
+                            reinterpret_cast<const void*>(merge_splits_warp_kernel)};
+    for (const void* fn : merges) {
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     }
     smem_status[device] = err;
   });
@@ -1263,8 +1299,7 @@ void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = tru
                 Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream);
   }
   if (merge && p.num_splits > kWarpMergeMaxSplits) {
-    merge_splits_kernel<<<dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(batch), kMergeQuarters),
-                          kMergeThreads, 0, stream>>>(p);
+    launch_many_split_merge(p, batch, stream);
   } else if (merge && p.num_splits > 1) {
     const int64_t items = batch * p.rows * kMergeQuarters;
     merge_splits_warp_kernel<<<static_cast<unsigned>((items + kWarpMergeWarps - 1) / kWarpMergeWarps),
@@ -1315,7 +1350,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
   if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant < 0 || variant > 2) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
-      pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
+      rows > (int64_t{1} << 26) || pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }
   if (num_splits > 1 && (out_part->element_count() < batch * num_splits * rows * kLatent ||

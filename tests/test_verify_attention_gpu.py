@@ -68,9 +68,13 @@ GPU_SHAPES = [
 # four of the shapes (decode rows, many rows, many heads, one head) to keep the file's device time down.
 MERGE_BOUNDARY = [((3, 1, 8, 2001), 16), ((3, 1, 8, 2001), 17), ((2, 16, 8, 3001), 16), ((2, 16, 8, 3001), 17),
                   ((2, 200, 16, 517), 16), ((2, 200, 16, 517), 17), ((1, 33, 1, 333), 16), ((1, 33, 1, 333), 17)]
+# The block merge's three column chunkings (B*T*H <= 16, <= 64, more rows): the B = 1 decode rows with their
+# automatic split count, more splits than one round of loads (300 > 256, the last 43 splits empty), one row.
+MERGE_CHUNKINGS = [((1, 1, 8, 4099), 0), ((1, 1, 8, 4099), 300), ((1, 1, 1, 2001), 40), ((1, 2, 8, 3001), 0),
+                   ((1, 9, 8, 3001), 33)]
 
 
-@pytest.mark.parametrize("shape,num_splits", [(s, n) for s in GPU_SHAPES for n in (0, 1, 5)] + MERGE_BOUNDARY,
+@pytest.mark.parametrize("shape,num_splits", [(s, n) for s in GPU_SHAPES for n in (0, 1, 5)] + MERGE_BOUNDARY + MERGE_CHUNKINGS,
                          ids=lambda v: "B{}T{}H{}L{}".format(*v) if isinstance(v, tuple) else str(v))
 def test_cuda_matches_reference(shape, num_splits):
     batch, num_queries, num_heads, max_len = shape
