@@ -228,12 +228,13 @@ def remaining_plan(plan, rows):
     return out
 
 
-def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None):
+def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None, tag="unknown"):
     """plan: list of (B, L, scattered, [T...], [T with an XLA reference...][, H]); on_row(rows) after each row.
     rows: rows measured before (--resume): their kernel times are kept, and only a reference the plan asks for and
     they lack is measured (the reference's compile and autotuning take most of a sweep's time).
     known_refs: row key -> a row of an earlier run whose XLA reference is taken instead of measured (--refs-from:
-    the reference does not change when the kernels do)."""
+    the reference does not change when the kernels do). tag: "commit, date" of this run, kept with each reference
+    it measures (`xla_from`), so that a table joined from several runs says where each one came from."""
     rows = list(rows or [])
     by_key = {row_key(r["B"], r["L"], r["T"], r.get("H", H), r["slots"]): r for r in rows}
     known_refs = known_refs or {}
@@ -260,9 +261,9 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None):
             else:
                 row["xla_filled_later"] = True  # a reference added to a row of an earlier call
             if wants_ref(num_queries):
-                row.update(reference_row(args, batch, num_queries, heads, length, num_layers, row["us"],
-                                         known_refs.get(row_key(batch, length, num_queries, heads, slots)),
-                                         ref_programs))
+                ref = reference_row(args, batch, num_queries, heads, length, num_layers, row["us"],
+                                    known_refs.get(row_key(batch, length, num_queries, heads, slots)), ref_programs)
+                row.update(dict(xla_from=tag) | ref)  # a reference taken from an earlier run keeps its origin
             row["elapsed_s"] = round(time.perf_counter() - T_START, 1)
             print(json.dumps(row), flush=True)
             on_row(rows)
@@ -480,6 +481,14 @@ def write_results(path, meta, ceilings, rows, loop_rows):
                           for m in meta["merged_from"])
         lines[4:4] = [f"Joined (`--merge`) from the results of several calls or GPUs: {parts}. A row keeps the latest "
                       "kernel measurement and the XLA reference of whichever call measured it.", ""]
+    origins = {}
+    for r in rows:
+        if r.get("xla_us") is not None and r.get("xla_from"):
+            origins[r["xla_from"]] = origins.get(r["xla_from"], 0) + 1
+    if origins:
+        lines[4:4] = ["Where the XLA reference column was measured (`xla_from` in the JSON; `--refs-from` reuses an "
+                      "earlier run's, since the reference does not depend on the kernels): "
+                      + "; ".join(f"{n} rows at {o}" for o, n in sorted(origins.items())) + ".", ""]
     # The table in a reading order (B, slots, H, L, T); the JSON keeps the order of measurement.
     rows = sorted(rows, key=lambda r: (r["B"], r["slots"] != "scattered", r.get("H", H), r["L"], r["T"]))
     for r in rows:
@@ -548,7 +557,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         meta, ceilings, rows, loop_rows = merge_results(args.merge)
-        meta = dict(meta, merged_from=merged_from(args.merge))
+        meta = {k: v for k, v in meta.items() if k != "shard"} | dict(merged_from=merged_from(args.merge))
         write_results(args.out, meta, ceilings, rows, loop_rows)
         print(f"{len(rows)} rows ({sum(r.get('xla_us') is not None for r in rows)} with the reference) -> {args.out}.json")
         return 0
@@ -629,7 +638,7 @@ def main(argv=None) -> int:
                     r, xla_from=r.get("xla_from", f"{earlier['meta'].get('commit')}, {earlier['meta'].get('date')}"))
     # Results are rewritten after every row, so a run cut short still leaves its table.
     rows = sweep(ceilings, plan, on_row=lambda rows: write_results(args.out, meta, ceilings, rows, loop_rows),
-                 rows=old_rows, known_refs=known_refs)
+                 rows=old_rows, known_refs=known_refs, tag=f"{meta['commit']}, {meta['date']}")
     write_results(args.out, meta, ceilings, rows, loop_rows)  # also when there was nothing left to measure
     print(open(args.out + ".md").read())
     return 0
