@@ -204,7 +204,7 @@ def device_timing(batch, num_queries, heads, length, scattered, splits, row_grou
     """The extension's CUDA-event harness (ffi/verify_attention.cu, bench_verify_attention): µs per call with plain
     launches and as a CUDA graph, and of the main kernel and the merge alone; None where it failed."""
     res = vffi._ext.bench_verify_attention(batch, num_queries, heads, length, splits, row_groups,
-                                           variant if variant is not None else 0, scattered, 20)
+                                           variant, scattered, 20)
     keys = ("device_us", "device_graph_us", "device_main_us", "device_merge_us")
     return {k: (float(v) if v >= 0 else None) for k, v in zip(keys, res)}
 
@@ -300,7 +300,7 @@ def measure_kernel_row(ceilings, args, batch, length, num_queries, heads, slots,
     splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
     row_groups = vffi.choose_row_groups(num_queries, heads)
     row = dict(B=batch, L=length, T=num_queries, H=heads, slots=slots, num_splits=splits, row_groups=row_groups,
-               variant=vffi.choose_variant() if row_groups == 2 else None,
+               variant=vffi.choose_variant(num_queries, heads),
                us=t_kernel * 1e6, main_us=main_us, merge_us=merge_us, wall_us=timed["wall_us"],
                calls_per_program=k, kernels_per_call=timed["kernels_per_call"],
                gbps=kv_bytes / t_kernel / 1e9, tflops=flops / t_kernel / 1e12, roofline_us=roof * 1e6,
@@ -402,6 +402,12 @@ def priority_plan():
     return plan
 
 
+def decode_plan():
+    """Every T = 1 row of the full sweep (B, L, slots; H = 8) with the XLA reference: the rows of the decode kernel,
+    to rerun when only it changed (--refs-from keeps the references, --merge joins the table)."""
+    return [(b, length, scattered, [1], [1]) for b in BS for scattered in (True, False) for length in LS]
+
+
 def mini_plan():
     """Four rows (B = 1, scattered, L in {4k, 64k}, T in {1, 16}): an A/B of timing modes or builds."""
     return [(1, length, True, [1, 16], []) for length in (4096, 65536)]
@@ -450,6 +456,22 @@ def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
 
+def kernel_name(row) -> str:
+    """Which main kernel a row ran (the handler's row_groups and variant attributes; rows of older runs lack the
+    variant of the T·H <= 16 kernels: the one-group kernel then)."""
+    variant = row.get("variant")
+    if row.get("row_groups") == 2:
+        return {0: "two-group", 1: "wide", 2: "warp-specialised"}.get(variant, f"variant {variant}")
+    return "decode (T·H <= 8)" if variant == vffi.DECODE_VARIANT else "one-group (T·H <= 16)"
+
+
+def kernel_counts(rows) -> dict:
+    counts = {}
+    for r in rows:
+        counts[kernel_name(r)] = counts.get(kernel_name(r), 0) + 1
+    return counts
+
+
 def write_results(path, meta, ceilings, rows, loop_rows):
     with open(path + ".json.tmp", "w") as f:  # then renamed: a run killed by its time limit leaves a whole file
         json.dump(dict(meta=meta, ceilings=ceilings, rows=rows, while_loop=loop_rows), f, indent=1)
@@ -468,8 +490,7 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              "Roofline = max(KV bytes / copy BW, FLOPs / mma.sync rate), FLOPs = 2·B·T·H·L·1088; "
              "XLA = the pure-JAX reference (gather + einsum), device time the same way (2 calls a program above 2^28 scores, "
              "4 below); – where not measured, the reason in the JSON.", "",
-             "Kernel for T·H > 16: " + ", ".join(sorted({("wide (variant 1)" if r.get("variant") == 1 else "two-group (variant 0)")
-                                                        for r in rows if r.get("variant") is not None})) + ".", "",
+             "Kernels: " + "; ".join(f"{k}: {n} rows" for k, n in sorted(kernel_counts(rows).items())) + ".", "",
              "| B | L | T | H | slots | splits × groups | µs | main | merge | GB/s | TFLOP/s | bound | roofline µs | % roofline | XLA µs | speedup | wall µs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if meta.get("resumed_from"):
@@ -527,9 +548,10 @@ def write_results(path, meta, ceilings, rows, loop_rows):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", choices=["full", "priority", "budget", "quick", "key", "mini"], default="full",
+    parser.add_argument("--plan", choices=["full", "priority", "budget", "quick", "key", "mini", "decode"], default="full",
                         help="full: the issue's whole sweep; priority: the same, the targets' rows first; "
-                             "budget: B=1 over all (L, T) plus a few rows; quick, key, mini: a few rows on the GPU")
+                             "budget: B=1 over all (L, T) plus a few rows; quick, key, mini: a few rows on the GPU; "
+                             "decode: every T = 1 row")
     parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference (its compiles dominate a sweep)")
@@ -618,7 +640,7 @@ def main(argv=None) -> int:
             print("while-loop figure failed:\n" + child.stdout[-2000:] + child.stderr[-4000:], flush=True)
 
     plan = {"full": full_plan, "priority": priority_plan, "budget": budget_plan, "quick": quick_plan,
-            "smoke": smoke_plan}["smoke" if args.smoke else args.plan]()
+            "decode": decode_plan, "smoke": smoke_plan}["smoke" if args.smoke else args.plan]()
     meta["plan"] = ("smoke" if args.smoke else args.plan) + (" (no XLA reference)" if args.no_ref else "")
     if args.no_ref:
         plan = [(b, length, scattered, ts, [], *rest) for b, length, scattered, ts, _, *rest in plan]

@@ -158,6 +158,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -730,6 +733,270 @@ verify_attention_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// The decode kernel (T*H <= 8: T = 1 with up to 8 heads a device): scores transposed, S^T = K·Q^T, so that a
+// tile's 16 positions are the MMA's M and the (at most 8) query rows its N. The one-group kernel puts the rows on
+// M: half of each m16 tile is padding at 8 rows, every warp holds a 144-dim slice of the scores, the slices meet in
+// shared memory behind two block barriers a tile, and all four warps repeat the softmax (524 SASS instructions per
+// warp and tile, H200 block timelines at be75f7b: ~0.64 us per tile and SM with two blocks, the rate the B = 8 rows
+// stream at). Here each warp streams its own tiles (tile_begin + warp, + kWarps, ...) with nothing shared in the
+// loop: Q·Kᵀ is 36 MMAs (K by ldmatrix as the A operand, Q^T's B fragments from shared memory), the softmax runs on
+// the warp's own 16 x 8 scores (a row's 16 positions are 8 lanes x 2), P goes through a 384-byte buffer of the
+// warp to become P·V's B operand, and O^T += V^T·P^T is 32 MMAs (V^T by transposed ldmatrix): O^T, 512 dims x 8
+// rows, is 128 accumulators a lane. Copies: one stage a warp (a 16-row tile, 18,688 B), refilled once the warp
+// has read it, the tiles two ahead prefetched into L2 so that the refill is an L2 round trip; four warps a block,
+// two blocks an SM on an H200 (85,632 B of shared memory a block, within sm_120's 99 KB for one). At the end the
+// warps meet once: each writes (max, sum, O^T) into its own stage, and the block combines the four.
+struct DecodeConfig {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTile = 16;
+  static constexpr int kRows = 8;                           // query rows (the MMA's N)
+  static constexpr int kStageBytes = kTile * kRowBytes;     // 18,688: one warp's tile
+  static constexpr int kQOff = kWarps * kStageBytes;        // Q: kRows rows of 576, padded like the KV rows
+  static constexpr int kPStride = 48;                       // bytes a P row (16 bf16 + 16): conflict-free ldmatrix
+  static constexpr int kPOff = kQOff + kRows * kRowBytes;   // P: per warp kRows x 16 bf16
+  static constexpr int kPBytes = kRows * kPStride;
+  static constexpr int kSmemBytes = kPOff + kWarps * kPBytes;  // 85,632
+  static constexpr int kOStride = kLatent + 4;              // floats a row of a warp's O in the epilogue
+  static_assert(kRows * kOStride * 4 + 2 * kRows * 4 <= kStageBytes, "a warp's O, max and sum fit its stage");
+  static_assert(kSmemBytes <= 99 * 1024, "shared memory must fit sm_120's 99 KB per block");
+};
+
+// This lane's share of a decode tile: row lane / 2 of the 16, bytes [16 (lane % 2) + 32 c] for c < 36.
+__device__ __forceinline__ void decode_copy_tile(int64_t num_slots, const uint16_t* layer_rows, int32_t raw, bool ok,
+                                                 uint32_t stage, int lane) {
+  const char* src = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, num_slots) * kWidth) + (lane % 2) * 16;
+  copy_row_chunks<2>(stage + (lane / 2) * kRowBytes + (lane % 2) * 16, src, ok ? 16 : 0,
+                     std::make_integer_sequence<int, kChunksPerRow / 2>{});
+}
+// ... and its share of the tile's 9 lines of 128 bytes a row into L2 (lines 0-4 or 5-8 of row lane / 2).
+__device__ __forceinline__ void decode_prefetch_tile(int64_t num_slots, const uint16_t* layer_rows, int32_t raw,
+                                                     bool ok, int lane) {
+  if (!ok) return;
+  const char* row = reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, num_slots) * kWidth);
+  for (int line = (lane % 2) * 5; line < ((lane % 2) ? 9 : 5); ++line) prefetch_l2(row + line * 128);
+}
+
+template <bool kDirect>
+__global__ void __launch_bounds__(DecodeConfig::kThreads, 2) verify_attention_decode_kernel(const Params p) {
+  using C = DecodeConfig;
+  stamp_block(p, 0);
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t smem_base = smem_addr(smem);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, qd = lane % 4;  // MMA fragment coordinates
+  const int split = blockIdx.y, b = blockIdx.z;
+  const SplitTiles range = split_tiles<C::kTile>(p, b, split);
+  const int valid = range.valid, first = range.first, tile_end = range.tile_end;
+  const uint16_t* layer_rows = layer_rows_of(p);
+  const int32_t* slots = slot_table_of(p, b);
+  const uint32_t stage = smem_base + warp * C::kStageBytes;
+  const uint32_t q_smem = smem_base + C::kQOff;
+  const uint32_t p_smem = smem_base + C::kPOff + warp * C::kPBytes;
+
+  // Q rows (zeros past the last row), this warp's first tile and the slots of the next three, one round trip.
+  for (int c = threadIdx.x; c < C::kRows * kChunksPerRow; c += C::kThreads) {
+    const int r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const bool ok = r < p.rows;
+    const uint16_t* src = p.q + (static_cast<int64_t>(b) * p.rows + (ok ? r : 0)) * kWidth + chunk * 8;
+    cp_async_16_at<0>(q_smem + r * kRowBytes + chunk * 16, reinterpret_cast<const char*>(src), ok ? 16 : 0);
+  }
+  auto tile_of = [&](int i) { return range.tile_begin + warp + i * C::kWarps; };  // this warp's i-th tile
+  auto slot_ok = [&](int t) { return t < tile_end && t * C::kTile + lane / 2 < valid; };
+  auto load_slot = [&](int t) { return slot_ok(t) ? __ldg(slots + t * C::kTile + lane / 2) : 0; };
+  int32_t raw_next = load_slot(tile_of(1)), raw_after = load_slot(tile_of(2)), raw_third = load_slot(tile_of(3));
+  if (tile_of(0) < tile_end) decode_copy_tile(p.num_slots, layer_rows, load_slot(tile_of(0)), slot_ok(tile_of(0)), stage, lane);
+  cp_async_commit();
+  decode_prefetch_tile(p.num_slots, layer_rows, raw_next, slot_ok(tile_of(1)), lane);
+  decode_prefetch_tile(p.num_slots, layer_rows, raw_after, slot_ok(tile_of(2)), lane);
+  cp_async_wait<0>();
+  __syncthreads();  // Q, copied by every thread, is read by every warp
+
+  // Tree-mask rows of this lane's two query rows 2qd, 2qd + 1 (clamped: rows past the end are computed, not stored).
+  const uint32_t* mask_r[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tq = min(2 * qd + h, p.rows - 1) / p.num_heads;
+    mask_r[h] = p.tree_mask + (static_cast<int64_t>(b) * p.num_queries + tq) * p.mask_words;
+  }
+  float acc[kLatent / 16][4];  // O^T: m16 tile i = dims 16i .. 16i + 15; c0, c1 rows 2qd, 2qd + 1 of dim 16i + g
+#pragma unroll
+  for (int i = 0; i < kLatent / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base 2, rows 2qd and 2qd + 1
+  float row_sum[2] = {0.f, 0.f};              // this lane's positions' share
+
+  // ldmatrix lane addresses. K as A (16 positions x 16 dims): matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15).
+  const uint32_t k_lane = stage + ((lane % 8) + ((lane / 8) % 2) * 8) * kRowBytes + (lane / 16) * 16;
+  // Q^T as B for two k-steps: matrix m = dims 8m .. 8m + 7 of query rows 0-7.
+  const uint32_t q_lane = q_smem + (lane % 8) * kRowBytes + (lane / 8) * 16;
+  // V^T as A (16 dims x 16 positions), transposed: matrix m = positions 8 (m / 2) .. + 7, dims 8 (m % 2) .. + 7.
+  const uint32_t v_lane = stage + ((lane % 8) + (lane / 16) * 8) * kRowBytes + ((lane / 8) % 2) * 16;
+  // P^T as B: matrix m = positions 8m .. 8m + 7 of query rows 0-7 (lanes 0-15 give the addresses).
+  const uint32_t pb_lane = p_smem + (lane % 8) * C::kPStride + ((lane / 8) % 2) * 16;
+
+  for (int i = 0;; ++i) {
+    const int tile = tile_of(i);
+    if (tile >= tile_end) break;
+    cp_async_wait<0>();
+    __syncwarp();  // every lane's copies of this tile have landed
+    // S^T = K·Q^T over 576 dims: four accumulators (k-steps mod 4) so that no chain is longer than 9 MMAs.
+    float s4[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s4[c][0] = s4[c][1] = s4[c][2] = s4[c][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kWidth / 16; ks += 2) {
+      uint32_t qb[4], ka[4], kb[4];
+      ldmatrix_x4(q_lane + ks * 32, qb);
+      ldmatrix_x4(k_lane + ks * 32, ka);
+      ldmatrix_x4(k_lane + (ks + 1) * 32, kb);
+      mma_bf16(s4[ks % 4], ka, qb[0], qb[1]);
+      mma_bf16(s4[(ks + 1) % 4], kb, qb[2], qb[3]);
+    }
+    // c0, c1: position g, rows 2qd, 2qd + 1; c2, c3: position g + 8.
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = (s4[0][e] + s4[1][e] + s4[2][e] + s4[3][e]) * p.scale_log2;
+    const int tile_pos = tile * C::kTile;
+    if (tile_pos + C::kTile > min(first, valid)) {  // the same rule as the other kernels, per (position, row)
+      const int j0 = tile_pos - first, w0 = max(j0, 0) >> 5;
+      uint64_t bits[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = w0 < p.mask_words ? __ldg(mask_r[h] + w0) : 0u;
+        const uint32_t hi = w0 + 1 < p.mask_words ? __ldg(mask_r[h] + w0 + 1) : 0u;
+        bits[h] = (static_cast<uint64_t>(hi) << 32) | lo;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = tile_pos + g + (e / 2) * 8, j = pos - first;
+        const bool visible = pos < valid && (j < 0 || ((bits[e % 2] >> (j - 32 * w0)) & 1u));
+        if (!visible) s[e] = -INFINITY;
+      }
+    }
+    // Online softmax of rows 2qd (s[0], s[2]) and 2qd + 1 (s[1], s[3]); a row's 16 positions are the 8 lanes of
+    // this qd, two each.
+    float scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = fmaxf(s[h], s[h + 2]);
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      const float new_max = fmaxf(row_max[h], tile_max);
+      const float base = new_max == -INFINITY ? 0.f : new_max;  // exp2(-inf - 0) = 0, not NaN
+      scale[h] = fast_exp2(row_max[h] - base);
+      row_max[h] = new_max;
+      s[h] = fast_exp2(s[h] - base);
+      s[h + 2] = fast_exp2(s[h + 2] - base);
+      row_sum[h] = row_sum[h] * scale[h] + s[h] + s[h + 2];
+    }
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+#pragma unroll
+      for (int t = 0; t < kLatent / 16; ++t) {
+        acc[t][0] *= scale[0]; acc[t][1] *= scale[1]; acc[t][2] *= scale[0]; acc[t][3] *= scale[1];
+      }
+    }
+    // P (bf16) into the warp's buffer as [row][position], read back as P^T's B fragments.
+    {
+      unsigned char* pbuf = smem + C::kPOff + warp * C::kPBytes;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 2 * qd + e % 2, pos = g + (e / 2) * 8;
+        const uint32_t bits = pack_bf16(s[e], 0.f);
+        *reinterpret_cast<uint16_t*>(pbuf + row * C::kPStride + pos * 2) = static_cast<uint16_t>(bits & 0xffffu);
+      }
+    }
+    __syncwarp();
+    uint32_t pb0, pb1;
+    ldmatrix_x2(pb_lane, pb0, pb1);
+    // O^T += V^T·P^T: one k16 step (the tile's 16 positions) for each of the 32 m16 tiles of dims.
+#pragma unroll
+    for (int t = 0; t < kLatent / 16; ++t) {
+      uint32_t va[4];
+      ldmatrix_x4_trans(v_lane + t * 32, va);
+      mma_bf16(acc[t], va, pb0, pb1);
+    }
+    __syncwarp();  // every lane is done with the stage and the P buffer
+    const int next = tile_of(i + 1);
+    if (next < tile_end) decode_copy_tile(p.num_slots, layer_rows, raw_next, slot_ok(next), stage, lane);
+    cp_async_commit();
+    decode_prefetch_tile(p.num_slots, layer_rows, raw_third, slot_ok(tile_of(i + 3)), lane);
+    raw_next = raw_after;
+    raw_after = raw_third;
+    raw_third = load_slot(tile_of(i + 4));
+  }
+  cp_async_wait<0>();
+
+  // Each warp's rows: the sums over the 8 lanes of a qd; then (max, sum, O^T) into the warp's own stage.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], o);
+  }
+  __syncwarp();
+  float* o_warp = reinterpret_cast<float*>(smem + warp * C::kStageBytes);  // [row][kOStride], then max[8], sum[8]
+  float* stat = o_warp + C::kRows * C::kOStride;
+#pragma unroll
+  for (int t = 0; t < kLatent / 16; ++t) {
+    const int d = t * 16 + g;
+    o_warp[(2 * qd) * C::kOStride + d] = acc[t][0];
+    o_warp[(2 * qd + 1) * C::kOStride + d] = acc[t][1];
+    o_warp[(2 * qd) * C::kOStride + d + 8] = acc[t][2];
+    o_warp[(2 * qd + 1) * C::kOStride + d + 8] = acc[t][3];
+  }
+  if (g == 0) {
+    stat[2 * qd] = row_max[0]; stat[2 * qd + 1] = row_max[1];
+    stat[C::kRows + 2 * qd] = row_sum[0]; stat[C::kRows + 2 * qd + 1] = row_sum[1];
+  }
+  __syncthreads();
+  // The block's rows: thread t combines row t / 16, columns 32 (t % 16) .. + 31, over the four warps.
+  const int row = threadIdx.x / 16, col0 = (threadIdx.x % 16) * 32;
+  if (row >= p.rows) {
+    stamp_block(p, 1);
+    return;
+  }
+  float m_w[C::kWarps], w_w[C::kWarps], m = -INFINITY, total = 0.f;
+#pragma unroll
+  for (int w = 0; w < C::kWarps; ++w) {
+    const float* st = reinterpret_cast<const float*>(smem + w * C::kStageBytes) + C::kRows * C::kOStride;
+    m_w[w] = st[row];
+    m = fmaxf(m, m_w[w]);
+  }
+#pragma unroll
+  for (int w = 0; w < C::kWarps; ++w) {
+    const float* st = reinterpret_cast<const float*>(smem + w * C::kStageBytes) + C::kRows * C::kOStride;
+    w_w[w] = m == -INFINITY ? 0.f : fast_exp2(m_w[w] - m);
+    total += w_w[w] * st[C::kRows + row];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + row
+                                    : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + row;
+#pragma unroll
+  for (int c = 0; c < 32; c += 4) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < C::kWarps; ++w) {
+      const float4 o = *reinterpret_cast<const float4*>(
+          reinterpret_cast<const float*>(smem + w * C::kStageBytes) + row * C::kOStride + col0 + c);
+      v[0] += w_w[w] * o.x; v[1] += w_w[w] * o.y; v[2] += w_w[w] * o.z; v[3] += w_w[w] * o.w;
+    }
+    if (kDirect) {
+      uint2 packed;
+      packed.x = pack_bf16(v[0] * inv, v[1] * inv);
+      packed.y = pack_bf16(v[2] * inv, v[3] * inv);
+      *reinterpret_cast<uint2*>(p.out + row_index * kLatent + col0 + c) = packed;
+    } else {
+      *reinterpret_cast<float4*>(p.out_part + row_index * kLatent + col0 + c) =
+          make_float4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+    }
+  }
+  if (col0 == 0) {
+    const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
+    (kDirect ? p.lse : p.lse_part)[row_index] = lse;
+  }
+  stamp_block(p, 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // The wide kernel (T*H > 16): 32 query rows per block, 8 warps, and every warp works on all 32 rows (two m16
 // tiles), so each K or V fragment read from shared memory feeds twice the MMAs of the two-group kernel and each
 // KV element is read from shared memory once per block (the two-group kernel reads it once per row group).
@@ -1254,7 +1521,9 @@ cudaError_t ensure_smem_limit(int device) {
         {reinterpret_cast<const void*>(verify_attention_wide_kernel<true>), WideConfig::kSmemBytes},
         {reinterpret_cast<const void*>(verify_attention_wide_kernel<false>), WideConfig::kSmemBytes},
         {reinterpret_cast<const void*>(verify_attention_ws_kernel<true>), WsConfig::kSmemBytes},
-        {reinterpret_cast<const void*>(verify_attention_ws_kernel<false>), WsConfig::kSmemBytes}};
+        {reinterpret_cast<const void*>(verify_attention_ws_kernel<false>), WsConfig::kSmemBytes},
+        {reinterpret_cast<const void*>(verify_attention_decode_kernel<true>), DecodeConfig::kSmemBytes},
+        {reinterpret_cast<const void*>(verify_attention_decode_kernel<false>), DecodeConfig::kSmemBytes}};
     for (const auto& [fn, bytes] : many_row_kernels) {
       if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       if (err == cudaSuccess) err = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
@@ -1280,11 +1549,13 @@ void launch_main(void (*direct)(Params), void (*split)(Params), const Params& p,
 }
 
 // kGroups 1 or 2: verify_attention_kernel; kWideKernel / kWsKernel: the wide / warp-specialised kernel (32 rows
-// per block, like two groups).
-constexpr int kWideKernel = 0, kWsKernel = 3;
+// per block, like two groups); kDecodeKernel: the decode kernel (at most 8 rows, one block per split).
+constexpr int kWideKernel = 0, kWsKernel = 3, kDecodeKernel = 4;
 template <int kGroups>
 void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = true, bool merge = true) {
-  constexpr int kRowsPerBlock = kGroups == kWideKernel || kGroups == kWsKernel ? 32 : kGroups * kRows;
+  constexpr int kRowsPerBlock = kGroups == kWideKernel || kGroups == kWsKernel ? 32
+                                : kGroups == kDecodeKernel                  ? DecodeConfig::kRows
+                                                                            : kGroups * kRows;
   const dim3 grid(static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
   if (!main) {  // (bench_verify_attention: the merge alone)
@@ -1294,6 +1565,9 @@ void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = tru
   } else if constexpr (kGroups == kWsKernel) {
     launch_main(verify_attention_ws_kernel<true>, verify_attention_ws_kernel<false>, p, grid, WsConfig::kThreads,
                 WsConfig::kSmemBytes, stream);
+  } else if constexpr (kGroups == kDecodeKernel) {
+    launch_main(verify_attention_decode_kernel<true>, verify_attention_decode_kernel<false>, p, grid,
+                DecodeConfig::kThreads, DecodeConfig::kSmemBytes, stream);
   } else {
     launch_main(verify_attention_kernel<true, kGroups>, verify_attention_kernel<false, kGroups>, p, grid,
                 Config<kGroups>::kThreads, Config<kGroups>::kSmemBytes, stream);
@@ -1307,9 +1581,14 @@ void launch(const Params& p, int64_t batch, cudaStream_t stream, bool main = tru
   }
 }
 
+// variant: for more than 16 rows (row_groups 2) 0, 1 or 2 = the two-group, wide or warp-specialised kernel; for at
+// most 8 rows (row_groups 1) kDecodeVariant = the decode kernel, anything else the one-group kernel.
+constexpr int64_t kDecodeVariant = 3;
 void launch_any(const Params& p, int64_t batch, cudaStream_t stream, int64_t row_groups, int64_t variant,
                 bool main = true, bool merge = true) {
-  if (row_groups == 1) {
+  if (row_groups == 1 && variant == kDecodeVariant && p.rows <= DecodeConfig::kRows) {
+    launch<kDecodeKernel>(p, batch, stream, main, merge);
+  } else if (row_groups == 1) {
     launch<1>(p, batch, stream, main, merge);
   } else if (variant == 1) {
     launch<kWideKernel>(p, batch, stream, main, merge);
@@ -1349,7 +1628,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
-  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant < 0 || variant > 2) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+  if (num_splits < 1 || num_splits > kMaxSplits || (row_groups != 1 && row_groups != 2) || (variant < 0 || variant > 3) || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
       rows > (int64_t{1} << 26) || pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }

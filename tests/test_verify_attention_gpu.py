@@ -107,6 +107,26 @@ def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monk
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
 
 
+# Shapes with at most 8 query rows, where two kernels exist: the decode kernel (the default) and the one-group
+# kernel (KDTREE_VERIFY_DECODE=0); both are checked, with the automatic split count, 5 splits and one.
+DECODE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 8] + [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
+
+
+@pytest.mark.parametrize("decode", ["1", "0"])
+@pytest.mark.parametrize("num_splits", [0, 5, 1])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_each_decode_kernel_matches_reference(shape, num_splits, decode, monkeypatch):
+    monkeypatch.setenv("KDTREE_VERIFY_DECODE", decode)  # read when the call is traced
+    batch, num_queries, num_heads, max_len = shape
+    fn = jitted("auto", SCALE, ROPE, num_splits)
+    for draw in range(2):
+        case = make_case(53 * draw + max_len + num_splits + 3, batch, num_queries, num_heads, max_len, latent=LATENT,
+                         rope=ROPE, dtype=jnp.bfloat16)
+        out, lse = run_poisoned(fn, case)
+        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
 def test_repeated_calls_are_bit_identical():
     case = make_case(5, 2, 16, 8, 5003, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
     fn = jitted("auto", SCALE, ROPE, 0)
@@ -152,9 +172,11 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     from test_verify_attention import make_case, jitted
     # T*H = 56 runs the many-row kernels (variant 1: the wide kernel; 0: the two-group kernel; 32-position
     # tiles, 2-slot ring; 2: the warp-specialised kernel, 16-position tiles, 4-slot ring, named barriers),
-    # T*H = 8 the one-group kernel (16-position tiles, 5-slot ring): every pipeline, with and without the merge.
-    for num_queries, variant in ((7, "1"), (7, "0"), (7, "2"), (1, "1")):
+    # T*H = 8 the decode kernel (a stream per warp) and the one-group kernel (16-position tiles, 5-slot ring):
+    # every pipeline, with and without the merge.
+    for num_queries, variant, decode in ((7, "1", "1"), (7, "0", "1"), (7, "2", "1"), (1, "1", "1"), (1, "1", "0")):
         os.environ["KDTREE_VERIFY_VARIANT"] = variant
+        os.environ["KDTREE_VERIFY_DECODE"] = decode
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
             out, lse = jitted("auto", 0.07, 64, splits)(*case)

@@ -25,7 +25,7 @@ from kdtree_jax.ops import ffi as vffi
 def timeline(batch, num_queries, heads, length, splits=0):
     row_groups = vffi.choose_row_groups(num_queries, heads)
     splits = splits or vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count(), row_groups)
-    variant = vffi.choose_variant() if row_groups == 2 else 0
+    variant = vffi.choose_variant(num_queries, heads)
     stamps = vffi._ext.bench_verify_block_times(batch, num_queries, heads, length, splits, row_groups, variant, True, 3)
     if not stamps:
         sys.exit("no block times: install a diagnostic build (KDTREE_JAX_BLOCK_CLOCK=1 pip install ... -e .) on a GPU")

@@ -32,7 +32,7 @@ def main(argv=None):
     for shape in args.shapes:
         batch, num_queries, heads, length = map(int, shape.split())
         groups = vffi.choose_row_groups(num_queries, heads)
-        variant = vffi.choose_variant() if groups == 2 else 0
+        variant = vffi.choose_variant(num_queries, heads)
         auto = vffi.choose_num_splits(batch, num_queries, heads, length, sms)
         for splits in sorted({auto, *(int(s) for s in args.splits.split(",") if s)}):
             plain, graph, main_us, merge_us = (float(v) for v in vffi._ext.bench_verify_attention(

@@ -88,14 +88,21 @@ def choose_row_groups(num_queries: int, num_heads: int) -> int:
 # sweep measured its main kernel 12-20% shorter than the two-group kernel's at every T*H > 16 row
 # (benchmarks/README_verify_kernel.md). The two-group kernel (0) stays selectable for A/B runs.
 DEFAULT_VARIANT = 1
+DECODE_MAX_ROWS = 8  # T*H the decode kernel takes (its MMA's N)
+DECODE_VARIANT = 3   # the handler's variant for it (ffi/verify_attention.cu, kDecodeVariant)
 
 
-def choose_variant() -> int:
-    """The kernel for more than 16 query rows: 1 = the wide kernel (32 rows per block, every warp on all 32
-    rows: each K/V fragment read from shared memory feeds twice the MMAs, the softmax runs once per row);
-    0 = the two-group kernel (two groups of 4 warps, 16 rows each); 2 = the warp-specialised kernel (score warps
-    and value warps one 16-position tile apart; opt-in: 1.03-1.14x slower than variant 1 on an H200).
-    KDTREE_VERIFY_VARIANT=0|1|2 overrides."""
+def choose_variant(num_queries: int | None = None, num_heads: int | None = None) -> int:
+    """The kernel, as the handler's `variant` attribute. For more than 16 query rows: 1 = the wide kernel (32 rows
+    per block, every warp on all 32 rows: each K/V fragment read from shared memory feeds twice the MMAs, the
+    softmax runs once per row); 0 = the two-group kernel (two groups of 4 warps, 16 rows each); 2 = the
+    warp-specialised kernel (score warps and value warps one 16-position tile apart; opt-in: 1.03-1.14x slower
+    than variant 1 on an H200); KDTREE_VERIFY_VARIANT=0|1|2 overrides. Given T and H with at most 16 rows (one row
+    group): DECODE_VARIANT = the decode kernel for at most 8 rows (scores transposed, a stream per warp), else 0
+    = the one-group kernel; KDTREE_VERIFY_DECODE=0 forces the one-group kernel."""
+    if num_queries is not None and choose_row_groups(num_queries, num_heads) == 1:
+        decode = num_queries * num_heads <= DECODE_MAX_ROWS and os.environ.get("KDTREE_VERIFY_DECODE") != "0"
+        return DECODE_VARIANT if decode else 0
     forced = os.environ.get("KDTREE_VERIFY_VARIANT")
     return int(forced) if forced in ("0", "1", "2") else DEFAULT_VARIANT
 
@@ -170,7 +177,7 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
                           num_splits=np.int64(num_splits), row_groups=np.int64(row_groups),
-                          variant=np.int64(choose_variant()))
+                          variant=np.int64(choose_variant(num_queries, num_heads)))
     return out, lse
 
 
