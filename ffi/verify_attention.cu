@@ -746,6 +746,10 @@ verify_attention_kernel(const Params p) {
 // has read it, the tiles two ahead prefetched into L2 so that the refill is an L2 round trip; four warps a block,
 // two blocks an SM on an H200 (85,632 B of shared memory a block, within sm_120's 99 KB for one). At the end the
 // warps meet once: each writes (max, sum, O^T) into its own stage, and the block combines the four.
+// Opt-in (KDTREE_VERIFY_DECODE=1): correct (GPU tests and compute-sanitizer at 0de4c51), but 1.5x slower than the
+// one-group kernel on an H200 (64k, B = 1: 50.3 vs 33.5 us a call; B = 8: 296 vs 181 us). Fewer instructions a
+// tile do not help a warp that is alone on its scheduler (241 registers: 8 warps an SM) and waits for its single
+// stage to be refilled after every tile: the copy and the compute of one warp never overlap.
 struct DecodeConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;

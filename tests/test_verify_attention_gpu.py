@@ -107,8 +107,8 @@ def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monk
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
 
 
-# Shapes with at most 8 query rows, where two kernels exist: the decode kernel (the default) and the one-group
-# kernel (KDTREE_VERIFY_DECODE=0); both are checked, with the automatic split count, 5 splits and one.
+# Shapes with at most 8 query rows, where two kernels exist: the one-group kernel (the default) and the decode
+# kernel (KDTREE_VERIFY_DECODE=1, opt-in); both are checked, with the automatic split count, 5 splits and one.
 DECODE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 8] + [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
 
 

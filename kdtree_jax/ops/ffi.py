@@ -98,10 +98,11 @@ def choose_variant(num_queries: int | None = None, num_heads: int | None = None)
     softmax runs once per row); 0 = the two-group kernel (two groups of 4 warps, 16 rows each); 2 = the
     warp-specialised kernel (score warps and value warps one 16-position tile apart; opt-in: 1.03-1.14x slower
     than variant 1 on an H200); KDTREE_VERIFY_VARIANT=0|1|2 overrides. Given T and H with at most 16 rows (one row
-    group): DECODE_VARIANT = the decode kernel for at most 8 rows (scores transposed, a stream per warp), else 0
-    = the one-group kernel; KDTREE_VERIFY_DECODE=0 forces the one-group kernel."""
+    group): 0 = the one-group kernel; with KDTREE_VERIFY_DECODE=1 and at most 8 rows, DECODE_VARIANT = the decode
+    kernel (scores transposed, a stream per warp: correct, but 1.5x slower on an H200, see
+    benchmarks/README_verify_kernel.md)."""
     if num_queries is not None and choose_row_groups(num_queries, num_heads) == 1:
-        decode = num_queries * num_heads <= DECODE_MAX_ROWS and os.environ.get("KDTREE_VERIFY_DECODE") != "0"
+        decode = num_queries * num_heads <= DECODE_MAX_ROWS and os.environ.get("KDTREE_VERIFY_DECODE") == "1"
         return DECODE_VARIANT if decode else 0
     forced = os.environ.get("KDTREE_VERIFY_VARIANT")
     return int(forced) if forced in ("0", "1", "2") else DEFAULT_VARIANT
