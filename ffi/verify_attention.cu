@@ -748,8 +748,9 @@ verify_attention_kernel(const Params p) {
 // warps meet once: each writes (max, sum, O^T) into its own stage, and the block combines the four.
 // Opt-in (KDTREE_VERIFY_DECODE=1): correct (GPU tests and compute-sanitizer at 0de4c51), but 1.5x slower than the
 // one-group kernel on an H200 (64k, B = 1: 50.3 vs 33.5 us a call; B = 8: 296 vs 181 us). Fewer instructions a
-// tile do not help a warp that is alone on its scheduler (241 registers: 8 warps an SM) and waits for its single
-// stage to be refilled after every tile: the copy and the compute of one warp never overlap.
+// tile do not help when an SM holds 8 warps (241 registers a thread), two a scheduler, and each waits for its
+// single stage to be refilled after every tile: a warp's copy and compute never overlap (~9.4 us a tile a warp at
+// B = 8; the L2 prefetch distance, 3 or 1 tiles, changed it by < 5%: benchmarks/results/verify_kernel_decode_ab_h200.md).
 struct DecodeConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
