@@ -50,6 +50,19 @@ def run_poisoned(fn, case):
     return jax.block_until_ready(fn(*case))
 
 
+def check_two_draws(shape, num_splits, seed_step, seed_offset):
+    """The op (traced now, so under the caller's kernel choice) against the float32 reference on two random cases
+    of this shape, outputs poisoned before each call."""
+    batch, num_queries, num_heads, max_len = shape
+    fn = jitted("auto", SCALE, ROPE, num_splits)
+    for draw in range(2):
+        case = make_case(seed_step * draw + max_len + num_splits + seed_offset, batch, num_queries, num_heads, max_len,
+                         latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
+        out, lse = run_poisoned(fn, case)
+        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
 # (B, T, H, Lmax): every T of the issue, H in {1, 8, 16}, lengths that are no multiple of 16 or 32.
 GPU_SHAPES = [
     (3, 1, 8, 2001),
@@ -77,14 +90,7 @@ MERGE_CHUNKINGS = [((1, 1, 8, 4099), 0), ((1, 1, 8, 4099), 300), ((1, 1, 1, 2001
 @pytest.mark.parametrize("shape,num_splits", [(s, n) for s in GPU_SHAPES for n in (0, 1, 5)] + MERGE_BOUNDARY + MERGE_CHUNKINGS,
                          ids=lambda v: "B{}T{}H{}L{}".format(*v) if isinstance(v, tuple) else str(v))
 def test_cuda_matches_reference(shape, num_splits):
-    batch, num_queries, num_heads, max_len = shape
-    fn = jitted("auto", SCALE, ROPE, num_splits)
-    for draw in range(2):
-        case = make_case(97 * draw + max_len + num_splits, batch, num_queries, num_heads, max_len, latent=LATENT,
-                         rope=ROPE, dtype=jnp.bfloat16)
-        out, lse = run_poisoned(fn, case)
-        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
-        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+    check_two_draws(shape, num_splits, seed_step=97, seed_offset=0)
 
 
 # Shapes with more than 16 query rows, where three kernels exist: the two-group kernel (KDTREE_VERIFY_VARIANT=0),
@@ -97,14 +103,7 @@ WIDE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] > 16]
 @pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monkeypatch):
     monkeypatch.setenv("KDTREE_VERIFY_VARIANT", variant)  # read when the call is traced
-    batch, num_queries, num_heads, max_len = shape
-    fn = jitted("auto", SCALE, ROPE, num_splits)
-    for draw in range(2):
-        case = make_case(31 * draw + max_len + num_splits + 7, batch, num_queries, num_heads, max_len, latent=LATENT,
-                         rope=ROPE, dtype=jnp.bfloat16)
-        out, lse = run_poisoned(fn, case)
-        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
-        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+    check_two_draws(shape, num_splits, seed_step=31, seed_offset=7)
 
 
 # Shapes with at most 8 query rows, where two kernels exist: the one-group kernel (the default) and the decode
@@ -117,14 +116,7 @@ DECODE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 8] + [(1, 1, 8, 4099), 
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_each_decode_kernel_matches_reference(shape, num_splits, decode, monkeypatch):
     monkeypatch.setenv("KDTREE_VERIFY_DECODE", decode)  # read when the call is traced
-    batch, num_queries, num_heads, max_len = shape
-    fn = jitted("auto", SCALE, ROPE, num_splits)
-    for draw in range(2):
-        case = make_case(53 * draw + max_len + num_splits + 3, batch, num_queries, num_heads, max_len, latent=LATENT,
-                         rope=ROPE, dtype=jnp.bfloat16)
-        out, lse = run_poisoned(fn, case)
-        ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
-        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+    check_two_draws(shape, num_splits, seed_step=53, seed_offset=3)
 
 
 def test_repeated_calls_are_bit_identical():
