@@ -75,9 +75,9 @@ from kdtree_jax.model.transformer import DecoderLayer, Transformer
 from kdtree_jax.ops.masks import causal_mask
 from kdtree_jax.profiling import profile_call
 from kdtree_jax.provenance import git_commit
-from kdtree_jax.spec import accept as acceptance
-from kdtree_jax.spec import engine
-from kdtree_jax.spec import tree as trees
+from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import tree as trees
 
 TP = 8  # the tensor-parallel degree whose one rank is modelled
 # Row fields that a profile of the step replaces: field -> kdtree_jax.profiling component.

@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 from kdtree_jax import corpus, load_checkpoint  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
-from kdtree_jax.spec.engine import generate  # noqa: E402
+from kdtree_jax.speculative.engine import generate  # noqa: E402
 from kdtree_jax.train import EOS, causal_forward  # noqa: E402
 
 

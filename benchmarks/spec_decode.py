@@ -50,8 +50,8 @@ from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperatu
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
-from kdtree_jax.spec import tree as trees  # noqa: E402
-from kdtree_jax.spec.engine import generate  # noqa: E402
+from kdtree_jax.speculative import tree as trees  # noqa: E402
+from kdtree_jax.speculative.engine import generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
 
 DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "default")

@@ -75,8 +75,8 @@ import spec_decode as common  # noqa: E402  (benchmarks/spec_decode.py: prompts,
 
 from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
 from kdtree_jax.model.drafter import DrafterCache  # noqa: E402
-from kdtree_jax.spec import tree as trees  # noqa: E402
-from kdtree_jax.spec.engine import generate  # noqa: E402
+from kdtree_jax.speculative import tree as trees  # noqa: E402
+from kdtree_jax.speculative.engine import generate  # noqa: E402
 from kdtree_jax.train import causal_forward  # noqa: E402
 
 CSV_COLUMNS = ["kind", "shape", "topk", "budget", "nodes", "tau", "tokens_per_second", "speedup_vs_ar",

@@ -12,7 +12,7 @@ from kdtree_jax.ops import verify_attention
 from kdtree_jax.sharding import load_sharded, make_mesh, shard_model
 # `kdtree_jax.generate` is this function; importing the CLI submodule of the same name rebinds it to
 # that module, which is callable with the same arguments (see generate.py).
-from kdtree_jax.spec.engine import GenerateResult, generate
+from kdtree_jax.speculative.engine import GenerateResult, generate
 
 __all__ = [
     "ModelConfig",

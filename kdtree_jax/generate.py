@@ -15,7 +15,7 @@ import types
 import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import add_dtype_argument
-from kdtree_jax.spec import engine
+from kdtree_jax.speculative import engine
 
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "default")
 

@@ -379,7 +379,7 @@ def make_drafter_eval(graphdef, soft_weight: float):
 
 def greedy_sequences(target: Transformer, prompts: np.ndarray, new_tokens: int, batch: int, deadline: float):
     """Real prompts continued by the target's greedy decoding (what the drafter sees at inference)."""
-    from kdtree_jax.spec.engine import generate
+    from kdtree_jax.speculative.engine import generate
 
     out = []
     for i in range(0, len(prompts) - batch + 1, batch):

@@ -1,4 +1,4 @@
-"""Acceptance (kdtree_jax/spec/accept.py): greedy walk vs a numpy walk, lossless sampling, filtering."""
+"""Acceptance (kdtree_jax/speculative/accept.py): greedy walk vs a numpy walk, lossless sampling, filtering."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from kdtree_jax.spec.accept import _per_sequence_keys, accept_greedy, accept_sampled, filter_logits
-from kdtree_jax.spec.tree import build_chain, build_ddtree, build_static, pad_tree
+from kdtree_jax.speculative.accept import _per_sequence_keys, accept_greedy, accept_sampled, filter_logits
+from kdtree_jax.speculative.tree import build_chain, build_ddtree, build_static, pad_tree
 
 BATCH, DEPTH, TOPK, BUDGET, VOCAB = 16, 4, 3, 10, 6
 

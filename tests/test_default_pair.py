@@ -66,7 +66,7 @@ def test_tokenizer_round_trips_heldout_files(pair):
 
 @needs_default
 def test_greedy_speculative_equals_autoregressive(pair_f32):
-    from kdtree_jax.spec.engine import generate
+    from kdtree_jax.speculative.engine import generate
 
     target, drafter, tokenizer = pair_f32
     docs = corpus.documents("eval")[:5]

@@ -12,7 +12,7 @@ from flax import nnx
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterCache, DrafterConfig, init_drafter
-from kdtree_jax.spec.engine import generate
+from kdtree_jax.speculative.engine import generate
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
 MAX_NEW = 24
@@ -123,7 +123,7 @@ def test_tree_temperature_sharpens_the_ddtree_ranking():
     probabilities keep both depth-1 siblings (.45 > .55 * .6); sharpened at 0.3 (.66/.34 and .8) the
     deeper top-1 path wins (.66 * .8 > .34)."""
     from types import SimpleNamespace
-    from kdtree_jax.spec import engine
+    from kdtree_jax.speculative import engine
 
     probs = np.full((1, 2, 8), 1e-9)
     probs[0, 0, [1, 2]] = [0.55, 0.45]

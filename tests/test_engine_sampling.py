@@ -9,8 +9,8 @@ import jax
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
-from kdtree_jax.spec.accept import filter_logits
-from kdtree_jax.spec.engine import generate
+from kdtree_jax.speculative.accept import filter_logits
+from kdtree_jax.speculative.engine import generate
 
 VOCAB = 8
 TEMPERATURE, TOP_P = 0.8, 0.95

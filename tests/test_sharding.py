@@ -14,7 +14,7 @@ from kdtree_jax import decode, kv_pool
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import ffi
 from kdtree_jax.sharding import make_mesh, replicate, shard_model
-from kdtree_jax.spec.engine import generate
+from kdtree_jax.speculative.engine import generate
 
 # Heads, experts and intermediate sizes divisible by 8.
 CFG = kdtree_jax.ModelConfig.preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=4, topk_group=2)
@@ -99,7 +99,7 @@ def _collectives(hlo_text: str):
 def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
     """The verify step (prefill chunk) and the whole speculative loop compile to all-reduces of
     activations only: nothing gathers a parameter or the latent pool."""
-    from kdtree_jax.spec import engine
+    from kdtree_jax.speculative import engine
 
     mesh = make_mesh(8)
     sm = shard_model(model, mesh, layout)

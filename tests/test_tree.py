@@ -1,4 +1,4 @@
-"""Draft trees (kdtree_jax/spec/tree.py) against independent plain-Python / numpy formulations.
+"""Draft trees (kdtree_jax/speculative/tree.py) against independent plain-Python / numpy formulations.
 
 The DDTree builder on device finds the nodes level by level with sorts; the reference here is the
 paper's algorithm as written: a `heapq` best-first search, popping `budget` times.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.ops.masks import ancestor_mask, unpack_mask_bits
-from kdtree_jax.spec.tree import (PAD_TOKEN, build_chain, build_ddtree, build_static, max_ddtree_budget, pad_tree,
+from kdtree_jax.speculative.tree import (PAD_TOKEN, build_chain, build_ddtree, build_static, max_ddtree_budget, pad_tree,
                                   root_only_tree)
 
 VOCAB = 1000
@@ -264,7 +264,7 @@ def test_validation_errors():
 def test_ddtree_static_candidates_equal_level_search(topk, budget):
     """The engine's geometry (D = 15): the one top-k over the static candidate set (ties to the lower index)
     and the level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
-    from kdtree_jax.spec.tree import _build_ddtree_jit
+    from kdtree_jax.speculative.tree import _build_ddtree_jit
 
     draft = random_draft(np.random.default_rng(budget + topk), 6, 15, topk)
     one_sort = _build_ddtree_jit(*draft, budget, method="static")

@@ -33,8 +33,8 @@ from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import replicate
-from kdtree_jax.spec import accept as acceptance
-from kdtree_jax.spec import tree as trees
+from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import tree as trees
 
 TreeShape = Union[str, tuple]  # "ddtree", "chain", or a static branching tuple such as (4, 2, 1)
 

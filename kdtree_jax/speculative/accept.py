@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.ops.masks import pack_mask_bits
-from kdtree_jax.spec.tree import Tree
+from kdtree_jax.speculative.tree import Tree
 
 
 class Acceptance(NamedTuple):
