@@ -11,7 +11,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -39,24 +38,15 @@ inline bool position_visible(int64_t pos, int64_t first, int64_t num_queries, co
 
 }  // namespace kdtree
 
-// The FFI handlers (defined in verify_attention_cpu.cc and verify_attention.cu).
+// The FFI handlers (defined in verify_attention_cpu.cc and verify/api.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_verify_attention_cpu);
 #if defined(KDTREE_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_verify_attention_cuda);
-// Helpers for the Python side and the benchmarks (bench.cu / verify_attention.cu).
+// Host helpers for the Python side (verify/api.cu).
 namespace kdtree {
-int cuda_sm_count(int device);                 // multiprocessors of `device` (cached; -1 on error)
-double bench_mma_sync_tflops(int device);      // mma.sync m16n8k16 bf16 rate, fp32 accumulate
-double bench_copy_gbps(int device, int64_t bytes, int iters);  // cudaMemcpy D2D, (read + written) / s
-// The verify kernels timed with CUDA events outside XLA, per call in µs: {plain launches, CUDA graph replay, main
-// kernel alone, merge alone}; -1 where something failed (verify_attention.cu).
-std::vector<double> bench_verify_attention(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
-                                           int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
-                                           int iters);
-// The main kernel's block timeline of one call after `warmup` others: {start, end} per block, µs since the first
-// start (%globaltimer); empty on failure (verify_attention.cu).
-std::vector<double> bench_verify_block_times(int64_t batch, int64_t num_queries, int64_t num_heads, int64_t length,
-                                             int64_t num_splits, int64_t row_groups, int64_t variant, bool scattered,
-                                             int warmup);
+int cuda_sm_count(int device);  // multiprocessors of `device` (cached; -1 on error)
+// The kernel variant (verify/params.h, Variant) that `variant` (0 = automatic) resolves to for `rows` = T*H query rows
+// on `device`; -1 when it cannot run there.
+int cuda_resolve_variant(int64_t variant, int64_t rows, int device);
 }  // namespace kdtree
 #endif

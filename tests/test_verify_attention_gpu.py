@@ -50,11 +50,17 @@ def run_poisoned(fn, case):
     return jax.block_until_ready(fn(*case))
 
 
-def check_two_draws(shape, num_splits, seed_step, seed_offset):
-    """The op (traced now, so under the caller's kernel choice) against the float32 reference on two random cases
-    of this shape, outputs poisoned before each call."""
+def jitted_variant(variant: str, softmax_scale: float, num_splits: int):
+    """The CUDA op with an explicit kernel variant (vffi.VARIANTS), as benchmarks and these tests force one."""
+    return jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=softmax_scale, rope_dim=ROPE,
+                                     num_splits=num_splits, variant=variant))
+
+
+def check_two_draws(shape, num_splits, seed_step, seed_offset, variant="auto"):
+    """The op with this kernel variant against the float32 reference on two random cases of this shape, outputs
+    poisoned before each call."""
     batch, num_queries, num_heads, max_len = shape
-    fn = jitted("auto", SCALE, ROPE, num_splits)
+    fn = jitted_variant(variant, SCALE, num_splits)
     for draw in range(2):
         case = make_case(seed_step * draw + max_len + num_splits + seed_offset, batch, num_queries, num_heads, max_len,
                          latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
@@ -93,30 +99,33 @@ def test_cuda_matches_reference(shape, num_splits):
     check_two_draws(shape, num_splits, seed_step=97, seed_offset=0)
 
 
-# Shapes with more than 16 query rows, where three kernels exist: the two-group kernel (KDTREE_VERIFY_VARIANT=0),
-# the wide kernel (1) and the warp-specialised kernel (2); each is checked whatever the default is.
-WIDE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] > 16]
+# Every many-row kernel on every shape, whatever "auto" picks: the pipelined kernel in both shared-memory
+# configurations (the small one is what sm_120 runs; forced here) and the wide kernel (A/B only). Shapes with at most 16
+# rows per block tile run the pipelined kernel's one-m16 instance (T*H = 8, 33, 200: the last row tile).
+MANY_ROW_VARIANTS = ["pipelined", "pipelined-small", "wide"]
 
 
-@pytest.mark.parametrize("variant", ["0", "1", "2"])
+@pytest.mark.parametrize("variant", MANY_ROW_VARIANTS)
 @pytest.mark.parametrize("num_splits", [0, 5])
-@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
-def test_each_many_row_kernel_matches_reference(shape, num_splits, variant, monkeypatch):
-    monkeypatch.setenv("KDTREE_VERIFY_VARIANT", variant)  # read when the call is traced
-    check_two_draws(shape, num_splits, seed_step=31, seed_offset=7)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_each_many_row_kernel_matches_reference(shape, num_splits, variant):
+    check_two_draws(shape, num_splits, seed_step=31, seed_offset=7, variant=variant)
 
 
-# Shapes with at most 8 query rows, where two kernels exist: the one-group kernel (the default) and the decode
-# kernel (KDTREE_VERIFY_DECODE=1, opt-in); both are checked, with the automatic split count, 5 splits and one.
-DECODE_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 8] + [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
+# The stream kernel (what "auto" runs for T*H <= 16) named explicitly, on extra small-row shapes.
+STREAM_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 16] + [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
 
 
-@pytest.mark.parametrize("decode", ["1", "0"])
 @pytest.mark.parametrize("num_splits", [0, 5, 1])
-@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
-def test_each_decode_kernel_matches_reference(shape, num_splits, decode, monkeypatch):
-    monkeypatch.setenv("KDTREE_VERIFY_DECODE", decode)  # read when the call is traced
-    check_two_draws(shape, num_splits, seed_step=53, seed_offset=3)
+@pytest.mark.parametrize("shape", STREAM_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_stream_kernel_matches_reference(shape, num_splits):
+    check_two_draws(shape, num_splits, seed_step=53, seed_offset=3, variant="stream")
+
+
+def test_stream_variant_refuses_many_rows():
+    case = make_case(1, 1, 3, 8, 100, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="stream"):
+        jitted_variant("stream", SCALE, 0)(*case)
 
 
 def test_repeated_calls_are_bit_identical():
@@ -158,20 +167,20 @@ def test_other_dtypes_fall_back_to_reference_on_gpu():
 
 
 SANITIZER_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import functools, sys
     sys.path.insert(0, {tests!r})
     import jax, jax.numpy as jnp, numpy as np
-    from test_verify_attention import make_case, jitted
-    # T*H = 56 runs the many-row kernels (variant 1: the wide kernel; 0: the two-group kernel; 32-position
-    # tiles, 2-slot ring; 2: the warp-specialised kernel, 16-position tiles, 4-slot ring, named barriers),
-    # T*H = 8 the decode kernel (a stream per warp) and the one-group kernel (16-position tiles, 5-slot ring):
-    # every pipeline, with and without the merge.
-    for num_queries, variant, decode in ((7, "1", "1"), (7, "0", "1"), (7, "2", "1"), (1, "1", "1"), (1, "1", "0")):
-        os.environ["KDTREE_VERIFY_VARIANT"] = variant
-        os.environ["KDTREE_VERIFY_DECODE"] = decode
+    from kdtree_jax.ops import ffi as vffi
+    from test_verify_attention import make_case
+    # T*H = 40 runs the many-row kernels with both row-tile instances (32 rows, then 8: one m16 tile): the pipelined
+    # kernel in both configurations and the wide kernel; T*H = 8 the stream kernel: every pipeline, with and without
+    # the merge.
+    for num_queries, variant in ((5, "pipelined"), (5, "pipelined-small"), (5, "wide"), (1, "stream")):
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
-            out, lse = jitted("auto", 0.07, 64, splits)(*case)
+            fn = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.07, rope_dim=64,
+                                           num_splits=splits, variant=variant))
+            out, lse = fn(*case)
             out.block_until_ready()
             assert np.isfinite(np.asarray(out, np.float32)).all()
     print("SANITIZER-CASE-OK")
@@ -183,8 +192,7 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 def test_compute_sanitizer_is_clean(tool):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     script = SANITIZER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    # racecheck (shared-memory hazards) and synccheck (barrier misuse: the warp-specialised kernel's named
-    # barriers) instrument only our kernels, whose names all hold "verify_attention"; memcheck checks every kernel.
+    # racecheck (shared-memory hazards) and synccheck (barrier misuse) instrument only our kernels, whose names all hold "verify_attention"; memcheck checks every kernel.
     only_ours = ["--kernel-name", "kns=verify_attention"] if tool in ("racecheck", "synccheck") else []
     res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
                           sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 
 import jax
@@ -74,50 +73,39 @@ def sm_count(device: int = 0) -> int:
     return 132
 
 
-def choose_row_groups(num_queries: int, num_heads: int) -> int:
-    """Row groups per block: 1 (16 rows, 2 blocks per SM) when T*H fits one MMA tile, else 2 (32 rows
-    sharing each KV tile: half the L2 traffic). KDTREE_VERIFY_ROW_GROUPS=1|2 overrides (for A/B runs)."""
-    forced = os.environ.get("KDTREE_VERIFY_ROW_GROUPS")
-    if forced in ("1", "2"):
-        return int(forced)
-    return 1 if num_queries * num_heads <= CUDA_ROWS_PER_GROUP else 2
+# Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
+# from the shapes and the device: the stream kernel for T*H <= 16, else the pipelined kernel in the configuration the
+# device's opt-in shared memory allows ("pipelined" on sm_90-class parts, "pipelined-small" within sm_120's 99 KB).
+# Benchmarks and tests name the others explicitly; "wide" is the pipelined kernel's predecessor, kept for A/B runs.
+VARIANTS = {"auto": 0, "stream": 1, "wide": 2, "pipelined": 3, "pipelined-small": 4}
+STREAM_MAX_ROWS = 16  # T*H the stream kernel takes (one m16 tile of query rows per block)
 
 
-# The default kernel for more than 16 query rows: the wide kernel (1) since 8a58ef4, where the device run of
-# tests/test_verify_attention_gpu.py passed with both kernels (60 tests, racecheck included) and the priority
-# sweep measured its main kernel 12-20% shorter than the two-group kernel's at every T*H > 16 row
-# (benchmarks/README_verify_kernel.md). The two-group kernel (0) stays selectable for A/B runs.
-DEFAULT_VARIANT = 1
-DECODE_MAX_ROWS = 8  # T*H the decode kernel takes (its MMA's N)
-DECODE_VARIANT = 3   # the handler's variant for it (ffi/verify_attention.cu, kDecodeVariant)
+def rows_per_block(num_queries: int, num_heads: int, variant: str = "auto") -> int:
+    """Query rows a block of the chosen kernel holds: 16 for the stream kernel (two blocks per SM), 32 otherwise
+    (one block per SM). The split count below is computed from this."""
+    if variant == "stream" or (variant == "auto" and num_queries * num_heads <= STREAM_MAX_ROWS):
+        return CUDA_ROWS_PER_GROUP
+    return 2 * CUDA_ROWS_PER_GROUP
 
 
-def choose_variant(num_queries: int | None = None, num_heads: int | None = None) -> int:
-    """The kernel, as the handler's `variant` attribute. For more than 16 query rows: 1 = the wide kernel (32 rows
-    per block, every warp on all 32 rows: each K/V fragment read from shared memory feeds twice the MMAs, the
-    softmax runs once per row); 0 = the two-group kernel (two groups of 4 warps, 16 rows each); 2 = the
-    warp-specialised kernel (score warps and value warps one 16-position tile apart; opt-in: 1.03-1.14x slower
-    than variant 1 on an H200); KDTREE_VERIFY_VARIANT=0|1|2 overrides. Given T and H with at most 16 rows (one row
-    group): 0 = the one-group kernel; with KDTREE_VERIFY_DECODE=1 and at most 8 rows, DECODE_VARIANT = the decode
-    kernel (scores transposed, a stream per warp: correct, but 1.5x slower on an H200, see
-    benchmarks/README_verify_kernel.md)."""
-    if num_queries is not None and choose_row_groups(num_queries, num_heads) == 1:
-        decode = num_queries * num_heads <= DECODE_MAX_ROWS and os.environ.get("KDTREE_VERIFY_DECODE") == "1"
-        return DECODE_VARIANT if decode else 0
-    forced = os.environ.get("KDTREE_VERIFY_VARIANT")
-    return int(forced) if forced in ("0", "1", "2") else DEFAULT_VARIANT
+def _check_variant(variant: str, num_queries: int, num_heads: int) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
+    if variant == "stream" and num_queries * num_heads > STREAM_MAX_ROWS:
+        raise ValueError(f"variant 'stream' takes T*H <= {STREAM_MAX_ROWS} query rows; got {num_queries * num_heads}")
 
 
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
-                      row_groups: int | None = None) -> int:
+                      variant: str = "auto") -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
     of 132), the fewest splits whose waves fill at least 90% (5 there: 360 blocks in three waves of 132), or
     the best filling count the four-tile minimum allows, since a block's time shrinks with its split's length."""
-    row_groups = row_groups or choose_row_groups(num_queries, num_heads)
-    slots = (2 if row_groups == 1 else 1) * num_sms
-    per_split = math.ceil(num_queries * num_heads / (CUDA_ROWS_PER_GROUP * row_groups)) * batch
+    block_rows = rows_per_block(num_queries, num_heads, variant)
+    slots = (2 if block_rows == CUDA_ROWS_PER_GROUP else 1) * num_sms
+    per_split = math.ceil(num_queries * num_heads / block_rows) * batch
     cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
     splits = min(max(1, slots // per_split), cap)
 
@@ -162,11 +150,10 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
                 softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim))
 
 
-def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits):
+def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
     batch, num_queries, num_heads, width = q.shape
-    row_groups = choose_row_groups(num_queries, num_heads)
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count(), row_groups)
+        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count(), variant)
     rows = num_queries * num_heads
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
@@ -177,17 +164,18 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
-                          num_splits=np.int64(num_splits), row_groups=np.int64(row_groups),
-                          variant=np.int64(choose_variant(num_queries, num_heads)))
+                          num_splits=np.int64(num_splits), variant=np.int64(VARIANTS[variant]))
     return out, lse
 
 
 def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale: float,
-                         rope_dim: int = 64, num_splits: int = 0):
-    """The FFI op (shapes already validated by `kdtree_jax.ops.validate_verify_args`)."""
+                         rope_dim: int = 64, num_splits: int = 0, variant: str = "auto"):
+    """The FFI op (shapes already validated by `kdtree_jax.ops.validate_verify_args`). `variant` names the CUDA
+    kernel (VARIANTS; "auto" everywhere but benchmarks and tests); the CPU handler ignores it."""
     if not available():
         raise ValueError("the compiled verify-attention extension is not built; reinstall with `pip install -e .`")
     _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits)
+    _check_variant(variant, q.shape[1], q.shape[2])
     layer = jnp.asarray(layer, jnp.int32)
     kwargs = dict(softmax_scale=float(softmax_scale), rope_dim=int(rope_dim))
 
@@ -199,7 +187,7 @@ def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, sof
 
     def on_cuda(*args):
         if cuda_fast_path(q, kv_pool, rope_dim):
-            return _call_cuda(*args, **kwargs, num_splits=int(num_splits))
+            return _call_cuda(*args, **kwargs, num_splits=int(num_splits), variant=variant)
         if cuda_built() and _has_gpu():
             _warn_fallback_once(f"q {q.dtype}/kv_pool {kv_pool.dtype} with width {q.shape[-1]} and rope_dim {rope_dim} "
                                 f"(fast path: bfloat16, {CUDA_LATENT_DIM}+{CUDA_ROPE_DIM})")
@@ -217,5 +205,15 @@ def _has_gpu() -> bool:
         return False
 
 
-__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "choose_row_groups", "choose_variant",
-           "sm_count", "cuda_fast_path"]
+def bench_module():
+    """The benchmark target (`kdtree_jax._kernel_bench`: ceilings, the kernels timed outside XLA), or None where
+    the CUDA part was not built. Never used by the op."""
+    try:
+        from kdtree_jax import _kernel_bench
+    except ImportError:
+        return None
+    return _kernel_bench
+
+
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "rows_per_block", "VARIANTS",
+           "sm_count", "cuda_fast_path", "bench_module"]

@@ -1,18 +1,14 @@
-// Host helpers for the Python side and the benchmarks: the SM count (cached per device) and two ceilings
-// measured with CUDA events on a private stream: the mma.sync m16n8k16 bf16 rate (the instruction the
+// The ceilings the verify benchmark quotes, measured with CUDA events on a private stream: the mma.sync m16n8k16 bf16 rate (the instruction the
 // portable kernel is built on) and device-to-device copy bandwidth.  None of this runs inside XLA.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <mutex>
 
-#include "verify_attention.h"
+#include "bench.h"
+#include "../verify_attention.h"
 
 namespace {
 
-constexpr int kMaxDevices = 64;
-std::once_flag sm_once[kMaxDevices];
-int sm_counts[kMaxDevices];
 
 constexpr int kChains = 8;           // independent accumulators per warp: hides the MMA latency
 constexpr int kMmaIters = 8192;
@@ -67,21 +63,6 @@ float time_ms(cudaStream_t stream, int reps, Launch launch) {
 }  // namespace
 
 namespace kdtree {
-
-int cuda_sm_count(int device) {
-  if (device < 0 || device >= kMaxDevices) return -1;
-  std::call_once(sm_once[device], [device] {
-    int count = -1;
-    int num_devices = 0;
-    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || device >= num_devices ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      count = -1;
-      cudaGetLastError();  // clear the sticky-free error so later calls start clean
-    }
-    sm_counts[device] = count;
-  });
-  return sm_counts[device];
-}
 
 double bench_mma_sync_tflops(int device) {
   const int sms = cuda_sm_count(device);

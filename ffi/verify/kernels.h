@@ -1,0 +1,35 @@
+// The verify-attention kernels as the launcher sees them: per kernel, a one-time setup of its function attributes
+// (dynamic shared memory, carveout) and a launch over (row tiles, splits, batch). One kernel per file.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace kdtree::verify {
+
+cudaError_t stream_kernel_setup();     // stream_kernel.cu: T*H <= 16
+void launch_stream_kernel(const Params& p, int64_t batch, cudaStream_t stream);
+cudaError_t wide_kernel_setup();       // wide_kernel.cu: T*H > 16, the pipelined kernel's predecessor (A/B only)
+void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream);
+// pipelined_kernel.cu: T*H > 16; `large` = the configuration for parts with >= 227 KB of opt-in shared memory per
+// block (sm_90-class), else the one within sm_120's 99 KB.
+cudaError_t pipelined_kernel_setup(bool large);
+void launch_pipelined_kernel(const Params& p, int64_t batch, bool large, cudaStream_t stream);
+int pipelined_kernel_smem_bytes(bool large);
+cudaError_t merge_setup();             // merge.cu
+void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
+
+// launch.cu: the variant `requested` resolves to on `device` for `rows` = T*H query rows (kAuto: from the shapes and
+// the device's opt-in shared memory); -1 when the variant cannot run there.
+int64_t resolve_variant(int64_t requested, int64_t rows, int device);
+// Query rows per block of a variant (what the split count's arithmetic on the Python side assumes).
+int rows_per_block(int64_t variant);
+// The main kernel (main) and the merge (merge, when p.num_splits > 1) of a resolved variant, after the one-time setup
+// for `device`.
+cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream,
+                          bool main = true, bool merge = true);
+
+}  // namespace kdtree::verify

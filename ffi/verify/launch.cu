@@ -1,0 +1,64 @@
+// Which kernel runs, and its one-time setup per device. No host synchronisation and no allocation here: a launch is
+// safe inside CUDA graph capture (XLA command buffers).
+#include <mutex>
+
+#include "kernels.h"
+
+namespace kdtree::verify {
+namespace {
+
+constexpr int kMaxDevices = 64;
+std::once_flag setup_once[kMaxDevices];
+cudaError_t setup_status[kMaxDevices];
+int optin_smem[kMaxDevices];
+
+// Function attributes are per device and host-side; raising them once per device keeps them out of graph capture.
+cudaError_t ensure_setup(int device) {
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(setup_once[device], [device] {
+    int smem = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    optin_smem[device] = smem;
+    if (err == cudaSuccess) err = stream_kernel_setup();
+    if (err == cudaSuccess) err = wide_kernel_setup();
+    if (err == cudaSuccess) err = pipelined_kernel_setup(false);
+    if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes(true)) err = pipelined_kernel_setup(true);
+    if (err == cudaSuccess) err = merge_setup();
+    setup_status[device] = err;
+  });
+  return setup_status[device];
+}
+
+}  // namespace
+
+int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
+  if (ensure_setup(device) != cudaSuccess) return -1;
+  const bool large_fits = optin_smem[device] >= pipelined_kernel_smem_bytes(true);
+  if (requested == kAuto) {
+    if (rows <= kRows) return kStream;
+    return large_fits ? kPipelinedLarge : kPipelinedSmall;
+  }
+  if (requested == kPipelinedLarge && !large_fits) return -1;
+  if (requested == kStream && rows > kRows) return -1;  // one m16 tile of rows per block
+  return requested > kAuto && requested < kNumVariants ? requested : -1;
+}
+
+int rows_per_block(int64_t variant) { return variant == kStream ? kRows : 2 * kRows; }
+
+cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream, bool main,
+                          bool merge) {
+  if (cudaError_t err = ensure_setup(device); err != cudaSuccess) return err;
+  if (main) {
+    switch (variant) {
+      case kStream: launch_stream_kernel(p, batch, stream); break;
+      case kWide: launch_wide_kernel(p, batch, stream); break;
+      case kPipelinedLarge: launch_pipelined_kernel(p, batch, true, stream); break;
+      case kPipelinedSmall: launch_pipelined_kernel(p, batch, false, stream); break;
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  if (merge) launch_merge(p, batch, stream);
+  return cudaGetLastError();
+}
+
+}  // namespace kdtree::verify

@@ -1,0 +1,47 @@
+// What every verify-attention kernel, the merge, the launcher and the benchmark harness share: the latent row's
+// geometry, the kernel arguments (Params) and the variant ids the FFI attribute `variant` carries.
+#pragma once
+
+#include <cstdint>
+
+namespace kdtree::verify {
+
+constexpr int kLatent = 512;
+constexpr int kRope = 64;
+constexpr int kWidth = kLatent + kRope;     // 576
+constexpr int kRows = 16;                   // query rows per row group (one m16 MMA tile)
+constexpr int kWarps = 4;                   // warps per row group
+constexpr int kRowBytes = kWidth * 2 + 16;  // 1168: padded shared-memory row
+constexpr int kKSlice = kWidth / kWarps;    // 144 dims of Q·Kᵀ per warp
+constexpr int kKSteps = kKSlice / 16;       // 9 MMA k-steps
+constexpr int kOutCols = kLatent / kWarps;  // 128 output dims per warp
+constexpr int kOutBlocks = kOutCols / 8;    // 16 n8 blocks
+constexpr int kChunksPerRow = kWidth * 2 / 16;  // 72 16-byte chunks per latent row
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {
+  const uint16_t* q;          // [B, rows, 576] bf16 bits
+  const uint16_t* kv_pool;    // [num_layers, num_slots, 576]
+  const int32_t* layer;       // []
+  const int32_t* kv_slots;    // [B, max_len]
+  const int32_t* kv_lens;     // [B]
+  const uint32_t* tree_mask;  // [B, T, mask_words]
+  uint16_t* out;              // [B, rows, 512] bf16
+  float* lse;                 // [B, rows]
+  float* out_part;            // [B, splits, rows, 512]   (splits > 1 only)
+  float* lse_part;            // [B, splits, rows]
+  int num_queries, num_heads, rows, mask_words, max_len, num_layers, num_splits;
+  int64_t num_slots;
+  float scale_log2;           // softmax_scale * log2(e): the softmax runs in base 2 (ex2.approx)
+};
+
+constexpr int kMaxSplits = 1024;  // what the merge accepts
+
+// The kernel a call runs (the FFI attribute `variant`; kdtree_jax/ops/ffi.py VARIANTS names them). kAuto picks from the
+// shapes and the device: the stream kernel for T*H <= 16, else the pipelined kernel in the configuration the device's
+// opt-in shared memory allows. Benchmarks and tests force the others.
+enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelinedLarge = 3, kPipelinedSmall = 4, kNumVariants = 5 };
+
+}  // namespace kdtree::verify
