@@ -3,7 +3,7 @@
 the main kernel alone and the merge alone. The split count is the op's own (kdtree_jax.ops.ffi.choose_num_splits for
 the variant). For the op as XLA runs it, and the XLA baseline beside it, see verify_kernel.py.
 
-    python benchmarks/verify_variants.py --shapes "1 16 8 65536;1 64 8 65536" --variants pipelined,pipelined-small,wide
+    python benchmarks/verify_variants.py --shapes "1 16 8 65536;1 64 8 65536" --variants pipelined,wide
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for shape in "$@"; do
   tag=$(echo "$shape" | tr ' ' '_')
-  timeout 90 ncu --clock-control none --replay-mode application -k regex:"verify_attention(_wide|_ws)?_kernel" --launch-skip 2 --launch-count 1 \
+  timeout 90 ncu --clock-control none --replay-mode application -k regex:"verify_attention" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis \
     python3 ffi/tools/ncu_verify.py $shape > "$OUT/ncu_$tag.txt" 2>&1

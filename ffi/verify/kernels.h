@@ -12,13 +12,11 @@ namespace kdtree::verify {
 
 cudaError_t stream_kernel_setup();     // stream_kernel.cu: T*H <= 16
 void launch_stream_kernel(const Params& p, int64_t batch, cudaStream_t stream);
-cudaError_t wide_kernel_setup();       // wide_kernel.cu: T*H > 16, the pipelined kernel's predecessor (A/B only)
+cudaError_t wide_kernel_setup();       // wide_kernel.cu: T*H > 16 within 99 KB of shared memory (sm_120)
 void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream);
-// pipelined_kernel.cu: T*H > 16; `large` = the configuration for parts with >= 227 KB of opt-in shared memory per
-// block (sm_90-class), else the one within sm_120's 99 KB.
-cudaError_t pipelined_kernel_setup(bool large);
-void launch_pipelined_kernel(const Params& p, int64_t batch, bool large, cudaStream_t stream);
-int pipelined_kernel_smem_bytes(bool large);
+cudaError_t pipelined_kernel_setup();  // pipelined_kernel.cu: T*H > 16 with 213 KB of shared memory (sm_90-class)
+void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream);
+int pipelined_kernel_smem_bytes();
 cudaError_t merge_setup();             // merge.cu
 void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
 

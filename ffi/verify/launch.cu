@@ -21,8 +21,7 @@ cudaError_t ensure_setup(int device) {
     optin_smem[device] = smem;
     if (err == cudaSuccess) err = stream_kernel_setup();
     if (err == cudaSuccess) err = wide_kernel_setup();
-    if (err == cudaSuccess) err = pipelined_kernel_setup(false);
-    if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes(true)) err = pipelined_kernel_setup(true);
+    if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes()) err = pipelined_kernel_setup();
     if (err == cudaSuccess) err = merge_setup();
     setup_status[device] = err;
   });
@@ -33,12 +32,12 @@ cudaError_t ensure_setup(int device) {
 
 int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
   if (ensure_setup(device) != cudaSuccess) return -1;
-  const bool large_fits = optin_smem[device] >= pipelined_kernel_smem_bytes(true);
+  const bool pipelined_fits = optin_smem[device] >= pipelined_kernel_smem_bytes();
   if (requested == kAuto) {
     if (rows <= kRows) return kStream;
-    return large_fits ? kPipelinedLarge : kPipelinedSmall;
+    return pipelined_fits ? kPipelined : kWide;
   }
-  if (requested == kPipelinedLarge && !large_fits) return -1;
+  if (requested == kPipelined && !pipelined_fits) return -1;
   if (requested == kStream && rows > kRows) return -1;  // one m16 tile of rows per block
   return requested > kAuto && requested < kNumVariants ? requested : -1;
 }
@@ -52,8 +51,7 @@ cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int d
     switch (variant) {
       case kStream: launch_stream_kernel(p, batch, stream); break;
       case kWide: launch_wide_kernel(p, batch, stream); break;
-      case kPipelinedLarge: launch_pipelined_kernel(p, batch, true, stream); break;
-      case kPipelinedSmall: launch_pipelined_kernel(p, batch, false, stream); break;
+      case kPipelined: launch_pipelined_kernel(p, batch, stream); break;
       default: return cudaErrorInvalidValue;
     }
   }

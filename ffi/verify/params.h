@@ -40,8 +40,9 @@ struct Params {
 constexpr int kMaxSplits = 1024;  // what the merge accepts
 
 // The kernel a call runs (the FFI attribute `variant`; kdtree_jax/ops/ffi.py VARIANTS names them). kAuto picks from the
-// shapes and the device: the stream kernel for T*H <= 16, else the pipelined kernel in the configuration the device's
-// opt-in shared memory allows. Benchmarks and tests force the others.
-enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelinedLarge = 3, kPipelinedSmall = 4, kNumVariants = 5 };
+// shapes and the device: the stream kernel for T*H <= 16; else the pipelined kernel where the device's opt-in shared
+// memory holds its 213 KB (sm_90-class), the wide kernel (97 KB) elsewhere (sm_120, sm_80). Benchmarks and tests force
+// one.
+enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelined = 3, kNumVariants = 4 };
 
 }  // namespace kdtree::verify

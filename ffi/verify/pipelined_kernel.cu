@@ -15,10 +15,10 @@
 // A stage is refilled only after barrier A of the iteration after its P·V, hence kLead = kRing - 2 tiles in flight.
 // Blocks whose row tile holds at most 16 rows run a one-m16 instance (no MMAs on an empty tile).
 //
-// Two configurations, chosen at run time from the device's opt-in shared memory per block (launch.cu):
-//   large: 32-position tiles, 5 stages (3 tiles in flight), 213 KB: sm_90-class parts (227 KB);
-//   small: 16-position tiles, 4 stages (2 in flight), 91 KB: within sm_120's 99 KB. Both run on an H200 (tests and
-//          benchmarks force the small one there).
+// 32-position tiles, 5 stages (3 tiles in flight), 213 KB: sm_90-class parts (227 KB of opt-in shared memory per
+// block). Where that does not fit (sm_120: 99 KB) the launcher runs the wide kernel (wide_kernel.cu: the same tiling
+// with three barriers a tile and a 2-stage ring, 97 KB), which beat this kernel's 99 KB configuration (16-position
+// tiles, 4 stages) by 1.25x on an H200 (64k, T = 16, H = 8: 101 vs 127 us; benchmarks/README_verify_kernel.md).
 #include "device.cuh"
 #include "kernels.h"
 
@@ -58,9 +58,7 @@ struct PipelinedConfig {
   static_assert(kChunksPerThread == kKSteps, "one copy chunk per k-step");
 };
 using LargeConfig = PipelinedConfig<32, 5>;
-using SmallConfig = PipelinedConfig<16, 4>;
-static_assert(SmallConfig::kSmemBytes <= 99 * 1024, "the small configuration must fit sm_120's 99 KB per block");
-static_assert(LargeConfig::kSmemBytes <= 227 * 1024, "the large configuration must fit sm_90's 227 KB per block");
+static_assert(LargeConfig::kSmemBytes <= 227 * 1024, "the configuration must fit sm_90's 227 KB per block");
 
 // Partial scores of kMt m16 row tiles x (8 kNb) positions over one 144-dim slice; the next tile's copy chunks go out
 // one per k-step between the MMAs (issued back to back they fill the load/store queue ahead of the ldmatrix loads).
@@ -314,18 +312,12 @@ void launch_config(const Params& p, int64_t batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t pipelined_kernel_setup(bool large) {
-  return large ? setup_config<LargeConfig>() : setup_config<SmallConfig>();
+cudaError_t pipelined_kernel_setup() { return setup_config<LargeConfig>(); }
+
+void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream) {
+  launch_config<LargeConfig>(p, batch, stream);
 }
 
-void launch_pipelined_kernel(const Params& p, int64_t batch, bool large, cudaStream_t stream) {
-  if (large) {
-    launch_config<LargeConfig>(p, batch, stream);
-  } else {
-    launch_config<SmallConfig>(p, batch, stream);
-  }
-}
-
-int pipelined_kernel_smem_bytes(bool large) { return large ? LargeConfig::kSmemBytes : SmallConfig::kSmemBytes; }
+int pipelined_kernel_smem_bytes() { return LargeConfig::kSmemBytes; }
 
 }  // namespace kdtree::verify
