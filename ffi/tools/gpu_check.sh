@@ -20,7 +20,7 @@ if [ "${TESTS:-1}" = "1" ]; then
   echo "tests done at $(( $(date +%s) - T0 )) s"
 fi
 if [ -n "${VARIANT_SHAPES:-}" ]; then
-  timeout "$(left)" python3 benchmarks/verify_variants.py --shapes "$VARIANT_SHAPES" \
+  timeout "$(left)" python3 benchmarks/verify_variants.py --shapes "$VARIANT_SHAPES" ${VARIANT_ARGS:-} \
     --variants "${VARIANTS:-pipelined,wide}" --json "$OUT/variants.json"
   echo "variants done at $(( $(date +%s) - T0 )) s"
 fi
