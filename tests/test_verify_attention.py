@@ -1,4 +1,4 @@
-"""The FFI verify-attention op (CPU handler) against the pure-JAX oracle.
+"""The FFI verify-attention op (CPU handler) and the XLA baseline (ops/xla.py) against the pure-JAX oracle.
 
 Inputs are fresh random draws: slot tables are random permutations (scattered rows), lengths are not
 multiples of any tile (the prefix may be empty), masks are causal, random trees' ancestor masks or random
@@ -19,8 +19,9 @@ import pytest
 from kdtree_jax.ops import verify_attention
 from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import ancestor_mask, causal_mask, pack_mask_bits
+from kdtree_jax.ops.xla import verify_attention_xla
 
-pytestmark = pytest.mark.skipif(not vffi.available(), reason="compiled extension not built")
+needs_ffi = pytest.mark.skipif(not vffi.available(), reason="compiled extension not built")
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +113,7 @@ CPU_SHAPES = [
 ]
 
 
+@needs_ffi
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}L{s[3]}D{s[4]}+{s[5]}{s[6].__name__}")
 def test_cpu_ffi_matches_reference(shape):
     batch, num_queries, num_heads, max_len, latent, rope, dtype = shape
@@ -127,6 +129,7 @@ def test_cpu_ffi_matches_reference(shape):
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5 if dtype == jnp.float32 else 1e-2)
 
 
+@needs_ffi
 def test_nothing_visible_gives_zero_and_neg_inf():
     case = make_case(7, 2, 5, 2, 19, latent=16, rope=4, dtype=jnp.float32, lens=[0, 5])
     q, kv_pool, layer, kv_slots, kv_lens, _ = case
@@ -135,6 +138,7 @@ def test_nothing_visible_gives_zero_and_neg_inf():
     assert np.all(np.asarray(out) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
 
 
+@needs_ffi
 def test_out_of_range_slots_and_layer_are_clamped_like_the_reference():
     case = make_case(11, 2, 3, 2, 23, latent=16, rope=4, dtype=jnp.float32)
     q, kv_pool, _, kv_slots, kv_lens, tree_mask = case
@@ -145,6 +149,7 @@ def test_out_of_range_slots_and_layer_are_clamped_like_the_reference():
         check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5)
 
 
+@needs_ffi
 def test_mixed_dtypes_and_vmap():
     """float32 queries over a bfloat16 pool; vmap over a leading axis runs the handler per element."""
     q, kv_pool, layer, kv_slots, kv_lens, tree_mask = make_case(5, 2, 3, 2, 31, latent=16, rope=4, dtype=jnp.float32)
@@ -161,6 +166,7 @@ def test_mixed_dtypes_and_vmap():
     np.testing.assert_array_equal(np.asarray(vlse[0]), np.asarray(lse))
 
 
+@needs_ffi
 def test_inside_scan_reads_layer_from_device():
     """`layer` is a traced scalar: one compiled scan walks the layers without host round-trips."""
     q, kv_pool, _, kv_slots, kv_lens, tree_mask = make_case(9, 1, 4, 2, 40, latent=16, rope=4, dtype=jnp.float32)
@@ -176,6 +182,7 @@ def test_inside_scan_reads_layer_from_device():
         check_against_reference(outs[layer], lses[layer], ref_out, ref_lse, tol=1e-5)
 
 
+@needs_ffi
 def test_ffi_validation_errors_are_clear():
     q, kv_pool, layer, kv_slots, kv_lens, tree_mask = make_case(3, 1, 2, 1, 10, latent=8, rope=4, dtype=jnp.float32)
     kw = dict(softmax_scale=0.5, rope_dim=4, impl="ffi")
@@ -189,9 +196,10 @@ def test_ffi_validation_errors_are_clear():
         verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, num_splits=-1, **kw)
 
 
+@needs_ffi
 def test_split_heuristic_uses_static_shapes_only():
     # Small batches of short rows get many splits; big row counts none; never fewer than 4 KV tiles a split.
-    assert vffi.choose_row_groups(1, 8) == 1 and vffi.choose_row_groups(2, 16) == 2
+    assert vffi.rows_per_block(1, 8) == 16 and vffi.rows_per_block(2, 16) == 32
     assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == vffi.CUDA_MAX_SPLITS
     assert vffi.choose_num_splits(8, 257, 8, 65536, 132) == 1
     assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8   # 16 blocks of 32 rows x 8 = one wave of 132
@@ -202,6 +210,7 @@ def test_split_heuristic_uses_static_shapes_only():
     assert vffi.choose_num_splits(8, 33, 8, 200, 132) == 3     # but no split shorter than four KV tiles
 
 
+@needs_ffi
 def test_donated_pool_is_updated_in_place_not_copied():
     """Writing a step's KV rows into the donated pool and calling the op copies nothing of the pool."""
     num_layers, num_slots, width = 3, 50_000, 40
@@ -219,3 +228,96 @@ def test_donated_pool_is_updated_in_place_not_copied():
     stats = step.lower(pool, jnp.int32(1), jnp.ones((4, width))).compile().memory_analysis()
     assert stats.alias_size_in_bytes >= pool.nbytes
     assert stats.temp_size_in_bytes < pool.nbytes // 100, stats
+
+
+# The XLA baseline (ops/xla.py), dense and chunked over L, against the oracle. Chunks: odd and not dividing L,
+# a power of two, and one longer than the table (then it is the table). bf16 inputs against the oracle on their
+# float32 copies: the probabilities are cast to bf16 before the value product, hence the bf16 tolerance.
+XLA_SHAPES = [  # (B, T, H, Lmax, Dc, Dr, dtype, chunks besides the dense form); CPU_SHAPES' sizes (shared compiles)
+    (3, 1, 8, 45, 32, 8, jnp.float32, (16,)),
+    (2, 16, 8, 83, 32, 8, jnp.bfloat16, (7,)),
+    (1, 33, 1, 101, 16, 4, jnp.float32, (10_000,)),  # two mask words a row; a chunk longer than the table
+    (2, 64, 1, 150, 32, 8, jnp.bfloat16, (32,)),
+    (2, 7, 8, 77, 512, 64, jnp.bfloat16, (16,)),     # K2's geometry
+]
+
+
+@functools.cache
+def xla_jitted(softmax_scale: float, rope_dim: int, chunk):
+    return jax.jit(functools.partial(verify_attention_xla, softmax_scale=softmax_scale, rope_dim=rope_dim, chunk=chunk))
+
+
+@pytest.mark.parametrize("shape", XLA_SHAPES, ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}L{s[3]}D{s[4]}+{s[5]}{s[6].__name__}")
+def test_xla_baseline_matches_reference(shape):
+    batch, num_queries, num_heads, max_len, latent, rope, dtype, chunks = shape
+    scale = (latent + rope) ** -0.5
+    for draw in range(2):
+        case = make_case(77 + 1000 * draw + max_len, batch, num_queries, num_heads, max_len, latent=latent, rope=rope,
+                         dtype=dtype)
+        ref_out, ref_lse = reference_f32(case, scale, rope)
+        for chunk in (None, *chunks):
+            out, lse = xla_jitted(scale, rope, chunk)(*case)
+            assert out.dtype == dtype and out.shape == (batch, num_queries, num_heads, latent)
+            assert lse.dtype == jnp.float32 and lse.shape == (batch, num_queries, num_heads)
+            check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5 if dtype == jnp.float32 else 1e-2)
+    if num_queries == 16:  # the dispatch: impl="xla" is the dense form
+        out, lse = jitted("xla", scale, rope)(*case)
+        dense_out, dense_lse = xla_jitted(scale, rope, None)(*case)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(dense_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(dense_lse))
+
+
+def test_xla_baseline_rows_with_nothing_visible():
+    """kv_len 0; an empty prefix (kv_len = T) where queries 0-3 see only query token 4 and query 4 nothing: with
+    chunk 2 < T = 5, those rows' first two chunks see nothing (the online merge starts from -inf)."""
+    case = make_case(7, 2, 5, 2, 19, latent=16, rope=4, dtype=jnp.float32, lens=[0, 5])
+    q, kv_pool, layer, kv_slots, kv_lens, _ = case
+    q, kv_pool = q.astype(jnp.bfloat16), kv_pool.astype(jnp.bfloat16)
+    bits = np.zeros((2, 5, 5), bool)
+    bits[:, :4, 4] = True
+    tree_mask = pack_mask_bits(jnp.asarray(bits))
+    ref_out, ref_lse = reference_f32((q, kv_pool, layer, kv_slots, kv_lens, tree_mask), 0.25, 4)
+    assert np.isneginf(np.asarray(ref_lse)).sum() == 5 * 2 + 1 * 2
+    for chunk in (None, 2):
+        out, lse = xla_jitted(0.25, 4, chunk)(q, kv_pool, layer, kv_slots, kv_lens, tree_mask)
+        check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
+def test_xla_baseline_traced_layer_and_clamping():
+    """`layer` traced (jit argument, scan over layers); out-of-range layer and slots clamp like the reference."""
+    q, kv_pool, _, kv_slots, kv_lens, tree_mask = make_case(9, 1, 4, 2, 40, latent=16, rope=4, dtype=jnp.float32)
+    for chunk in (None, 16):
+        def body(carry, layer, chunk=chunk):
+            return carry, verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, softmax_scale=0.3,
+                                               rope_dim=4, chunk=chunk)
+
+        _, (outs, lses) = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32)))()
+        for layer in range(3):
+            ref_out, ref_lse = jitted("reference", 0.3, 4)(q, kv_pool, jnp.int32(layer), kv_slots, kv_lens, tree_mask)
+            check_against_reference(outs[layer], lses[layer], ref_out, ref_lse, tol=1e-5)
+    bad_slots = kv_slots.at[:, ::3].set(jnp.int32(10**6)).at[:, 1::5].set(-5)
+    for layer in (jnp.int32(-2), jnp.int32(99)):
+        ref_out, ref_lse = jitted("reference", 0.3, 4)(q, kv_pool, layer, bad_slots, kv_lens, tree_mask)
+        for chunk in (None, 16):
+            out, lse = xla_jitted(0.3, 4, chunk)(q, kv_pool, layer, bad_slots, kv_lens, tree_mask)
+            check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5)
+
+
+def test_xla_baseline_reads_rows_without_copying_the_layer():
+    """The gather reads the sequence's rows straight from the pool: no temporary near the size of a layer."""
+    num_layers, num_slots, width = 3, 50_000, 40
+    pool = jnp.ones((num_layers, num_slots, width), jnp.float32)
+    q, _, _, kv_slots, kv_lens, tree_mask = make_case(13, 1, 4, 2, 64, latent=32, rope=8, dtype=jnp.float32,
+                                                      num_slots=num_slots, lens=[64])
+    for chunk in (None, 16):
+        f = jax.jit(functools.partial(verify_attention_xla, softmax_scale=0.2, rope_dim=8, chunk=chunk))
+        stats = f.lower(q, pool, jnp.int32(1), kv_slots, kv_lens, tree_mask).compile().memory_analysis()
+        assert stats.temp_size_in_bytes < pool.nbytes // num_layers // 100, (chunk, stats)
+
+
+def test_xla_baseline_errors():
+    case = make_case(3, 1, 2, 1, 10, latent=8, rope=4, dtype=jnp.float32)  # the shapes of the FFI's error test
+    with pytest.raises(ValueError, match="chunk"):
+        verify_attention_xla(*case, softmax_scale=0.5, rope_dim=4, chunk=0)
+    with pytest.raises(ValueError, match="impl"):
+        verify_attention(*case, softmax_scale=0.5, rope_dim=4, impl="dense")

@@ -2,7 +2,11 @@
 
 `verify_attention` is the single dispatch point the model calls, so an implementation can be swapped
 without touching the model. `impl`:
-  - "reference": the pure-JAX oracle (ops/reference.py);
+  - "reference": the pure-JAX oracle (ops/reference.py: float32, HIGHEST precision; correctness only, never a
+    baseline);
+  - "xla": what a skilled JAX user writes without a custom kernel (ops/xla.py: bf16 gather from the pool, einsums
+    with float32 accumulation, float32 softmax), dense over L; the baseline every kernel speed-up is quoted
+    against (`kdtree_jax.ops.xla.verify_attention_xla(..., chunk=N)` is its chunked, online-softmax form);
   - "ffi": the compiled extension (CPU handler, CUDA kernel), see ops/ffi.py;
   - "auto": the extension where it is built, else the reference.
 """
@@ -12,8 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kdtree_jax.ops.reference import mask_words, verify_attention_reference
+from kdtree_jax.ops.xla import verify_attention_xla
 
-IMPLS = ("auto", "reference", "ffi")
+IMPLS = ("auto", "reference", "xla", "ffi")
 
 
 def validate_verify_args(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, rope_dim: int) -> None:
@@ -59,6 +64,9 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
     if impl == "reference":
         return verify_attention_reference(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                           softmax_scale=softmax_scale, rope_dim=rope_dim)
+    if impl == "xla":
+        return verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
+                                    softmax_scale=softmax_scale, rope_dim=rope_dim)
     # The compiled extension arrives with issue 3 (ops/ffi.py); until it is built, "auto" is the reference.
     try:
         from kdtree_jax.ops import ffi
@@ -73,4 +81,4 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
                                       softmax_scale=softmax_scale, rope_dim=rope_dim)
 
 
-__all__ = ["verify_attention", "verify_attention_reference", "validate_verify_args", "mask_words", "IMPLS"]
+__all__ = ["verify_attention", "verify_attention_reference", "verify_attention_xla", "validate_verify_args", "mask_words", "IMPLS"]
