@@ -65,8 +65,15 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
     data = json.loads((tmp_path / "vk.json").read_text())
     shapes = [(r["L"], r["T"], r["slots"]) for r in data["rows"]]
     assert shapes == [(1000, 1, "scattered"), (1000, 9, "scattered"), (1000, 1, "contiguous")]
-    assert all(r["us"] > 0 and r["main_us"] > 0 and r["wall_us"] > 0 for r in data["rows"])
+    assert all(r["us"] > 0 and r["main_us"] > 0 and r["wall_us"] > 0 and r["loop_us"] > 0 for r in data["rows"])
+    assert all(set(r["variants"]) == {"auto"} and r["variants"]["auto"]["us"] == r["us"] for r in data["rows"])
     assert data["rows"][0]["xla_us"] > 0 and data["rows"][1]["xla_us"] is None
+    # The XLA baseline: both formulations timed (device, wall, in-loop), the faster by device time kept.
+    base = data["rows"][0]
+    assert base["xla_dense_us"] > 0 and base["xla_chunked_us"] > 0 and base["xla_chunk"] == 256
+    assert base["xla_us"] == min(base["xla_dense_us"], base["xla_chunked_us"]) == base[f"xla_{base['xla_kind']}_us"]
+    assert base["xla_loop_us"] > 0 and base["speedup"] == base["xla_us"] / base["us"]
+    assert base["variants"]["auto"]["speedup_loop"] == base["xla_loop_us"] / base["variants"]["auto"]["loop_us"]
     assert data["while_loop"][0]["single_call_us"] > 0
     md = (tmp_path / "vk.md").read_text()
     assert md.count("\n| 1 | 1000 |") == 3 + 1 and "A CPU smoke run" in md  # the rows and the loop figure
@@ -98,9 +105,16 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
     assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "s1"), "--shard", "1/2"]) == 0
     assert json.loads((tmp_path / "s1.json").read_text())["rows"] == []
     # New kernel rows, the reference taken from an earlier result instead of measured again.
-    assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "r"), "--refs-from", out + ".json"]) == 0
-    reused = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    # Two kernel variants, each in its own columns; one that does not take a shape (the stream kernel, T*H > 16)
+    # leaves its cell empty and the row is still written.
+    assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "r"), "--refs-from", out + ".json", "--no-while-loop",
+                               "--variants", "auto,stream"]) == 0
+    reused_rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    reused = reused_rows[0]
     assert reused["xla_us"] == filled[0]["xla_us"] and reused["xla_from"].startswith("unknown")
+    assert reused["variants"]["stream"]["us"] > 0 and reused["variants"]["stream"]["speedup"] > 0
+    assert "error" in reused_rows[1]["variants"]["stream"] and reused_rows[1]["us"] > 0
+    assert "| stream µs | stream loop µs |" in (tmp_path / "r.md").read_text()
 
 
 def test_tree_shapes_smoke(tmp_path):
@@ -185,7 +199,7 @@ def test_replay_and_ddtree_acceptance():
 def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     import decode_context
 
-    decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "reference", "--profile", "all",
+    decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "xla", "--profile", "all",
                          "--out", str(tmp_path / "dc")])
     data = json.loads((tmp_path / "dc.json").read_text())
     assert data["rows"] and all("errors" not in r for r in data["rows"])
