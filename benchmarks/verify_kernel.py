@@ -282,16 +282,22 @@ def device_timing(batch, num_queries, heads, length, scattered, splits, variant)
 
 def loop_per_call(op, num_layers: int, args, iters: int, reps: int = 5) -> tuple:
     """(µs per call inside a jitted fori_loop of `iters` calls, compile s): each call on the layer that the previous
-    call's lse picks, its whole output carried (so no call can be hoisted, merged or cut down)."""
+    call's lse picks, its whole output carried (so no call can be hoisted, merged or cut down). op None: the same
+    loop without the call (its out carried through, its lse bumped by a tiny kernel): the loop's own cost."""
     q, kv_pool, kv_slots, kv_lens, tree_mask = args
 
     @jax.jit
     def run(q, kv_pool, kv_slots, kv_lens, tree_mask):
-        out0, lse0 = jax.eval_shape(op, q, kv_pool, jnp.int32(0), kv_slots, kv_lens, tree_mask)
+        batch, num_queries, heads, _ = q.shape
+        out0, lse0 = (jax.ShapeDtypeStruct((batch, num_queries, heads, LATENT), q.dtype),
+                      jax.ShapeDtypeStruct((batch, num_queries, heads), jnp.float32)) if op is None else \
+            jax.eval_shape(op, q, kv_pool, jnp.int32(0), kv_slots, kv_lens, tree_mask)
 
         def body(i, carry):
-            _, lse = carry
+            out, lse = carry
             layer = (i + (lse[0, 0, 0] > 1e30).astype(jnp.int32)) % num_layers
+            if op is None:
+                return out, lse + (layer < 0).astype(jnp.float32)
             return op(q, kv_pool, layer, kv_slots, kv_lens, tree_mask)
 
         init = (jnp.zeros(out0.shape, out0.dtype), jnp.zeros(lse0.shape, lse0.dtype))
@@ -379,6 +385,11 @@ def sweep(ceilings, plan, on_row=lambda rows: None, rows=None, known_refs=None, 
                     row["variants"][variant] = measure_variant(ceilings, args, batch, length, num_queries, heads,
                                                                slots, num_layers, variant)
             headline(row, ceilings, variants)
+            if "empty_loop_us" not in row:
+                try:
+                    row["empty_loop_us"], _ = loop_per_call(None, num_layers, args, 64)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  empty loop failed: {type(e).__name__}: {str(e)[:200]}")
             if num_queries in ref_ts and row.get("xla_us") is None:
                 ref = xla_row(args, batch, num_queries, heads, length, num_layers,
                               known_refs.get(row_key(batch, length, num_queries, heads, slots)), xla_chunk,
@@ -703,7 +714,8 @@ def table_row(r, variants) -> str:
     else:
         perf = ["–", "–", "–"]
     return (f"| {r['B']} | {r['L']} | {r['T']} | {r.get('H', H)} | {r['slots']} | {fmt(r.get('num_splits'), 'd')} | "
-            + " | ".join(cells) + f" | {dense} | {chunked} | {fmt(r.get('xla_loop_us'), '.1f')} | {best or '–'} | "
+            + " | ".join(cells) + f" | {dense} | {chunked} | {fmt(r.get('xla_loop_us'), '.1f')} | "
+            f"{fmt(r.get('empty_loop_us'), '.1f')} | {best or '–'} | "
             + " | ".join(perf) + f" | {fmt(r.get('roofline_us'), '.1f')} | {r.get('bound', '–')} |")
 
 
@@ -724,7 +736,8 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              f"{ceilings['mma_sync_tflops']:.0f} TFLOP/s." + (f" {meta['ceilings_note']}" if meta.get("ceilings_note") else ""), "",
              "Kernel µs: device time per call, first kernel start to last kernel end over k calls back to back in one "
              "XLA program (a CUDA graph), from a CUPTI profile; loop µs: wall time per call of n calls inside one jitted "
-             "`fori_loop` (each on the layer the previous call's lse picks, whole outputs carried). "
+             "`fori_loop` (each on the layer the previous call's lse picks, whole outputs carried); empty loop µs: the "
+             "same loop without the call, its own cost an iteration, which every loop µs includes. "
              "× XLA: the XLA baseline's time over the variant's (device over device; in-loop over in-loop). "
              "XLA baseline = kdtree_jax/ops/xla.py (bf16 gather from the pool, einsums with float32 accumulation, "
              "float32 softmax), dense over L and chunked over L (online softmax), both timed like the kernel; the faster "
@@ -737,8 +750,9 @@ def write_results(path, meta, ceilings, rows, loop_rows):
              + "; ".join(f"{k}: {n} rows" for k, n in sorted(kernel_counts(rows).items())) + ".", "",
              "| B | L | T | H | slots | splits | " + " | ".join(f"{v} µs | {v} loop µs | {v} × XLA | {v} × XLA loop"
                                                                for v in variants)
-             + " | XLA dense µs | XLA chunked µs | XLA loop µs | fastest | % roofline | TFLOP/s | GB/s | roofline µs | bound |",
-             "|" + "---|" * (6 + 4 * len(variants) + 9)]
+             + " | XLA dense µs | XLA chunked µs | XLA loop µs | empty loop µs | fastest | % roofline | TFLOP/s | GB/s | "
+             "roofline µs | bound |",
+             "|" + "---|" * (6 + 4 * len(variants) + 10)]
     if meta.get("resumed_from"):
         earlier = meta["resumed_from"]
         lines[4:4] = [f"Rows measured over several device calls (`--resume`): the earlier ones at {earlier['date']} "
