@@ -17,8 +17,11 @@ one warm-up call first (discarded), then tokens/s = sum of decoded tokens / sum 
 all batches (the first token of each sequence comes from the prefill and is not counted), and the
 median over batches. tau (tokens per target forward, bonus included) and the per-depth acceptance
 (P(at least d drafted tokens accepted)) are averaged over sequence steps. At T = 0 every speculative
-output is compared with the autoregressive one (greedy decoding is lossless; numerics of a tree-shaped
-verify pass may still flip a near-tie).
+output is compared token by token with the autoregressive one of the same batch size (greedy decoding is
+lossless, but a T-row verify pass that rounds a row differently from the one-token step can flip a near-tie):
+per decoder and batch size, how many outputs are identical and, per prompt, the index of the first generated
+token that differs (0 = the token the prefill chose). --batch takes several sizes (e.g. 1,16); with more than
+one, each autoregressive output is also compared with the first size's (the verify rows' batch invariance).
 
 Writes <out>/spec_decode_<device>.{json,md} (--smoke: spec_decode_smoke_<device>.*), with the device
 kind, date and commit.
@@ -217,6 +220,42 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
     return stats, [t for r in results for t in r.tokens]
 
 
+def parse_batch_sizes(value) -> list[int]:
+    """--batch: one size or several comma-separated, each >= 1."""
+    try:
+        sizes = [int(b) for b in str(value).split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--batch must be positive integers separated by commas; got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch must be positive integers separated by commas; got {value!r}")
+    return sizes
+
+
+def first_difference(a, b):
+    """Index of the first generated token where two outputs differ (None: identical). An output that is a
+    proper prefix of the other (one stopped earlier) differs at the shorter one's length."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def identity_report(reference: list, outputs: list) -> dict:
+    """Greedy outputs against the autoregressive ones, prompt by prompt."""
+    firsts = [first_difference(list(a), list(b)) for a, b in zip(reference, outputs)]
+    differing = sum(f is not None for f in firsts)
+    return {"identical_to_ar": len(firsts) - differing, "mismatches_vs_ar": differing, "first_difference": firsts}
+
+
+def summarize_differences(firsts: list, shown: int = 8) -> str:
+    """'–' when every output is identical, else the sorted first-difference indices ('2, 17, 40')."""
+    at = sorted(f for f in firsts if f is not None)
+    if not at:
+        return "–"
+    text = ", ".join(str(f) for f in at[:shown])
+    return text + (f", … ({len(at)} outputs)" if len(at) > shown else "")
+
+
 # This benchmark --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1, help="prompts decoded together (1: latency)")
+    p.add_argument("--batch", default="1",
+                   help="prompts decoded together (1: latency); several sizes comma-separated (e.g. 1,16), each a sweep")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
     add_tree_temperature_argument(p)
@@ -269,10 +309,10 @@ def main(argv=None) -> int:
     if bad:
         raise ValueError(f"--budgets must be in [1, {limit}] for block_size {drafter.cfg.block_size} and "
                          f"--topk {args.topk}; got {bad}")
-    if args.batch < 1 or args.prompts < 1:
-        raise ValueError(f"--batch and --prompts must be >= 1; got {args.batch}, {args.prompts}")
+    batch_sizes = parse_batch_sizes(args.batch)
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1; got {args.prompts}")
     prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
-    prompt_batches = batches([p.tolist() for p in prompts], args.batch)
 
     decoders = [("autoregressive", "ar", 0)]
     if not args.no_chain:
@@ -280,32 +320,48 @@ def main(argv=None) -> int:
     decoders += [(f"DDTree {b}", "ddtree", b) for b in budgets]
     meta = base_meta(args, target, drafter, pair)
     meta.update({"prompts": len(prompts), "prompt_len": args.prompt_len, "prompt_cuts": where,
-                 "max_new_tokens": args.max_new_tokens, "batch": args.batch, "topk": args.topk,
+                 "max_new_tokens": args.max_new_tokens,
+                 "batch": batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes, "batch_sizes": batch_sizes,
+                 "topk": args.topk,
                  "tree_temperature": args.tree_temperature,
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
                  "seed": args.seed, "impl": args.impl, "depth": depth})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-        f"batch {args.batch}, block size {drafter.cfg.block_size}")
+        f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")
 
     rows = []
-    for temperature in temperatures:
-        ar_tokens, ar_tps = None, None
-        for name, tree, budget in decoders:
-            stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
-                                       temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                       max_new_tokens=args.max_new_tokens, impl=args.impl,
-                                       tree_temperature=args.tree_temperature, profile=args.profile)
-            if tree == "ar":
-                ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
-            row = {"decoder": name, "tree": tree, "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
-                   "temperature": temperature, **stats,
-                   "speedup_vs_ar": stats["tokens_per_second"] / ar_tps if ar_tps else float("nan"),
-                   "mismatches_vs_ar": (sum(a != b for a, b in zip(ar_tokens, tokens))
-                                        if temperature == 0 and ar_tokens is not None else None)}
-            rows.append(row)
-            log(f"T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  tau {stats['tau']:.3f}  "
-                f"{stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
-                f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s)")
+    first_ar = {}  # temperature -> autoregressive outputs at the first batch size
+    for batch in batch_sizes:
+        prompt_batches = batches([p.tolist() for p in prompts], batch)
+        for temperature in temperatures:
+            ar_tokens, ar_tps = None, None
+            for name, tree, budget in decoders:
+                stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
+                                           temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                           max_new_tokens=args.max_new_tokens, impl=args.impl,
+                                           tree_temperature=args.tree_temperature, profile=args.profile)
+                if tree == "ar":
+                    ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
+                    first_ar.setdefault(temperature, tokens)
+                row = {"decoder": name, "tree": tree, "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
+                       "batch": batch, "temperature": temperature, **stats,
+                       "speedup_vs_ar": stats["tokens_per_second"] / ar_tps if ar_tps else float("nan")}
+                if temperature == 0 and ar_tokens is not None:
+                    row.update(identity_report(ar_tokens, tokens))
+                    if tree == "ar" and batch != batch_sizes[0]:
+                        ref = identity_report(first_ar[temperature], tokens)
+                        row["ar_batch_reference"] = batch_sizes[0]
+                        row["identical_to_first_batch_ar"] = ref["identical_to_ar"]
+                        row["first_difference_vs_first_batch_ar"] = ref["first_difference"]
+                else:
+                    row["mismatches_vs_ar"] = None
+                rows.append(row)
+                same = (f"  identical {row['identical_to_ar']}/{len(tokens)}"
+                        f" (first differences at {summarize_differences(row['first_difference'])})"
+                        if row.get("identical_to_ar") is not None and tree != "ar" else "")
+                log(f"B={batch} T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  tau {stats['tau']:.3f}  "
+                    f"{stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
+                    f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s){same}")
     meta["seconds"] = time.perf_counter() - t_all
 
     name = f"spec_decode_{'smoke_' if args.smoke else ''}{device_slug()}"
@@ -343,29 +399,60 @@ def render(result: dict) -> str:
              f"hidden {m['target']['hidden_size']}; drafter block size {m['block_size']}, "
              f"{m['drafter']['num_layers']} layers).", "",
              f"{m['prompts']} held-out prompts of {m['prompt_len']} tokens, {m['max_new_tokens']} new tokens each, "
-             f"batch {m['batch']}; DDTree top-K {m['topk']}, tree temperature {m.get('tree_temperature', 1.0)}; sampling filters top-k {m['top_k']}, top-p {m['top_p']}. "
+             f"batch {', '.join(map(str, m.get('batch_sizes', [m['batch']])))}; DDTree top-K {m['topk']}, tree temperature {m.get('tree_temperature', 1.0)}; sampling filters top-k {m['top_k']}, top-p {m['top_p']}. "
              f"tok/s: decode only (compile excluded, one warm-up call discarded), summed over batches. "
-             f"tau: tokens per target forward (bonus included). acc@d: P(>= d drafted tokens accepted in a step).",
+             f"tau: tokens per target forward (bonus included). acc@d: P(>= d drafted tokens accepted in a step). "
+             f"Greedy: identical = outputs equal to the autoregressive ones of the same batch size, token for token; "
+             f"first differences = for each output that is not, the index of its first differing generated token "
+             f"(0 = the prefill's token).",
              "", f"Command: `{m['command']}` ({m['seconds'] / 60:.1f} min).", ""]
     if m["backend"] == "cpu":
         lines += ["On a CPU a verify pass costs nearly in proportion to its tree nodes (compute-bound: there is no "
                   "memory-bound regime where T nodes cost little more than one), so speed-ups below 1× are the "
                   "expected outcome at large budgets here; τ and the acceptance rates carry over to an accelerator, "
                   "tok/s does not.", ""]
-    for temperature in m["temperatures"]:
-        sub = [r for r in rows if r["temperature"] == temperature]
+    batch_sizes = m.get("batch_sizes", [m["batch"]])
+    greedy_rows = [r for r in rows if r["temperature"] == 0 and r["tree"] != "ar" and r.get("identical_to_ar") is not None]
+    if greedy_rows:  # the identity summary: every decoder at every batch size
+        lines += ["## Greedy outputs identical to autoregressive", "",
+                  "Per decoder and batch size: outputs identical to the autoregressive ones of that batch size, and "
+                  "the sorted indices of the first differing generated token of the others.", "",
+                  "| decoder | " + " | ".join(f"batch {b}: identical | batch {b}: first differences" for b in batch_sizes) + " |",
+                  "|---|" + "---|---|" * len(batch_sizes)]
+        for name in dict.fromkeys(r["decoder"] for r in greedy_rows):
+            cells = [name]
+            for b in batch_sizes:
+                r = next((r for r in greedy_rows if r["decoder"] == name and r.get("batch", b) == b), None)
+                cells += (["–", "–"] if r is None else
+                          [f"{r['identical_to_ar']}/{m['prompts']}", summarize_differences(r["first_difference"])])
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    for batch, temperature in [(b, t) for b in batch_sizes for t in m["temperatures"]]:
+        sub = [r for r in rows if r["temperature"] == temperature and r.get("batch", batch) == batch]
         label = "greedy" if temperature == 0 else f"T = {temperature:g}"
+        if len(batch_sizes) > 1:
+            label += f", batch {batch}"
+        greedy = temperature == 0
         lines += [f"## {label}", "",
                   "| decoder | nodes | tau | tok/s | speed-up vs AR | " +
                   " | ".join(f"acc@{d}" for d in range(1, shown + 1)) +
-                  (" | outputs ≠ AR |" if temperature == 0 else " |"),
-                  "|---|---|---|---|---|" + "---|" * shown + ("---|" if temperature == 0 else "")]
+                  (" | identical to AR | first differences |" if greedy else " |"),
+                  "|---|---|---|---|---|" + "---|" * shown + ("---|---|" if greedy else "")]
         for r in sub:
             acc = r["acceptance_by_depth"] + [None] * shown
             cells = [r["decoder"], str(r["num_nodes"]), _fmt(r["tau"], ".3f"), _fmt(r["tokens_per_second"], ".1f"),
                      _fmt(r["speedup_vs_ar"], ".2f") + "×"] + [_fmt(a, ".3f") for a in acc[:shown]]
-            if temperature == 0:
-                cells.append("–" if r["mismatches_vs_ar"] is None else f"{r['mismatches_vs_ar']}/{m['prompts']}")
+            if greedy:
+                if r.get("identical_to_ar") is None:
+                    cells += ["–", "–"]
+                elif r["tree"] == "ar":  # itself; against the first batch size's when there are several
+                    if "identical_to_first_batch_ar" in r:
+                        cells += [f"{r['identical_to_first_batch_ar']}/{m['prompts']} vs batch {r['ar_batch_reference']}",
+                                  summarize_differences(r["first_difference_vs_first_batch_ar"])]
+                    else:
+                        cells += ["(reference)", "–"]
+                else:
+                    cells += [f"{r['identical_to_ar']}/{m['prompts']}", summarize_differences(r["first_difference"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         profiled = [r for r in sub if r.get("step_profile")]

@@ -81,10 +81,15 @@ class Transformer(nnx.Module):
         return self.embed_tokens(tokens)
 
     def lm_logits(self, x):
-        """The lm head alone (the drafter brings its own final norm): [.., hidden] -> float32 [.., V]."""
+        """The lm head alone (the drafter brings its own final norm): [.., hidden] -> float32 [.., V].
+
+        The product accumulates in float32 and is returned as it was accumulated, whatever the weights' dtype:
+        a bfloat16 product cast afterwards rounds the logits to bfloat16 steps (0.06 near 10), and near-tied
+        logits then tie exactly far more often, which is where greedy decoders part (issue 24)."""
         if self.lm_head is None:
-            return (x @ self.embed_tokens.embedding[...].T).astype(jnp.float32)
-        return self.lm_head(x).astype(jnp.float32)
+            return jnp.dot(x, self.embed_tokens.embedding[...].T, preferred_element_type=jnp.float32)
+        kernel = self.lm_head.kernel[...]  # the input in the head's dtype, as nnx.Linear takes it
+        return jnp.dot(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
 
     def head(self, hidden):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""

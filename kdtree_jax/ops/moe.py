@@ -89,10 +89,18 @@ def blocks_per_sm() -> int:
     return int(forced) if forced in ("1", "4") else 4
 
 
+# Every XLA formulation below rounds where the others do (issue 24): gate and up accumulate in float32 and the
+# SwiGLU runs on those float32 sums, h is rounded once to the rows' dtype, the down projection accumulates in
+# float32 and is rounded once. A decode loop switches formulation with the row count (gathered for a few rows,
+# dense above), so a row's result must not depend on which one ran beyond what the products themselves do.
+
+
 def ragged_mlp(rows, group_sizes, gate, up, down):
     """The XLA formulation (routed_experts' original three ragged_dots)."""
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-    return jax.lax.ragged_dot(h, down, group_sizes)
+    f32 = jnp.float32
+    h = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes, preferred_element_type=f32))
+         * jax.lax.ragged_dot(rows, up, group_sizes, preferred_element_type=f32)).astype(rows.dtype)
+    return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=f32).astype(rows.dtype)
 
 
 def row_experts(group_sizes, num_rows: int):
@@ -125,13 +133,13 @@ def dense_mlp(rows, group_sizes, gate_t, up_t, down_t):
     expert = row_experts(group_sizes, num_rows)
     onehot = (expert[:, None] == jnp.arange(num_experts)[None, :]).astype(rows.dtype)  # [M, E]; no group: zeros
 
-    def expanded_dot(x, w_t):  # x [M, K] @ w_t [K, E, N] on each row's expert
+    def expanded_dot(x, w_t):  # x [M, K] @ w_t [K, E, N] on each row's expert, accumulated in float32
         k, e, n = w_t.shape
-        return ((x[:, :, None] * onehot[:, None, :]).reshape(num_rows, k * e)
-                @ w_t.reshape(k * e, n))
+        return jnp.dot((x[:, :, None] * onehot[:, None, :]).reshape(num_rows, k * e), w_t.reshape(k * e, n),
+                       preferred_element_type=jnp.float32)
 
-    h = jax.nn.silu(expanded_dot(rows, gate_t)) * expanded_dot(rows, up_t)
-    return expanded_dot(h, down_t)
+    h = (jax.nn.silu(expanded_dot(rows, gate_t)) * expanded_dot(rows, up_t)).astype(rows.dtype)
+    return expanded_dot(h, down_t).astype(rows.dtype)
 
 
 def use_cpu_gather(rows, gate, impl: str) -> bool:
