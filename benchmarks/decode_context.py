@@ -75,7 +75,7 @@ from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import DecoderLayer, Transformer
 from kdtree_jax.ops.masks import causal_mask
 from kdtree_jax.profiling import profile_call
-from kdtree_jax.provenance import git_commit
+from kdtree_jax.provenance import git_commit, smoke_dir
 from kdtree_jax.speculative import accept as acceptance
 from kdtree_jax.speculative import engine
 from kdtree_jax.speculative import tree as trees
@@ -228,19 +228,18 @@ def make_state(cfg, dcfg, n_feature_layers: int, context: int, max_len: int, ste
         table = order[None, :max_len]
         free = order[context:][::-1]  # the slots after the context's, on the free stack
         free = jnp.concatenate([free, jnp.zeros((num_slots - free.shape[0],), jnp.int32)])
-        cache = kv_pool.KVCache(pages, free, jnp.asarray(num_slots - context, jnp.int32), table,
-                                jnp.array([context], jnp.int32), jnp.asarray(False))
+        cache = kv_pool.KVCache(pages=pages, free_slots=free, num_free=jnp.asarray(num_slots - context, jnp.int32),
+                                slot_table=table, seq_lens=jnp.array([context], jnp.int32), overflow=jnp.asarray(False))
         shape = (dcfg.num_layers, 1, max_len, dcfg.num_kv_heads, dcfg.head_dim)
-        dcache = DrafterCache(jax.random.normal(k3, shape, jnp.bfloat16), jax.random.normal(k4, shape, jnp.bfloat16),
-                              jnp.array([context], jnp.int32))
+        dcache = DrafterCache(k=jax.random.normal(k3, shape, jnp.bfloat16), v=jax.random.normal(k4, shape, jnp.bfloat16),
+                              lens=jnp.array([context], jnp.int32))
         return cache, dcache
 
     cache, dcache = make(key)
     width = dcfg.block_size
-    return engine.LoopState(cache, dcache, jnp.array([1], jnp.int32), jnp.full((1, steps + width + 1), -1, jnp.int32),
-                            jnp.ones((1,), jnp.int32), jnp.ones((1,), bool), jnp.zeros((), jnp.int32),
-                            jax.random.key(0), jnp.zeros((width,), jnp.int32), jnp.array([-1], jnp.int32),
-                            engine.ExpertLoad.zeros(num_moe, moe_slots, 1))
+    return engine.initial_state(cache, dcache, jnp.array([1], jnp.int32), max_new_tokens=steps + 1, width=width,
+                                stop_ids=jnp.array([-1], jnp.int32), key=jax.random.key(0),
+                                expert_load=engine.ExpertLoad.zeros(num_moe, moe_slots, 1))
 
 
 # Component loops. Modules and caches are jit arguments, never closed over (a closure bakes them in as
@@ -376,7 +375,7 @@ def tree_only_main(args) -> None:
         def choose(node):
             row = jnp.take_along_axis(logits, node[:, None, None], axis=1)[:, 0]
             return jnp.argmax(row, axis=-1).astype(jnp.int32)
-        return acceptance._walk(tree, choose)
+        return acceptance.walk(tree, choose)
 
     for nodes in node_list:
         budget = min(nodes - 1, trees.max_ddtree_budget(depth, TOPK))
@@ -387,12 +386,12 @@ def tree_only_main(args) -> None:
         follow = jnp.where(jnp.any(tree.parents[0][None, :] == jnp.arange(budget + 1)[:, None], axis=1),
                            tree.tokens[0][first_child], 0)
         logits_follow = logits.at[0, jnp.arange(budget + 1), follow].add(100.0)
-        candidates = trees._static_candidates(budget, depth, TOPK, trees.STATIC_CANDIDATE_MAX)
+        candidates = trees.static_candidate_count(budget, depth, TOPK)
         for mode in ("static", "levels") if candidates is not None else ("levels",):
             @jax.jit
             def tree_loop(bonus, top_lp, top_tok):
                 def body(i, bonus):
-                    t = trees._build_ddtree_jit(top_lp, top_tok, bonus, start, budget, method=mode)
+                    t = trees.build_ddtree(top_lp, top_tok, bonus, start, budget, method=mode)
                     return t.tokens[:, -1] + t.mask[:, -1, 0].astype(jnp.int32)
                 return jax.lax.fori_loop(0, ITERS, body, bonus)
 
@@ -415,12 +414,12 @@ def tree_only_main(args) -> None:
             return jax.lax.fori_loop(0, ITERS, lambda i, x: x + 1, x)
         timings[(nodes, "empty_loop")] = median_seconds(empty_loop, jnp.array([1], jnp.int32), reps=9)[0] / ITERS
         row = {"nodes": nodes, "budget": budget, "accepted_when_following": accepted,
-               "static_candidates": None if candidates is None else int(candidates[0].shape[0])}
+               "static_candidates": candidates}
         row.update({k[1] + "_us": v * 1e6 for k, v in timings.items() if k[0] == nodes})
         rows.append(row)
         log(json.dumps(row))
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   "tree_build_smoke" if args.smoke else "tree_build_h200")
+    out = args.out or (os.path.join(smoke_dir("tree_build"), "tree_build_smoke") if args.smoke
+                       else os.path.join(os.path.dirname(__file__), "results", "tree_build_h200"))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": jax.devices()[0].device_kind, "commit": git_commit(), "depth": depth, "topk": TOPK,
             "vocab": vocab, "timing": f"median of 9 calls of a {ITERS}-round jitted fori_loop, per round"}
@@ -534,8 +533,8 @@ def main(argv=None):
     drafter_weight_bytes = param_bytes(drafter) + head_bytes  # the drafter reads the head slice again
     drafter_kv_row_bytes = dcfg.num_layers * 2 * dcfg.num_kv_heads * dcfg.head_dim * 2
 
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   "decode_context_smoke" if args.smoke else "decode_context_h200")
+    out = args.out or (os.path.join(smoke_dir("decode_context"), "decode_context_smoke") if args.smoke
+                       else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device, "layers": layers, "commit": git_commit(),
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,

@@ -37,7 +37,8 @@ from kdtree_jax import corpus, load_checkpoint  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax.speculative.engine import generate  # noqa: E402
-from kdtree_jax.train import EOS, causal_forward  # noqa: E402
+from kdtree_jax.corpus import EOS  # noqa: E402
+from kdtree_jax.decode import causal_forward  # noqa: E402
 
 
 def heldout_prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-loss", action="store_true")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) configuration")
     p.add_argument("--samples", type=int, default=2, help="decoded samples to include in the report")
-    p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200_s4pair.json"),
+    p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200.json"),
                    help="spec_decode.py's JSON from a GPU run: fills the report's H200 tok/s column (greedy rows)")
     p.add_argument("--render-only", action="store_true",
                    help="rewrite <out>.md from <out>.json (e.g. after a new --h200-results) without decoding")

@@ -10,7 +10,7 @@ bytes of the weights of the experts active on this device (3 matrices each) at 4
 used expert once and nothing else.
 
   python benchmarks/moe_experts.py                 # H200: writes results/moe_experts_h200.{md,json}
-  python benchmarks/moe_experts.py --smoke --out /tmp  # CPU, tiny widths, checks the script runs
+  python benchmarks/moe_experts.py --smoke  # CPU, tiny widths, checks the script runs (writes to a temp dir)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdtree_jax.model.moe import routed_experts  # noqa: E402
 from kdtree_jax.ops import moe as moe_ops  # noqa: E402
-from kdtree_jax.provenance import git_commit  # noqa: E402
+from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
 FLOOR_BYTES_PER_S = 4.3e12
 K2 = dict(hidden=7168, inter=2048, experts=384, top_k=8)
@@ -134,7 +134,7 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=4, help="the EP / TP degree the slices stand for")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--name", default=None, help="results file stem (default moe_experts_h200, or _smoke)")
     args = p.parse_args(argv)
     widths = SMOKE if args.smoke else K2
@@ -154,12 +154,16 @@ def main(argv=None):
     for layout in args.layouts.split(","):
         rows += bench_layout(layout, widths, args.devices, tokens_list, iters, reps, log)
     name = args.name or ("moe_experts_smoke" if args.smoke else "moe_experts_h200")
+    if args.out is None:
+        args.out = smoke_dir("moe_experts") if args.smoke else os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                           "results")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(markdown(meta, rows))
     log(markdown(meta, rows))
+    log(f"wrote {os.path.join(args.out, name)}.{{json,md}}")
     return 0
 
 

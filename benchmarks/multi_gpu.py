@@ -44,10 +44,10 @@ import kdtree_jax
 from kdtree_jax import eplb
 from kdtree_jax.config import MESH_AXIS
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
-from kdtree_jax.model.mla import AttentionBatch
+from kdtree_jax.attention_batch import AttentionBatch
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.masks import causal_mask
-from kdtree_jax.provenance import git_commit
+from kdtree_jax.provenance import git_commit, smoke_dir
 from kdtree_jax.sharding import attach_mesh, make_mesh, parameter_shardings, shard_model
 
 
@@ -219,7 +219,8 @@ def main(argv=None):
                    help="context:T points where the ep step is timed again on the EPLB placement planned from "
                         "that point's measured load ('' for none)")
     p.add_argument("--smoke", action="store_true", help="tiny widths on forced CPU devices")
-    p.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
+    p.add_argument("--out", default=os.environ.get("OUT"),
+                   help="output directory (default: $OUT, else benchmarks/results; --smoke: $OUT or a temp dir)")
     args = p.parse_args(argv)
 
     n = len(jax.devices())
@@ -307,12 +308,15 @@ def _dump(args, result, rows, cfg, n):
                         "impl": args.impl, "note": "tokens/active experts per device use the ep grouping "
                         "(device d holds expert slots [d*s, (d+1)*s)) in every layout; in tp every device "
                         "holds a slice of every expert, so these are what ep would see for the same tokens"}
+    if args.out is None:
+        args.out = smoke_dir("multi_gpu") if args.smoke else os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(args.out, exist_ok=True)
     name = "multi_gpu_smoke" if args.smoke else f"multi_gpu_{n}x"
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(markdown(result))
+    log(f"wrote {os.path.join(args.out, name)}.{{json,md}}")
     return result
 
 

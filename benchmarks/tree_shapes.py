@@ -25,7 +25,7 @@ The DP-optimal static shape
 ---------------------------
 1. Measure p[d][r]: greedy-continue --measure-prompts held-out prompts (other cuts of the held-out
    files than the evaluation prompts) with the target, run the target over prompt + continuation
-   (teacher forcing: kdtree_jax.train.causal_forward) for its hidden features, run the drafter through
+   (teacher forcing: kdtree_jax.decode.causal_forward) for its hidden features, run the drafter through
    its inference path at every anchor c of the continuation (context = features of [0, c), block =
    [token c, MASK...]) and record where the target's greedy token at c + d ranks among the drafter's
    depth-d proposals. Because the continuation *is* the target's greedy output, the prefix before depth
@@ -76,8 +76,11 @@ import spec_decode as common  # noqa: E402  (benchmarks/spec_decode.py: prompts,
 from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
 from kdtree_jax.model.drafter import DrafterCache  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
+from kdtree_jax.decode import causal_forward  # noqa: E402
 from kdtree_jax.speculative.engine import generate  # noqa: E402
-from kdtree_jax.train import causal_forward  # noqa: E402
+from kdtree_jax.speculative.tree_shapes import (accepted_ddtree, accepted_static, optimal_shape,  # noqa: E402
+                                                predicted_tau_independent, rank_probs, shape_nodes, shape_str,
+                                                tau_anchor_mean, tau_replay)
 
 CSV_COLUMNS = ["kind", "shape", "topk", "budget", "nodes", "tau", "tokens_per_second", "speedup_vs_ar",
                "target_forwards", "sequence_steps", "new_tokens", "decode_seconds", "compile_seconds",
@@ -85,15 +88,6 @@ CSV_COLUMNS = ["kind", "shape", "topk", "budget", "nodes", "tau", "tokens_per_se
 
 
 # Shapes ---------------------------------------------------------------------------------------------
-def shape_nodes(shape) -> int:
-    """Non-root nodes of a static shape: sum over levels of prod(branching[:level])."""
-    return int(sum(np.prod(shape[:i + 1]) for i in range(len(shape))))
-
-
-def shape_str(shape) -> str:
-    return "(" + ",".join(str(b) for b in shape) + ")"
-
-
 def auto_shapes(depth: int, max_nodes: int, kmax: int) -> list[tuple]:
     """Wide near the root, a chain below: the family most static-tree papers search over."""
     heads = [(2,), (4,), (2, 2), (4, 2), (2, 2, 2), (8, 2, 2)]
@@ -179,101 +173,6 @@ def teacher_forced(target, drafter, prompts, new_tokens: int, kmax: int, chunk: 
     ranks, tops, agree = np.concatenate(ranks), np.concatenate(tops), np.concatenate(agree)
     return {"ranks": ranks, "top_lp": tops, "agreement": float(agree.mean()), "anchors": int(ranks.shape[0] * ranks.shape[1]),
             "sequences": int(n), "anchors_per_sequence": int(len(anchors))}
-
-
-def rank_probs(ranks: np.ndarray, kmax: int) -> np.ndarray:
-    """p[d][r] = P(rank at depth d == r), r < kmax; [D, kmax] (ranks [..., D], any leading dims)."""
-    ranks = ranks.reshape(-1, ranks.shape[-1])
-    return np.stack([(ranks == r).mean(0) for r in range(kmax)], axis=1)
-
-
-def predicted_tau_independent(p: np.ndarray, shape) -> float:
-    """1 + sum_d prod_{d' <= d} sum_{r < b_d'} p[d'][r] (depths independent)."""
-    surv, total = 1.0, 0.0
-    for d, b in enumerate(shape):
-        surv *= float(p[d, :b].sum())
-        total += surv
-    return 1.0 + total
-
-
-def accepted_static(ranks: np.ndarray, shape) -> np.ndarray:
-    """Accepted drafted tokens of a static shape at every anchor: the leading depths whose target token is
-    among the drafter's top-b_d (ranks [..., D] -> [...])."""
-    ok = np.ones(ranks.shape[:-1], bool)
-    total = np.zeros(ranks.shape[:-1], np.int64)
-    for d, b in enumerate(shape):
-        ok &= ranks[..., d] < b
-        total += ok
-    return total
-
-
-def accepted_ddtree(ranks: np.ndarray, top_lp: np.ndarray, budget: int, topk: int) -> np.ndarray:
-    """Accepted drafted tokens of DDTree at every anchor: each anchor's tree is built from the drafter's
-    teacher-forced top-K log-probs (node tokens = ranks) and walked along the target's rank path."""
-    lead = ranks.shape[:-1]
-    ranks = ranks.reshape(-1, ranks.shape[-1])
-    n, depth = ranks.shape
-    top_lp = top_lp.reshape(n, depth, -1)[:, :, :topk]
-    tree = trees.build_ddtree(jnp.asarray(top_lp), jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32), (n, depth, topk)),
-                              jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), budget)
-    parents, tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
-    node = np.zeros(n, np.int64)
-    alive = np.ones(n, bool)
-    accepted = np.zeros(n, np.int64)
-    for d in range(depth):
-        match = (parents == node[:, None]) & (tokens == ranks[:, d][:, None])
-        match[:, 0] = False
-        alive &= match.any(1)
-        node = np.where(alive, match.argmax(1), node)
-        accepted += alive
-    return accepted.reshape(lead)
-
-
-def tau_anchor_mean(accepted: np.ndarray) -> float:
-    """1 + mean accepted over all anchors (every position weighs the same)."""
-    return 1.0 + float(np.mean(accepted))
-
-
-def tau_replay(accepted: np.ndarray) -> float:
-    """Replays greedy decoding over each measured sequence (accepted [n_seq, A]): a step at anchor c
-    accepts accepted[c] tokens and the next step starts at c + accepted[c] + 1. Returns tokens / steps,
-    the engine's τ on those sequences. Unlike the anchor mean, this samples anchors where decode steps
-    really start: decoding strides through easy stretches in few steps, so they weigh less."""
-    tokens = steps = 0
-    for row in np.asarray(accepted).reshape(-1, np.shape(accepted)[-1]):
-        c = 0
-        while c < len(row):
-            tokens += int(row[c]) + 1
-            steps += 1
-            c += int(row[c]) + 1
-    return tokens / steps if steps else float("nan")
-
-
-def optimal_shape(p: np.ndarray, budget: int, kmax: int) -> tuple[tuple, float]:
-    """Branching (b_1..b_L), L <= D, b_d <= kmax, maximising sum_d prod_{d'<=d} S_d'(b_d') subject to
-    sum_d prod_{d'<=d} b_d' <= budget (S_d(b) = sum_{r<b} p[d][r]). Returns (shape, expected accepted)."""
-    depth = p.shape[0]
-    surv = np.cumsum(p[:, :kmax], axis=1)  # surv[d, b - 1] = S_d(b)
-
-    @functools.lru_cache(maxsize=None)
-    def best(d: int, width: int, left: int):
-        """Best (value, tail) for depths d.. given `width` nodes at depth d - 1 and `left` nodes to spend."""
-        if d == depth:
-            return 0.0, ()
-        value, tail = 0.0, ()
-        for b in range(1, kmax + 1):
-            nodes = width * b
-            if nodes > left:
-                break
-            sub, sub_tail = best(d + 1, nodes, left - nodes)
-            v = float(surv[d, b - 1]) * (1.0 + sub)
-            if v > value + 1e-12:
-                value, tail = v, (b,) + sub_tail
-        return value, tail
-
-    value, shape = best(0, 1, budget)
-    best.cache_clear()
-    return shape, value
 
 
 # Runs -----------------------------------------------------------------------------------------------

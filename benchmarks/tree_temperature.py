@@ -24,7 +24,7 @@ from default_pair import ROOT, heldout_prompts, run_config  # noqa: E402
 
 from kdtree_jax import load_checkpoint  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
-from kdtree_jax.provenance import git_commit  # noqa: E402
+from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,9 +39,13 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--impl", default="auto")
     add_dtype_argument(p)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tree_temperature_cpu"))
+    p.add_argument("--out", default=None, help="results path without extension (default: "
+                   "benchmarks/results/tree_temperature_cpu; --smoke: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="2 prompts x 8 new tokens, budget 4, two temperatures")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = (os.path.join(smoke_dir("tree_temperature"), "tree_temperature_smoke") if args.smoke
+                    else os.path.join(ROOT, "benchmarks", "results", "tree_temperature_cpu"))
     if args.smoke:
         args.prompts, args.prompt_len, args.max_new, args.budgets, args.temperatures = 2, 24, 8, "4", "1.0,0.5"
 
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {args.out}.{{json,md}}")
     return 0
 
 

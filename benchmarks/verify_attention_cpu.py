@@ -8,7 +8,7 @@ when a case is slow: about --budget seconds per impl, at least 4 calls), made in
 consecutive calls per impl.
 
   python benchmarks/verify_attention_cpu.py                  # writes results/verify_attention_cpu.{md,json}
-  python benchmarks/verify_attention_cpu.py --smoke --out /tmp/x.json   # tiny, checks the script runs
+  python benchmarks/verify_attention_cpu.py --smoke                     # tiny, checks the script runs (temp dir)
   python benchmarks/verify_attention_cpu.py --before old.json         # adds old.json's handler times as "before"
   python benchmarks/verify_attention_cpu.py --extension old/_verify_attention_ext.*.so --out old.json
                                          # times another build of the extension (e.g. an earlier commit's)
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdtree_jax.ops import verify_attention  # noqa: E402
 from kdtree_jax.ops.masks import causal_mask  # noqa: E402
-from kdtree_jax.provenance import git_commit  # noqa: E402
+from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "verify_attention_cpu.json")
 FULL_CASES = [(t, length, 4) for length in (256, 1024, 4096) for t in (1, 9, 17, 33, 65)] + [(33, 1024, 8)]
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30, help="timed calls per case (at most)")
     p.add_argument("--budget", type=float, default=3.0,
                    help="seconds of timed calls per case and impl (at least 3 calls)")
-    p.add_argument("--out", default=RESULTS, help="the JSON path; the markdown goes next to it (.md)")
+    p.add_argument("--out", default=None, help="the JSON path; the markdown goes next to it (.md) (default: "
+                   "benchmarks/results/verify_attention_cpu.json; --smoke: a temp dir)")
     p.add_argument("--before", default=None, help="a JSON written by this script for an earlier handler: its handler "
                                                      "times become the 'before' column")
     p.add_argument("--extension", default=None, help="path of another build of kdtree_jax._verify_attention_ext "
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
             if (r["T"], r["L"], r["H"]) in old:
                 r["before_us"] = old[(r["T"], r["L"], r["H"])]
 
+    if args.out is None:
+        args.out = os.path.join(smoke_dir("verify_attention_cpu"), "verify_attention_cpu_smoke.json") if args.smoke else RESULTS
     out_json = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out_json), exist_ok=True)
     with open(out_json, "w") as f:
@@ -183,6 +186,7 @@ def main(argv=None) -> int:
     with open(os.path.splitext(out_json)[0] + ".md", "w") as f:
         f.write(markdown(meta, rows))
     print(markdown(meta, rows), flush=True)
+    print(f"wrote {out_json} and .md", flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Model and drafter configuration: one dataclass each, presets, and HF `config.json` parsing."""
+"""The target's configuration: `ModelConfig` (with yarn `RopeScaling`), presets, HF `config.json` parsing, and
+the mesh axis name. The drafter's `DrafterConfig` lives beside the drafter (model/drafter.py)."""
 
 from __future__ import annotations
 
@@ -156,7 +157,10 @@ class ModelConfig:
         return cls(**d)
 
 
-def _rope_from_hf(raw: dict) -> tuple[float, Optional[RopeScaling]]:
+def rope_from_hf(raw: dict) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, yarn scaling or None) from an HF config.json dict, either layout (`rope_scaling` + a
+    top-level `rope_theta`, or transformers >= 5's `rope_parameters`); the target and an imported DFlash
+    drafter read rope the same way. ValueError for a scaling type other than yarn."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     merged = {**scaling, **params}
@@ -185,7 +189,7 @@ def _fields_from_hf(raw: dict) -> dict:
     missing = [k for k in required if k not in raw]
     if missing:
         raise ValueError(f"config.json lacks {missing}: not a DeepSeek-V3 / Kimi K2 config")
-    theta, scaling = _rope_from_hf(raw)
+    theta, scaling = rope_from_hf(raw)
     n_routed = int(raw.get("n_routed_experts") or 0)
     return dict(
         vocab_size=int(raw["vocab_size"]),

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.convert_hf import SafetensorsDir, _preview
+from kdtree_jax.config import ModelConfig, rope_from_hf
+from kdtree_jax.convert_hf import SafetensorsDir, preview_names
 from kdtree_jax.model.drafter import Drafter, DrafterConfig
-from kdtree_jax.config import _rope_from_hf
 
 UNSUPPORTED_KEYS = ("conv", "selector", "softcap", "output_multiplier")
 
@@ -33,7 +32,7 @@ UNSUPPORTED_KEYS = ("conv", "selector", "softcap", "output_multiplier")
 def dflash_config(raw: dict) -> DrafterConfig:
     """DrafterConfig from a DFlash config.json dict."""
     extra = raw.get("dflash_config") or {}
-    theta, scaling = _rope_from_hf(raw)
+    theta, scaling = rope_from_hf(raw)
     heads = int(raw["num_attention_heads"])
     return DrafterConfig(
         block_size=int(extra.get("block_size", raw.get("block_size", 16))),
@@ -63,7 +62,7 @@ def load_dflash_drafter(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16) 
     names = {k[len("model."):] if k.startswith("model.") else k: k for k in tensors.keys()}
     odd = [k for k in names if any(u in k for u in UNSUPPORTED_KEYS)]
     if odd:
-        raise ValueError(f"DFlash features this drafter does not implement: {_preview(sorted(odd))}")
+        raise ValueError(f"DFlash features this drafter does not implement: {preview_names(sorted(odd))}")
 
     abstract = nnx.eval_shape(lambda: Drafter(target_cfg, cfg, dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -85,7 +84,7 @@ def load_dflash_drafter(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16) 
             mismatched.append(f"{key}: {tuple(value.shape)} vs expected {tuple(var.get_value().shape)}")
         values.append(value)
     leftover = sorted(k for k in names if k not in used)
-    problems = [f"{n} {what}: {_preview(items)}" for n, what, items in
+    problems = [f"{n} {what}: {preview_names(items)}" for n, what, items in
                 ((len(missing), "missing", missing), (len(mismatched), "mis-shaped", mismatched),
                  (len(leftover), "unexpected", leftover)) if items]
     if problems:

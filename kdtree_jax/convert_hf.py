@@ -415,16 +415,17 @@ def validate(weights: HFWeights, flat, cfg: ModelConfig, where: str) -> None:
         and not (LAYER_KEY.match(k) and int(LAYER_KEY.match(k).group(1)) >= cfg.num_hidden_layers))
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {_preview(missing)}")
+        problems.append(f"{len(missing)} missing tensor(s): {preview_names(missing)}")
     if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatch(es): {_preview(mismatched)}")
+        problems.append(f"{len(mismatched)} shape mismatch(es): {preview_names(mismatched)}")
     if leftover:
-        problems.append(f"{len(leftover)} unexpected tensor(s): {_preview(leftover)}")
+        problems.append(f"{len(leftover)} unexpected tensor(s): {preview_names(leftover)}")
     if problems:
         raise ValueError(f"checkpoint {where} does not match its config.json: " + "; ".join(problems))
 
 
-def _preview(items: list, n: int = 8) -> str:
+def preview_names(items: list, n: int = 8) -> str:
+    """The first `n` names joined for an error message, and how many more there are."""
     shown = ", ".join(items[:n])
     return shown + (f", ... ({len(items) - n} more)" if len(items) > n else "")
 

@@ -27,6 +27,10 @@ import os
 import sysconfig
 from typing import Iterator
 
+# The default pair's end-of-document token: the tokenizer's one special token, appended after every
+# document of a split (train.encode_split) and the stop token of evaluations on the held-out files.
+EOS = "<|endoftext|>"
+
 # Held out for evaluation (paths relative to the stdlib). Spread over the library: argument parsing,
 # text, numbers, data formats, networking, email, json, concurrency.
 HELD_OUT = (

@@ -14,9 +14,11 @@ import numpy as np
 from flax import nnx
 
 from kdtree_jax import kv_pool
+from kdtree_jax.attention_batch import AttentionBatch
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.ops.masks import causal_mask
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:
@@ -114,3 +116,17 @@ def forward_logits(model: Transformer, tokens, *, impl: str = "auto"):
     cache = kv_pool.init_cache(model.cfg, batch, length, dtype=model.dtype)
     logits, _, _ = forward_chunk(model, cache, jnp.asarray(tokens), jnp.full((batch,), length, jnp.int32), impl=impl)
     return logits
+
+
+def causal_forward(model: Transformer, tokens, hidden_layers=()):
+    """Whole sequences [B, S] through the target over a fresh contiguous latent pool, causal, with the
+    pure-JAX attention (differentiable: training and teacher forcing use it). -> ForwardOutput (logits and
+    the hidden states of `hidden_layers`)."""
+    b, s = tokens.shape
+    cfg = model.cfg
+    slots = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
+    pages = jnp.zeros((cfg.num_hidden_layers, b * s, cfg.cache_dim), model.dtype)
+    batch = AttentionBatch(kv_slots=slots, kv_lens=jnp.full((b,), s, jnp.int32), tree_mask=causal_mask(b, s),
+                           write_slots=slots)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+    return model(tokens, positions, pages, batch, hidden_layers=tuple(hidden_layers), impl="reference")

@@ -131,11 +131,11 @@ def _place_layer(moe: MoE, placement: Placement, i: int) -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         var = getattr(moe.experts, name)
         value = var[...]
-        sharding = value.sharding if moe.mesh is not None else None
+        sharding = value.sharding if moe.placement is not None else None
         placed = jax.jit(lambda w: w[take], out_shardings=sharding)(value)
         var.set_value(placed) if hasattr(var, "set_value") else setattr(var, "value", placed)
     replicas, num_replicas = jnp.asarray(placement.replicas[i]), jnp.asarray(placement.num_replicas[i])
-    if moe.mesh is not None:  # small tables, replicated next to the replicated router
-        replicas, num_replicas = jax.device_put((replicas, num_replicas), NamedSharding(moe.mesh, P()))
+    if moe.placement is not None:  # small tables, replicated next to the replicated router
+        replicas, num_replicas = jax.device_put((replicas, num_replicas), NamedSharding(moe.placement.mesh, P()))
     moe.replicas = ExpertMap(replicas)
     moe.num_replicas = ExpertMap(num_replicas)

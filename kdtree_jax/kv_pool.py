@@ -16,8 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax.attention_batch import AttentionBatch
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.ops.masks import causal_mask
 
 

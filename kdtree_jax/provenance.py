@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,3 +22,9 @@ def git_commit(short: bool = True) -> str:
         return (head or "unknown") + ("+dirty" if dirty else "")
     except OSError:
         return "unknown"
+
+
+def smoke_dir(name: str) -> str:
+    """A fresh temporary directory for a benchmark's --smoke files (tiny configs, not results): a smoke run
+    never writes into the repository, wherever it is run from. Scripts print where they wrote."""
+    return tempfile.mkdtemp(prefix=f"{name}_smoke_")

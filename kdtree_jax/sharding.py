@@ -15,6 +15,11 @@ split table would gather it). The verify-attention custom call runs under `jax.s
 device's heads (MLA.attend), and the routed experts under `shard_map` with one psum (MoE.routed); the
 rest is partitioned by XLA from the parameter shardings.
 
+`LAYOUTS` is the one table: parameter shardings (`parameter_shardings`) and the shard_map specs of
+MLA.attend and MoE.routed are all derived from it through a `MeshLayout` (mesh + layout name), which the
+attention and MoE layers hold; no module writes a PartitionSpec by hand. Activations name their dimensions
+with the same logical axes ("batch", "seq", "heads", "kv_latent", ...; unnamed ones are replicated).
+
 The drafter is replicated: it is a few layers of the target's width (a few % of the target's FLOPs
 and bytes), and running it whole on every device costs no collective inside the draft step, whose
 latency is on the critical path, while its outputs (tree tokens) are needed on every device anyway.
@@ -22,7 +27,8 @@ latency is on the critical path, while its outputs (tree tokens) are needed on e
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import jax
 import numpy as np
@@ -30,9 +36,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kdtree_jax.config import MESH_AXIS
-from kdtree_jax.model.mla import MLA
-from kdtree_jax.model.moe import MoE
-from kdtree_jax.model.transformer import Transformer
+
+if TYPE_CHECKING:  # the model imports this module (MeshLayout), so this one does not import the model
+    from kdtree_jax.model.transformer import Transformer
 
 LAYOUTS = {
     "tp": {"heads": MESH_AXIS, "mlp": MESH_AXIS, "expert_mlp": MESH_AXIS, "vocab_out": MESH_AXIS},
@@ -51,21 +57,49 @@ def make_mesh(num_devices: Optional[int] = None, devices: Optional[Sequence[jax.
 
 
 def partition_spec(axes: Optional[tuple], layout: str) -> P:
-    """Logical axis names of one parameter -> its PartitionSpec under a layout."""
+    """Logical axis names of one array (a parameter's, or an activation's) -> its PartitionSpec under a layout."""
     rules = LAYOUTS[layout]
     return P(*(rules.get(a) for a in axes)) if axes else P()
 
 
-def parameter_shardings(model: nnx.Module, mesh: Mesh, layout: str = "tp"):
-    """An nnx.State of NamedShardings mirroring the model's parameters."""
+def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """A mesh and the layout the model is split by on it: what a sharded attention or MoE layer is given
+    (`MLA.placement`, `MoE.placement`) to build its shard_map specs from `LAYOUTS`."""
+
+    mesh: Mesh
+    layout: str
+
+    def __post_init__(self):
+        _check_layout(self.layout)
+
+    def spec(self, *axes: Optional[str]) -> P:
+        """PartitionSpec of an array whose dimensions have these logical names (None: unnamed)."""
+        return partition_spec(axes, self.layout)
+
+    def param_spec(self, param: nnx.Variable) -> P:
+        """PartitionSpec of a parameter, from its logical axes (model/layers.py `logical_axes`)."""
+        return partition_spec(param.get_metadata().get("out_sharding"), self.layout)
+
+    def splits(self, axis: str) -> bool:
+        """Whether this layout splits the logical axis over the mesh."""
+        return LAYOUTS[self.layout].get(axis) is not None
+
+
+def parameter_shardings(model: nnx.Module, mesh: Mesh, layout: str = "tp"):
+    """An nnx.State of NamedShardings mirroring the model's parameters."""
+    _check_layout(layout)
     state = nnx.state(model)
     return jax.tree.map(lambda v: NamedSharding(mesh, partition_spec(v.get_metadata().get("out_sharding"), layout)),
                         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def check_divisible(model: Transformer, mesh: Mesh, layout: str) -> None:
+def check_divisible(model: "Transformer", mesh: Mesh, layout: str) -> None:
     """Every split dimension must divide evenly; say which one does not, before placing anything."""
     n = mesh.shape[MESH_AXIS]
     cfg = model.cfg
@@ -87,14 +121,13 @@ def check_divisible(model: Transformer, mesh: Mesh, layout: str) -> None:
         raise ValueError(f"layout {layout!r} over {n} devices needs these divisible by {n}: " + ", ".join(problems))
 
 
-def shard_model(model: Transformer, mesh: Mesh, layout: str = "tp") -> Transformer:
+def shard_model(model: "Transformer", mesh: Mesh, layout: str = "tp") -> "Transformer":
     """A copy of the target with its parameters placed on `mesh` by `layout` ("tp" or "ep").
 
-    The returned model's attention and MoE layers know the mesh, so jitted code (prefill, the decode
-    loop) runs sharded with no further changes.
+    The returned model's attention and MoE layers hold the MeshLayout, so jitted code (prefill, the decode
+    loop) runs sharded with no further changes. The argument is left as it was.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+    _check_layout(layout)
     check_divisible(model, mesh, layout)
     graphdef, state = nnx.split(model)
     shardings = parameter_shardings(model, mesh, layout)
@@ -104,21 +137,22 @@ def shard_model(model: Transformer, mesh: Mesh, layout: str = "tp") -> Transform
     return sharded
 
 
-def attach_mesh(model: Transformer, mesh: Optional[Mesh], layout: Optional[str]) -> None:
-    """Tell the model's attention and MoE layers to run per device (or, with mesh None, unsharded)."""
+def attach_mesh(model: "Transformer", mesh: Optional[Mesh], layout: Optional[str]) -> None:
+    """Give a model whose parameters are already in place (`shard_model`, `load_sharded`, a benchmark's
+    abstract model) its MeshLayout: each attention and MoE layer's `placement` (None: unsharded)."""
+    placement = None if mesh is None else MeshLayout(mesh, layout)
     model.mesh = mesh
     for _, module in nnx.iter_graph(model):
-        if isinstance(module, MLA):
-            module.mesh = mesh
-        elif isinstance(module, MoE):
-            module.mesh, module.layout = mesh, layout
+        if hasattr(module, "placement"):  # MLA and MoE
+            module.placement = placement
 
 
 def checkpoint_shardings(mesh: Mesh, layout: str = "tp"):
     """The `shardings` callable of `checkpoint.load_checkpoint`: the target's parameters by `layout`, the
     drafter's replicated (see the module docstring)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
+    from kdtree_jax.model.transformer import Transformer  # here: the model imports this module
+
+    _check_layout(layout)
 
     def shardings(abstract_module):
         if isinstance(abstract_module, Transformer):

@@ -35,15 +35,12 @@ import numpy as np
 from flax import nnx
 
 from kdtree_jax import corpus
+from kdtree_jax.corpus import EOS
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.drafter import Drafter, DrafterCache, DrafterConfig
-from kdtree_jax.model.mla import AttentionBatch
+from kdtree_jax.decode import causal_forward
 from kdtree_jax.model.transformer import Transformer
-from kdtree_jax.ops.masks import causal_mask
 from kdtree_jax.provenance import git_commit
-
-EOS = "<|endoftext|>"
-
 
 # Tokenizer and data --------------------------------------------------------------------------------
 def train_tokenizer(out_dir: str, vocab_size: int = 8192) -> str:
@@ -104,19 +101,6 @@ def default_target_config(vocab_size: int = 8192) -> ModelConfig:
 def default_drafter_config() -> DrafterConfig:
     return DrafterConfig(block_size=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
                          intermediate_size=768)
-
-
-def causal_forward(model: Transformer, tokens, hidden_layers=()):
-    """Whole sequences [B, S] through the target over a fresh contiguous latent pool, causal, with the
-    pure-JAX attention (differentiable). -> ForwardOutput."""
-    b, s = tokens.shape
-    cfg = model.cfg
-    slots = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
-    pages = jnp.zeros((cfg.num_hidden_layers, b * s, cfg.cache_dim), model.dtype)
-    batch = AttentionBatch(kv_slots=slots, kv_lens=jnp.full((b,), s, jnp.int32), tree_mask=causal_mask(b, s),
-                           write_slots=slots)
-    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
-    return model(tokens, positions, pages, batch, hidden_layers=tuple(hidden_layers), impl="reference")
 
 
 def lm_loss(model: Transformer, tokens):

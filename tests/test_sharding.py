@@ -111,10 +111,9 @@ def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
 
     spec = engine.SpecConfig(budget=6, max_new_tokens=8, expert_devices=8)
     dcache = replicate(drafter.init_cache(2, 64), mesh)
-    state = engine.LoopState(cache, dcache, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 12), jnp.int32),
-                             jnp.ones((2,), jnp.int32), jnp.ones((2,), bool), jnp.zeros((), jnp.int32),
-                             jax.random.key(0), jnp.zeros((4,), jnp.int32), jnp.array([-1], jnp.int32),
-                             engine.ExpertLoad.zeros(CFG.num_moe_layers, CFG.n_routed_experts, 8))
+    state = engine.initial_state(cache, dcache, jnp.zeros((2,), jnp.int32), max_new_tokens=8, width=4,
+                                 stop_ids=jnp.array([-1], jnp.int32), key=jax.random.key(0),
+                                 expert_load=engine.ExpertLoad.zeros(CFG.num_moe_layers, CFG.n_routed_experts, 8))
     loop = engine.decode_loop.lower(sm, replicate(drafter, mesh), state, spec=spec).compile().as_text()
     param_shapes = {tuple(v.shape) for v in jax.tree.leaves(jax.tree.map(lambda x: x, sm)) if hasattr(v, "shape")}
     gathered = _collectives(loop)

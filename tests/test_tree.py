@@ -264,10 +264,15 @@ def test_validation_errors():
 def test_ddtree_static_candidates_equal_level_search(topk, budget):
     """The engine's geometry (D = 15): the one top-k over the static candidate set (ties to the lower index)
     and the level-by-level search give bit-identical trees, whichever STATIC_CANDIDATE_LIMIT picks."""
-    from kdtree_jax.speculative.tree import _build_ddtree_jit
+    from kdtree_jax.speculative.tree import static_candidate_count
 
+    count = static_candidate_count(budget, 15, topk)
+    assert budget <= count <= max_ddtree_budget(15, topk)
+    assert static_candidate_count(budget, 15, topk, limit=count - 1) is None
     draft = random_draft(np.random.default_rng(budget + topk), 6, 15, topk)
-    one_sort = _build_ddtree_jit(*draft, budget, method="static")
-    levels = _build_ddtree_jit(*draft, budget, method="levels")
+    one_sort = build_ddtree(*draft, budget, method="static")
+    levels = build_ddtree(*draft, budget, method="levels")
+    with pytest.raises(ValueError, match="method"):
+        build_ddtree(*draft, budget, method="heap")
     for a, b in zip(jax.tree.leaves(one_sort), jax.tree.leaves(levels)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

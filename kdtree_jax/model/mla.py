@@ -16,25 +16,17 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.config import MESH_AXIS, ModelConfig
+from kdtree_jax.attention_batch import AttentionBatch  # noqa: F401  (re-exported: model/transformer.py imports it here)
+from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
 from kdtree_jax.ops import verify_attention
+from kdtree_jax.sharding import MeshLayout
 
 
 # HF and DeepSeek's reference code build q_a_layernorm / kv_a_layernorm with the RMSNorm default eps,
 # not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-
-
-class AttentionBatch(NamedTuple):
-    """Where a forward pass's T tokens live in the paged pool, and what they may see."""
-
-    kv_slots: jnp.ndarray  # [B, Lmax] int32: slot of every position (incl. the T new ones)
-    kv_lens: jnp.ndarray  # [B] int32: valid positions, the T new tokens being the last T
-    tree_mask: jnp.ndarray  # [B, T, ceil(T/32)] uint32: query-to-query visibility
-    write_slots: jnp.ndarray  # [B, T] int32: where the T new latent rows are written
 
 
 class AbsorbedWeights(NamedTuple):
@@ -49,7 +41,7 @@ class AbsorbedWeights(NamedTuple):
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, placement: MeshLayout | None = None):
         self.cfg = cfg
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
@@ -64,7 +56,8 @@ class MLA(nnx.Module):
         self.kv_b_proj = linear(rngs, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
                                 axes=("kv_latent", "heads"))
         self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias, axes=("heads", "embed"))
-        self.mesh = None  # set by sharding.shard_model: attention then runs per device on its heads
+        # On a mesh (sharding.shard_model gives it): attention runs per device on the heads the layout gives it.
+        self.placement = placement
 
     def absorbed_weights(self) -> AbsorbedWeights:
         """The two halves of kv_b_proj, per head: W_UK [H, c, nope] and W_UV [H, v, c]."""
@@ -123,9 +116,10 @@ class MLA(nnx.Module):
                                rope_dim=self.cfg.qk_rope_head_dim, impl=impl)
         args = (q_rows, kv_pages, jnp.asarray(layer, jnp.int32), batch.kv_slots, batch.kv_lens, batch.tree_mask)
         with jax.named_scope("attention_op"):  # profiles attribute by this scope (see engine._speculative_step)
-            if self.mesh is None:
+            if self.placement is None:
                 return op(*args)[0]
-            heads = P(None, None, MESH_AXIS, None)
-            sharded = jax.shard_map(op, mesh=self.mesh, in_specs=(heads, P(), P(), P(), P(), P()),
-                                    out_specs=(heads, P(None, None, MESH_AXIS)), check_vma=False)
+            spec, whole = self.placement.spec, self.placement.spec()
+            rows = spec("batch", "seq", "heads", "kv_latent")  # q [B, T, H, Dc + Dr], out [B, T, H, Dc]
+            sharded = jax.shard_map(op, mesh=self.placement.mesh, in_specs=(rows,) + (whole,) * 5,
+                                    out_specs=(rows, spec("batch", "seq", "heads")), check_vma=False)
             return sharded(*args)[0]

@@ -7,11 +7,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.ops.moe import grouped_expert_mlp
+from kdtree_jax.sharding import MeshLayout
 
 
 def route(router_logits, bias, cfg: ModelConfig):
@@ -103,9 +103,8 @@ class ExpertMap(nnx.Variable):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.mesh = None  # set by sharding.shard_model, with the layout ("tp" or "ep")
-        self.layout = None
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, placement: MeshLayout | None = None):
+        self.placement = placement  # on a mesh (sharding.shard_model gives it): experts split by its layout
         # None: physical expert slot e holds logical expert e. Otherwise (eplb.apply_placement)
         # replicas [E, R] physical slots of each logical expert (-1 padding), num_replicas [E].
         self.replicas = nnx.data(None)
@@ -136,7 +135,7 @@ class MoE(nnx.Module):
         CPU, unsharded, the expert weights laid out expert axis second for ops.moe.dense_mlp (XLA:CPU's
         ragged_dot transposes [E, H, I] to that layout at every call: in the loop, a copy of every expert
         at every step); None elsewhere (a GPU reads [E, H, I] as it is)."""
-        if self.mesh is not None or jax.default_backend() != "cpu":
+        if self.placement is not None or jax.default_backend() != "cpu":
             return None
         ex = self.experts
         return tuple(jnp.swapaxes(w[...], 0, 1) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
@@ -162,18 +161,17 @@ class MoE(nnx.Module):
         """
         ex = self.experts
         weights_in = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
-        if self.mesh is None:
+        placement = self.placement
+        if placement is None:
             return routed_experts(x2d, indices, weights, *weights_in, expert_second=loop_weights)
-        if self.layout == "tp":
-            specs = (P(None, None, MESH_AXIS), P(None, None, MESH_AXIS), P(None, MESH_AXIS, None))
+        # Each weight's spec from its own logical axes; tokens, routing and the output are replicated.
+        specs = tuple(placement.param_spec(p) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+        whole = placement.spec()
+        experts_split = placement.splits("experts")
 
-            def local(x, i, w, g, u, d):
-                return jax.lax.psum(routed_experts(x, i, w, g, u, d), MESH_AXIS)
-        else:
-            specs = (P(MESH_AXIS, None, None),) * 3
-
-            def local(x, i, w, g, u, d):
-                offset = jax.lax.axis_index(MESH_AXIS) * g.shape[0]
-                return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset), MESH_AXIS)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P()) + specs, out_specs=P(),
+        def local(x, i, w, g, u, d):
+            # ep: this device's experts are ids [offset, offset + E/n); tp: every expert, a slice of each.
+            offset = jax.lax.axis_index(MESH_AXIS) * g.shape[0] if experts_split else 0
+            return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset), MESH_AXIS)
+        return jax.shard_map(local, mesh=placement.mesh, in_specs=(whole,) * 3 + specs, out_specs=whole,
                              check_vma=False)(x2d, indices, weights, *weights_in)

@@ -56,8 +56,10 @@ def _check_logits(tree: Tree, target_logits) -> None:
         raise ValueError(f"target_logits must be [B={batch}, T={num_nodes}, V]; got shape {list(shape)}")
 
 
-def _walk(tree: Tree, choose) -> Acceptance:
-    """The acceptance walk. choose(node [B]) -> the target's token at that node, [B] int32.
+def walk(tree: Tree, choose) -> Acceptance:
+    """The acceptance walk, one node per iteration. choose(node [B]) -> the target's token at that node,
+    [B] int32. `accept_sampled` walks with a sampling `choose`; `accept_greedy` gets the same result as the
+    walk with an argmax `choose` without the loop (`_walk_all`), which benchmarks time against this.
 
     At most D + 1 picks (at most D accepted nodes, then the bonus), one per loop iteration; the loop
     stops early once every sequence has its bonus, since each pick reads a [B, V] row of logits (and
@@ -94,7 +96,7 @@ def _walk(tree: Tree, choose) -> Acceptance:
 
 
 def _walk_all(tree: Tree, choice) -> Acceptance:
-    """The acceptance walk of `_walk`, given the target's token at *every* node (choice [B, T] int32),
+    """The acceptance walk of `walk`, given the target's token at *every* node (choice [B, T] int32),
     without a loop: the same result, as a few small array ops.
 
     A node is a step of the walk iff it is valid, its token is its parent's choice, no earlier sibling
@@ -237,7 +239,7 @@ def accept_sampled(tree: Tree, target_logits, key, *, temperature, top_k: int = 
         node_keys = jax.vmap(jax.random.fold_in)(seq_keys, node)
         return jax.vmap(jax.random.categorical)(node_keys, row).astype(jnp.int32)
 
-    return _walk(tree, choose)
+    return walk(tree, choose)
 
 
-__all__ = ["Acceptance", "accept_greedy", "accept_sampled", "filter_logits"]
+__all__ = ["Acceptance", "accept_greedy", "accept_sampled", "filter_logits", "walk"]

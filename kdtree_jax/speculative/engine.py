@@ -85,6 +85,8 @@ class ExpertLoad(NamedTuple):
 
 
 class LoopState(NamedTuple):
+    """The decode loop's carry. Build it with `initial_state` (by keyword); a step returns `_replace`d copies."""
+
     cache: KVCache
     dcache: Optional[DrafterCache]
     bonus: jnp.ndarray  # [B] the last emitted token, not yet in the target cache
@@ -170,8 +172,9 @@ def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: Lo
     still = active & ~is_stop.any(1) & (num_out < max_new)
 
     hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
-    return LoopState(cache, dcache, jnp.where(active, acc.bonus, state.bonus), out, num_out, still,
-                     state.step + 1, state.key, hist, state.stop_ids, state.expert_load.add(fwd.expert_counts))
+    return state._replace(cache=cache, dcache=dcache, bonus=jnp.where(active, acc.bonus, state.bonus), out=out,
+                          num_out=num_out, active=still, step=state.step + 1, accepted_hist=hist,
+                          expert_load=state.expert_load.add(fwd.expert_counts))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -237,27 +240,21 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
-             budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
-             chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
-             profile: bool = False) -> GenerateResult:
-    """Speculative decoding of one prompt or a batch of (ragged) prompts.
+class _Request(NamedTuple):
+    """A validated `generate` call: the prompts, the stop ids and the loop's static geometry."""
 
-    tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
-    top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
-    drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
-    emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
-    Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
-    acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
-    (default: the target's mesh size) — the imbalance an expert-parallel layout would see.
-    profile: first run the decode loop once under the profiler, on a copy of its starting state (memory for a
-    second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
-    idle time of the timed run (its step time less the union of the profiled step's kernels).
-    """
+    prompts: list  # [np.ndarray] one per sequence
+    stop: np.ndarray  # [S] int32, -1 padding
+    use_drafter: bool  # False: autoregressive (no drafter, or ddtree with budget 0)
+    depth: int  # the drafter's D (0 without one)
+    num_nodes: int  # T, tree nodes per step (1 without the drafter)
+
+
+def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int, budget: int,
+              topk: int, tree_temperature: float, temperature: float, stop_ids, tree: TreeShape) -> _Request:
+    """Checks every argument of `generate` before any device work; raises ValueError naming the argument."""
     cfg = target.cfg
-    prompts, single = _as_batch(prompt_ids)
+    prompts, _ = _as_batch(prompt_ids)
     if not prompts or any(p.ndim != 1 or p.size == 0 for p in prompts):
         raise ValueError("prompt_ids must hold at least one non-empty prompt")
     for p in prompts:
@@ -287,72 +284,101 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                  else trees.static_tree_structure(tuple(tree))[0].shape[0])
     if not use_drafter:
         num_nodes = 1
+    return _Request(prompts, stop, use_drafter, depth, num_nodes)
 
-    batch = len(prompts)
-    lens = np.array([p.size for p in prompts], np.int32)
+
+def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
+                  stop_ids, key, expert_load: ExpertLoad, active=None) -> LoopState:
+    """The decode loop's starting state (the public way to build a LoopState, for `decode_loop`).
+
+    cache: the target's pool after the prompts (the first token not yet in it); dcache: the drafter's
+    context over the same positions (None without a drafter); first_tokens [B]: each sequence's first
+    generated token (the first tree's root), already emitted; width: D + 1 (tokens a step can emit; 1
+    without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence).
+    """
+    first_tokens = jnp.asarray(first_tokens, jnp.int32)
+    batch = first_tokens.shape[0]
+    return LoopState(
+        cache=cache,
+        dcache=dcache,
+        bonus=first_tokens,
+        out=jnp.full((batch, max_new_tokens + width), -1, jnp.int32).at[:, 0].set(first_tokens),
+        num_out=jnp.ones((batch,), jnp.int32),
+        active=jnp.ones((batch,), bool) if active is None else jnp.asarray(active, bool),
+        step=jnp.zeros((), jnp.int32),
+        key=key,
+        accepted_hist=jnp.zeros((width,), jnp.int32),
+        stop_ids=jnp.asarray(stop_ids, jnp.int32),
+        expert_load=expert_load,
+    )
+
+
+def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec: SpecConfig, *, seed: int,
+           chunk_size: int, kv_dtype, num_moe: int, slots: int):
+    """Prefill the prompts and the drafter's context, pick the first tokens: -> (the loop's starting state, the
+    drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds)."""
+    cfg = target.cfg
+    batch = len(req.prompts)
+    lens = np.array([p.size for p in req.prompts], np.int32)
     chunk = min(chunk_size, _round_up(int(lens.max()), 16))
     padded = _round_up(int(lens.max()), chunk)
     ids = np.zeros((batch, padded), np.int32)
-    for b, p in enumerate(prompts):
+    for b, p in enumerate(req.prompts):
         ids[b, :p.size] = p
     # Room for the prompt, every new token and one verify tree past the end; bucketed so similar
     # requests share a compiled loop.
-    max_len = _round_up(padded + max_new_tokens + num_nodes + depth + 1, 64)
+    max_len = _round_up(padded + spec.max_new_tokens + req.num_nodes + req.depth + 1, 64)
 
-    mesh = getattr(target, "mesh", None)
-    devices = expert_devices or (mesh.size if mesh is not None else 1)
-    moe_layers = [layer.mlp for layer in target.layers if layer.is_moe]
-    slots = moe_layers[0].num_slots if moe_layers else 0
-    if slots % devices:
-        raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
-    spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
-                      budget=budget if use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
-                      temperature=float(temperature),
-                      top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
-                      expert_devices=devices)
     key = jax.random.key(seed)
     cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
+    mesh = getattr(target, "mesh", None)
     if mesh is not None:  # a sharded target: the pool and the drafter live whole on every device
         cache = replicate(cache, mesh)
         if drafter is not None:
             drafter = replicate(drafter, mesh)
 
     t0 = time.perf_counter()
-    hidden_layers = drafter.target_layer_ids if use_drafter else ()
+    hidden_layers = drafter.target_layer_ids if req.use_drafter else ()
     last_logits, hidden, cache = prefill(target, cache, ids, lens, chunk_size=chunk,
-                                         hidden_layers=hidden_layers, impl=impl)
+                                         hidden_layers=hidden_layers, impl=spec.impl)
     dcache = None
-    if use_drafter:
+    if req.use_drafter:
         dcache = _extend_drafter(drafter, drafter.init_cache(batch, max_len), hidden, jnp.asarray(lens))
     first = _first_token(last_logits, spec, jax.random.fold_in(key, 1 << 30))
     first_np = np.asarray(first)
     t_prefill = time.perf_counter() - t0
 
-    width = (depth if use_drafter else 0) + 1
-    out = jnp.full((batch, max_new_tokens + width), -1, jnp.int32).at[:, 0].set(first)
-    active = ~np.isin(first_np, stop) & (max_new_tokens > 1)
-    state = LoopState(cache, dcache, first, out, jnp.ones((batch,), jnp.int32), jnp.asarray(active),
-                      jnp.zeros((), jnp.int32), key, jnp.zeros((width,), jnp.int32), jnp.asarray(stop, jnp.int32),
-                      ExpertLoad.zeros(len(moe_layers), slots, devices))
+    active = ~np.isin(first_np, req.stop) & (spec.max_new_tokens > 1)
+    state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,
+                          width=(req.depth if req.use_drafter else 0) + 1, stop_ids=req.stop, key=key,
+                          expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active)
+    return state, (drafter if req.use_drafter else None), t_prefill
 
-    # Compile ahead (cached by jax for later calls with the same shapes) so tokens/s times decoding only.
+
+def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool):
+    """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
+    only), optionally profile it once on a copy of the state, run it: -> (final state, compile s, decode s,
+    step profile or None)."""
     t1 = time.perf_counter()
-    loop = decode_loop.lower(target, drafter if use_drafter else None, state, spec=spec).compile()
+    loop = decode_loop.lower(target, drafter, state, spec=spec).compile()
     t_compile = time.perf_counter() - t1
     step_profile = None
     if profile:
         copy = jax.tree.map(jnp.copy, state)  # the loop donates its state
-        step_profile = profiling.profile_call(loop, (target, drafter if use_drafter else None, copy),
-                                              steps_of=lambda out: out.step)
+        step_profile = profiling.profile_call(loop, (target, drafter, copy), steps_of=lambda out: out.step)
         del copy
     t1 = time.perf_counter()
-    final = loop(target, drafter if use_drafter else None, state)
+    final = loop(target, drafter, state)
     final.num_out.block_until_ready()
     t_decode = time.perf_counter() - t1
     kv_pool.check_overflow(final.cache)
+    return final, t_compile, t_decode, step_profile
 
-    out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
-    tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(batch)]
+
+def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, t_prefill: float, t_compile: float,
+           t_decode: float, step_profile: Optional[dict]) -> dict:
+    """`GenerateResult.stats` from the loop's final state and the timings."""
+    width = final.accepted_hist.shape[0]
     hist = np.asarray(final.accepted_hist).astype(np.int64)
     seq_steps = int(hist.sum())
     new_tokens = sum(len(t) for t in tokens)
@@ -368,7 +394,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         "compile_seconds": t_compile,
         "decode_seconds": t_decode,
         # Tokens from the decode loop (the first token of each sequence comes from the prefill).
-        "tokens_per_second": (new_tokens - batch) / t_decode if t_decode > 0 else float("nan"),
+        "tokens_per_second": (new_tokens - len(tokens)) / t_decode if t_decode > 0 else float("nan"),
         "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
         "budget": num_nodes - 1,  # tree nodes besides the root
         "tree_temperature": spec.tree_temperature,
@@ -378,4 +404,50 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     if step_profile is not None:
         step_ms = t_decode / max(int(final.step), 1) * 1e3
         stats["profile"] = {**step_profile, "step_ms": step_ms, "idle_ms": step_ms - step_profile["busy_ms"]}
+    return stats
+
+
+def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
+             budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
+             chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
+             profile: bool = False) -> GenerateResult:
+    """Speculative decoding of one prompt or a batch of (ragged) prompts.
+
+    tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
+    top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
+    drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
+    emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
+    Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
+    acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
+    (default: the target's mesh size) — the imbalance an expert-parallel layout would see.
+    profile: first run the decode loop once under the profiler, on a copy of its starting state (memory for a
+    second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
+    idle time of the timed run (its step time less the union of the profiled step's kernels).
+
+    Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
+    `_run_loop` (compile, `decode_loop`), `_stats`.
+    """
+    req = _validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
+                    tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree)
+    mesh = getattr(target, "mesh", None)
+    devices = expert_devices or (mesh.size if mesh is not None else 1)
+    moe_layers = [layer.mlp for layer in target.layers if layer.is_moe]
+    slots = moe_layers[0].num_slots if moe_layers else 0
+    if slots % devices:
+        raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
+    spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
+                      budget=budget if req.use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
+                      temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                      max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices)
+
+    state, loop_drafter, t_prefill = _setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
+                                            kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots)
+    final, t_compile, t_decode, step_profile = _run_loop(target, loop_drafter, state, spec, profile)
+
+    out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
+    tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
+    stats = _stats(final, tokens, spec, req.num_nodes, t_prefill=t_prefill, t_compile=t_compile, t_decode=t_decode,
+                   step_profile=step_profile)
     return GenerateResult(tokens=tokens, stats=stats)

@@ -182,7 +182,7 @@ def pad_tree(tree: Tree, num_nodes: int) -> Tree:
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int) -> Tree:
+def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int, method: str = "auto") -> Tree:
     """DDTree: the `budget` highest-scoring prefixes of the draft as a tree of T = budget + 1 nodes.
 
     top_logprobs  f32   [B, D, K]  per depth, the drafter's top-K log-probs, sorted descending
@@ -203,9 +203,15 @@ def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int) -
     (see `_ddtree_one`). (Measured on an H200, D = 15, K = 8: 1.1 ms at budget 512 and 0.7 ms at
     budget 64, against 12.5 ms and 1.8 ms for a lax.fori_loop replaying the heap: each pop is a few
     tiny kernels. On CPU the loop is the faster of the two.)
+
+    method: "auto" (the one top-k when the candidate set has at most STATIC_CANDIDATE_LIMIT paths, else the
+    level search), "static" (the one top-k up to STATIC_CANDIDATE_MAX; ValueError above that: see
+    `static_candidate_count`) or "levels". All three give the same tree; benchmarks and tests compare them.
     """
     batch, depth, topk = _check_draft(top_logprobs, top_tokens, root_token, start_pos)
     budget = _static_int(budget, "budget")
+    if method not in DDTREE_METHODS:
+        raise ValueError(f"method must be one of {DDTREE_METHODS}; got {method!r}")
     limit = max_ddtree_budget(depth, topk)
     if not 0 <= budget <= limit:
         raise ValueError(f"budget must be in [0, {limit}] (sum of K**d for d = 1..D, with D = {depth}, "
@@ -213,7 +219,8 @@ def build_ddtree(top_logprobs, top_tokens, root_token, start_pos, budget: int) -
     if budget == 0:
         return root_only_tree(root_token, start_pos, max_depth=depth)
     return _build_ddtree_jit(jnp.asarray(top_logprobs, jnp.float32), jnp.asarray(top_tokens, jnp.int32),
-                             jnp.asarray(root_token, jnp.int32), jnp.asarray(start_pos, jnp.int32), budget)
+                             jnp.asarray(root_token, jnp.int32), jnp.asarray(start_pos, jnp.int32), budget,
+                             method=method)
 
 
 def _candidate_layout(num_keep: int, topk: int):
@@ -267,6 +274,14 @@ def _sort_by_node_order(invalid, scores, paths, topk: int, *payload):
 STATIC_CANDIDATE_LIMIT = 32768
 # method="static" (benchmarks, tests) forces the one top-k up to this many candidates.
 STATIC_CANDIDATE_MAX = 131072
+DDTREE_METHODS = ("auto", "static", "levels")
+
+
+def static_candidate_count(budget: int, depth: int, topk: int, limit: int = STATIC_CANDIDATE_MAX) -> int | None:
+    """How many rank paths can be among the best `budget` nodes of a D-deep, K-wide draft (the set
+    `build_ddtree(..., method="static")` takes one top-k over), or None if more than `limit`."""
+    candidates = _static_candidates(budget, depth, topk, limit)
+    return None if candidates is None else int(candidates[0].shape[0])
 
 
 @lru_cache(maxsize=64)
@@ -489,4 +504,4 @@ def build_static(top_logprobs, top_tokens, root_token, start_pos, branching: tup
 
 
 __all__ = ["Tree", "PAD_TOKEN", "build_ddtree", "build_chain", "build_static", "root_only_tree", "pad_tree",
-           "max_ddtree_budget", "static_tree_structure"]
+           "max_ddtree_budget", "static_candidate_count", "static_tree_structure"]
