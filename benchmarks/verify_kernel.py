@@ -16,8 +16,8 @@ in both of its forms, dense over L and chunked over L (--xla-chunk positions a s
 exactly as the kernel is; the faster by device time is the row's baseline (`xla_kind`, both times kept). The
 float32-HIGHEST reference (ops/reference.py) is a correctness oracle and is never timed here.
 
-Timing: the device time per call (and the in-loop time per call, below). One jitted program of k calls (each on its own layer of a pool sized well
-past the 60 MB L2, as a model's layers are; every output returned, so no call is dropped) runs once under the
+Timing: the device time per call (and the in-loop time per call, below). One jitted program of k calls (each on
+its own layer of a pool sized well past the 60 MB L2, as a model's layers are; every output returned, so no call is dropped) runs once under the
 profiler; a call's time is the span from its first kernel's start to its last kernel's end over the k calls,
 divided by k (CUPTI's device timestamps: the calls run back to back in the CUDA graph XLA's default command
 buffers make of the program). The program's wall time per call is recorded as well ("wall µs"): it adds the host's
@@ -884,6 +884,8 @@ def main(argv=None) -> int:
         meta["ceilings_note"] = ("(A CPU smoke run: a jitted f32 copy, and XLA's f32 dot standing in for both rates; "
                                  "the times are of XLA:CPU thunks, not kernels.)")
     else:
+        if ext is None:
+            sys.exit("the benchmark target (kdtree_jax._kernel_bench: copy and mma.sync ceilings) is not built")
         ceilings = measure_ceilings(ext)
     print(json.dumps(ceilings), flush=True)
     loop_rows, old_rows = [], []
