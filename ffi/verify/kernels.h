@@ -17,8 +17,6 @@ void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t pipelined_kernel_setup();  // pipelined_kernel.cu: T*H > 16 with 213 KB of shared memory (sm_90-class)
 void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 int pipelined_kernel_smem_bytes();
-cudaError_t split_kernel_setup();     // split_kernel.cu: T*H > 16, 16 warps a block, 99 KB
-void launch_split_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t merge_setup();             // merge.cu
 void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
 

@@ -22,7 +22,6 @@ cudaError_t ensure_setup(int device) {
     if (err == cudaSuccess) err = stream_kernel_setup();
     if (err == cudaSuccess) err = wide_kernel_setup();
     if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes()) err = pipelined_kernel_setup();
-    if (err == cudaSuccess) err = split_kernel_setup();
     if (err == cudaSuccess) err = merge_setup();
     setup_status[device] = err;
   });
@@ -53,7 +52,6 @@ cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int d
       case kStream: launch_stream_kernel(p, batch, stream); break;
       case kWide: launch_wide_kernel(p, batch, stream); break;
       case kPipelined: launch_pipelined_kernel(p, batch, stream); break;
-      case kSplit: launch_split_kernel(p, batch, stream); break;
       default: return cudaErrorInvalidValue;
     }
   }

@@ -43,6 +43,6 @@ constexpr int kMaxSplits = 1024;  // what the merge accepts
 // shapes and the device: the stream kernel for T*H <= 16; else the pipelined kernel where the device's opt-in shared
 // memory holds its 213 KB (sm_90-class), the wide kernel (97 KB) elsewhere (sm_120, sm_80). Benchmarks and tests force
 // one.
-enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelined = 3, kSplit = 4, kNumVariants = 5 };
+enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelined = 3, kNumVariants = 4 };
 
 }  // namespace kdtree::verify

@@ -76,7 +76,7 @@ def sm_count(device: int = 0) -> int:
 # Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
 # from the shapes and the device: the stream kernel for T*H <= 16; else "pipelined" (213 KB of shared memory: sm_90-
 # class parts) or "wide" (within sm_120's 99 KB). Benchmarks and tests name one explicitly.
-VARIANTS = {"auto": 0, "stream": 1, "wide": 2, "pipelined": 3, "split": 4}
+VARIANTS = {"auto": 0, "stream": 1, "wide": 2, "pipelined": 3}
 STREAM_MAX_ROWS = 16  # T*H the stream kernel takes (one m16 tile of query rows per block)
 
 
