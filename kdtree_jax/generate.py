@@ -2,6 +2,10 @@
 
     python -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 64
     python -m kdtree_jax.generate --prompt "..." --budget 32 --topk 4 --temperature 0.7 --json
+    python -m kdtree_jax.generate --prompt-file long_prompt.txt      # or: ... | python -m kdtree_jax.generate --prompt -
+
+Every argument is checked before any device work (the context, the tree's size, the memory a run needs): a bad one
+is a one-line `error: ...` on stderr and exit status 2. Progress (load, prefill + compile) goes to stderr.
 """
 
 from __future__ import annotations
@@ -9,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import threading
+import time
 import types
 
 import jax.numpy as jnp
@@ -29,15 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "float32; in bfloat16 a T-node verify pass can round a near-tie differently from a "
                     "1-token step); sampled output is an exact sample of the target.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prompt", required=True, help="text to continue")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="text to continue; '-' reads it from standard input")
+    source.add_argument("--prompt-file", metavar="PATH", help="read the text to continue from this file (UTF-8)")
     p.add_argument("--checkpoint", default=None,
                    help="model directory: a kdtree_jax checkpoint (Orbax: target, drafter, tokenizer; made by "
                         "save_checkpoint, `python -m kdtree_jax.convert_hf` or `python -m kdtree_jax.train`) or an HF "
                         "checkpoint (config.json + safetensors; target only, decoded autoregressively). Default: the "
                         "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
     p.add_argument("--budget", type=int, default=16,
-                   help="DDTree nodes per step besides the root (0: plain autoregressive decoding)")
+                   help="DDTree nodes per step besides the root (0: plain autoregressive decoding; at most "
+                        f"{engine.MAX_TREE_NODES - 1})")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
@@ -68,7 +79,7 @@ def _parse_tree(value: str):
     try:
         shape = tuple(int(x) for x in value.split(","))
     except ValueError:
-        raise SystemExit(f"--tree must be 'ddtree', 'chain' or comma-separated integers; got {value!r}")
+        _fail(f"--tree must be 'ddtree', 'chain' or comma-separated integers; got {value!r}")
     return shape
 
 
@@ -88,48 +99,182 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
         return (target, drafter, ByteTokenizer(),
                 "random-init tiny pair (no trained checkpoint found: the text is noise)", 1.0)
     if not os.path.isdir(checkpoint):
-        raise SystemExit(f"--checkpoint {checkpoint!r} is not a directory")
-    if os.path.exists(os.path.join(checkpoint, "config.json")):
-        cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
-        return (target, None, load_tokenizer(checkpoint), f"HF checkpoint {checkpoint} (no drafter: autoregressive)",
-                1.0)
+        _fail(f"--checkpoint {checkpoint!r} is not a directory")
     try:
+        if os.path.exists(os.path.join(checkpoint, "config.json")):
+            cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
+            return (target, None, load_tokenizer(checkpoint),
+                    f"HF checkpoint {checkpoint} (no drafter: autoregressive)", 1.0)
         target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint, dtype=dtype)
-    except ValueError as e:
-        raise SystemExit(f"--checkpoint {checkpoint!r}: {e}")
+    except (ValueError, OSError) as e:
+        _fail(f"--checkpoint {checkpoint!r}: {_one_line(e)}")
+    except Exception as e:  # noqa: BLE001 - a corrupt Orbax piece fails deep inside Orbax / TensorStore
+        _fail(f"--checkpoint {checkpoint!r} could not be read ({type(e).__name__}: {_one_line(e)})")
     return (target, drafter, tokenizer, f"checkpoint {checkpoint} ({jnp.dtype(target.dtype).name})",
             recommended_tree_temperature(checkpoint))
 
 
+ECHO_LIMIT = 2000  # characters of the prompt echoed to stdout; a longer prompt's echo is cut to its end
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "tree_temperature": "--tree-temperature", "budget": "--budget",
+          "topk": "--topk", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k-sampling",
+          "prompt_ids": "the prompt", "stop_ids": "the stop ids", "tree": "--tree"}
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (library errors can span many), cut to `limit` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _fail(message: str):
+    """A one-line error on stderr, exit status 2 (argparse's for a bad argument), no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _as_flags(message: str) -> str:
+    """An API error message in the CLI's words: Python argument names become the flags that set them."""
+    return re.sub(r"(?<![\w-])(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w])",
+                  lambda m: _FLAGS[m.group(1)], message)
+
+
+def read_prompt(args) -> str:
+    """The prompt text from --prompt TEXT, --prompt - (standard input) or --prompt-file PATH."""
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"--prompt-file {args.prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        text = args.prompt
+    if not text:
+        _fail("the prompt is empty" + (f" ({args.prompt_file})" if args.prompt_file else ""))
+    return text
+
+
+def check_flags(args) -> None:
+    """The checks that need no model, before loading one (the rest come from generate's own validation)."""
+    if args.max_new_tokens < 1:
+        _fail(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    if not 0 <= args.budget <= engine.MAX_TREE_NODES - 1:
+        _fail(f"--budget must be in [0, {engine.MAX_TREE_NODES - 1}] (tree nodes a step verifies); got {args.budget}")
+    if args.topk < 1:
+        _fail(f"--topk must be >= 1; got {args.topk}")
+    if not args.temperature >= 0:
+        _fail(f"--temperature must be >= 0 (0: greedy); got {args.temperature}")
+    if args.tree_temperature is not None and not args.tree_temperature > 0:
+        _fail(f"--tree-temperature must be > 0; got {args.tree_temperature}")
+    if not 0 < args.top_p <= 1:
+        _fail(f"--top-p must be in (0, 1] (1: off); got {args.top_p}")
+    if args.top_k_sampling < 0:
+        _fail(f"--top-k-sampling must be >= 0 (0: off); got {args.top_k_sampling}")
+
+
+def echo_prompt(prompt: str) -> str:
+    """What stdout shows of the prompt before the generated text: all of it, or the end of a long one (with a
+    note on stderr)."""
+    if len(prompt) <= ECHO_LIMIT:
+        return prompt
+    tail = prompt[-ECHO_LIMIT // 4:]
+    print(f"[the prompt has {len(prompt):,} characters; echoing its last {len(tail)}]", file=sys.stderr)
+    return "..." + tail
+
+
+class Heartbeat:
+    """While the one `generate` call runs (prefill, compile, decode), a line on stderr every `every` seconds so that
+    a long prompt or a long compile is not silent."""
+
+    def __init__(self, what: str, every: float = 10.0, enabled: bool = True):
+        self.what, self.every, self.enabled = what, every, enabled
+        self._done = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.enabled:
+            self.t0 = time.perf_counter()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._done.wait(self.every):
+            print(f"  ... {self.what}: {time.perf_counter() - self.t0:.0f} s", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        return False
+
+
+def summary_lines(stats: dict, *, load_seconds: float, wall_seconds: float) -> list[str]:
+    """The run in words a newcomer reads: where the wall time went, then what speculation bought."""
+    n = stats["new_tokens"]
+    lines = [f"{n} tokens in {wall_seconds:.1f} s end to end ({n / wall_seconds:.1f} tok/s): load "
+             f"{load_seconds:.1f} s, prefill {stats['prefill_seconds']:.2f} s (the first token), compile "
+             f"{stats['compile_seconds']:.1f} s (once per shape), decode {stats['decode_seconds']:.2f} s "
+             f"= {stats['tokens_per_second']:.1f} tok/s decoding alone"]
+    tree = stats["tree"]
+    if stats["budget"]:
+        shape = (f"DDTree of {stats['budget']} drafted nodes, tree temperature {stats['tree_temperature']:g}"
+                 if tree == "ddtree" else "chain" if tree == "chain" else f"static tree {tree}")
+        lines.append(f"tau {stats['tau']:.2f} tokens per target pass (each of the {stats['steps']} verify passes of "
+                     f"the target kept on average {stats['tau'] - 1:.2f} drafted tokens plus one of its own; "
+                     f"autoregressive decoding is 1.00) · {shape}")
+    else:
+        lines.append(f"tau {stats['tau']:.2f} tokens per target pass (autoregressive: no drafted tokens) · "
+                     f"{stats['steps']} passes")
+    return lines
+
+
 def main(argv=None) -> int:
+    t_start = time.perf_counter()
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
+    check_flags(args)
+    prompt = read_prompt(args)
+    if not args.json:
+        print("[loading the model ...]", file=sys.stderr, flush=True)
     target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
+    load_seconds = time.perf_counter() - t_start
     if args.tree_temperature is None:
         args.tree_temperature = recommended
-    ids = tokenizer.encode(args.prompt)
+    ids = tokenizer.encode(prompt)
     if not ids:
-        raise SystemExit("--prompt encodes to no tokens")
-    if not args.json:
-        print(f"[{description}]", file=sys.stderr)
-    try:
-        res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
-                              topk=args.topk, tree_temperature=args.tree_temperature, temperature=args.temperature,
-                              top_k=args.top_k_sampling, top_p=args.top_p, seed=args.seed, tree=tree, impl=args.impl,
-                              profile=args.profile)
+        _fail("the prompt encodes to no tokens")
+    if args.top_k_sampling > target.cfg.vocab_size:
+        _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
+    try:  # every argument against the model (context, tree size, memory) before any device work
+        engine._validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
+                         tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=(), tree=tree)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        _fail(_as_flags(str(e)))
+    if not args.json:
+        print(f"[{description}; loaded in {load_seconds:.1f} s]", file=sys.stderr)
+        print(f"[prefill of {len(ids):,} prompt tokens, then the decode loop's compile (once per shape) and "
+              f"{args.max_new_tokens} new tokens ...]", file=sys.stderr, flush=True)
+    try:
+        with Heartbeat("prefill, compile and decode", enabled=not args.json):
+            res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
+                                  topk=args.topk, tree_temperature=args.tree_temperature,
+                                  temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
+                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile)
+    except ValueError as e:
+        _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
     text = tokenizer.decode(tokens)
     stats = res.stats
+    wall_seconds = time.perf_counter() - t_start
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "text": text, "tokens": tokens, "model": description, "stats": stats}))
+        stats = {**stats, "load_seconds": load_seconds, "wall_seconds": wall_seconds}
+        print(json.dumps({"prompt": prompt, "text": text, "tokens": tokens, "model": description, "stats": stats}))
         return 0
-    print(args.prompt + text)
-    print(f"tau {stats['tau']:.2f} tokens/step · {stats['tokens_per_second']:.1f} tok/s · {stats['steps']} steps · "
-          f"{stats['new_tokens']} tokens · tree {stats['tree']} budget {stats['budget']}"
-          f"{' tree temperature %g' % stats['tree_temperature'] if stats['tree'] == 'ddtree' and stats['budget'] else ''} "
-          f"(compile {stats['compile_seconds']:.1f} s, not counted)", file=sys.stderr)
+    print(echo_prompt(prompt) + text)
+    for line in summary_lines(stats, load_seconds=load_seconds, wall_seconds=wall_seconds):
+        print(line, file=sys.stderr)
     if args.profile:
         print(profile_line(stats["profile"]), file=sys.stderr)
     return 0
