@@ -241,14 +241,9 @@ def xla_op(chunk):
 
 
 def variant_splits(batch, num_queries, heads, length, variant):
-    """(KV splits, query rows a block) of a variant, from the op's own heuristics (either API of the ffi module)."""
-    if hasattr(vffi, "rows_per_block"):
-        block_rows = vffi.rows_per_block(num_queries, heads, variant)
-        splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count(), variant)
-    else:  # before the variant keyword: row groups of 16 rows
-        block_rows = 16 * vffi.choose_row_groups(num_queries, heads)
-        splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
-    return int(splits), int(block_rows)
+    """(KV splits, query rows a block) of a variant, from the op's own heuristics (every variant: 32 rows a block)."""
+    del variant
+    return int(vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())), vffi.ROWS_PER_BLOCK
 
 
 def bench_ext():

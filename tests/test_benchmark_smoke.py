@@ -104,16 +104,14 @@ def test_verify_kernel_smoke_and_resume(tmp_path):
     assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "s1"), "--shard", "1/2"]) == 0
     assert json.loads((tmp_path / "s1.json").read_text())["rows"] == []
     # New kernel rows, the reference taken from an earlier result instead of measured again.
-    # Two kernel variants, each in its own columns; one that does not take a shape (the stream kernel, T*H > 16)
-    # leaves its cell empty and the row is still written.
+    # Two kernel variants, each in its own columns.
     assert verify_kernel.main(["--smoke", "--out", str(tmp_path / "r"), "--refs-from", out + ".json", "--no-while-loop",
-                               "--variants", "auto,stream"]) == 0
+                               "--variants", "auto,wide"]) == 0
     reused_rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     reused = reused_rows[0]
     assert reused["xla_us"] == filled[0]["xla_us"] and reused["xla_from"].startswith("unknown")
-    assert reused["variants"]["stream"]["us"] > 0 and reused["variants"]["stream"]["speedup"] > 0
-    assert "error" in reused_rows[1]["variants"]["stream"] and reused_rows[1]["us"] > 0
-    assert "| stream µs | stream loop µs |" in (tmp_path / "r.md").read_text()
+    assert reused["variants"]["wide"]["us"] > 0 and reused["variants"]["wide"]["speedup"] > 0
+    assert "| wide µs | wide loop µs |" in (tmp_path / "r.md").read_text()
 
 
 def test_tree_shapes_smoke(tmp_path):

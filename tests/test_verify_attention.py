@@ -199,8 +199,8 @@ def test_ffi_validation_errors_are_clear():
 @needs_ffi
 def test_split_heuristic_uses_static_shapes_only():
     # Small batches of short rows get many splits; big row counts none; never fewer than 4 KV tiles a split.
-    assert vffi.rows_per_block(1, 8) == 16 and vffi.rows_per_block(2, 16) == 32
-    assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == vffi.CUDA_MAX_SPLITS
+    assert vffi.ROWS_PER_BLOCK == 32
+    assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == 132  # one block of 32 rows a split: one wave
     assert vffi.choose_num_splits(8, 257, 8, 65536, 132) == 1
     assert vffi.choose_num_splits(1, 64, 8, 16384, 132) == 8   # 16 blocks of 32 rows x 8 = one wave of 132
     assert vffi.choose_num_splits(1, 16, 8, 130, 132) == 2     # 9 KV tiles: two splits of four or five

@@ -112,20 +112,15 @@ def test_each_many_row_kernel_matches_reference(shape, num_splits, variant):
     check_two_draws(shape, num_splits, seed_step=31, seed_offset=7, variant=variant)
 
 
-# The stream kernel (what "auto" runs for T*H <= 16) named explicitly, on extra small-row shapes.
-STREAM_SHAPES = [s for s in GPU_SHAPES if s[1] * s[2] <= 16] + [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
+# Extra small-row shapes (T*H <= 16: decode steps), every many-row kernel.
+SMALL_ROW_SHAPES = [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
 
 
-@pytest.mark.parametrize("num_splits", [0, 5, 1])
-@pytest.mark.parametrize("shape", STREAM_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
-def test_stream_kernel_matches_reference(shape, num_splits):
-    check_two_draws(shape, num_splits, seed_step=53, seed_offset=3, variant="stream")
-
-
-def test_stream_variant_refuses_many_rows():
-    case = make_case(1, 1, 3, 8, 100, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="stream"):
-        jitted_variant("stream", SCALE, 0)(*case)
+@pytest.mark.parametrize("variant", MANY_ROW_VARIANTS)
+@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("shape", SMALL_ROW_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
+def test_small_row_shapes_match_reference(shape, num_splits, variant):
+    check_two_draws(shape, num_splits, seed_step=53, seed_offset=3, variant=variant)
 
 
 def test_repeated_calls_are_bit_identical():
@@ -172,9 +167,9 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from kdtree_jax.ops import ffi as vffi
     from test_verify_attention import make_case
-    # T*H = 40 runs the many-row kernels with both of the pipelined kernel's row-tile instances (32 rows, then 8: one
-    # m16 tile) and the wide kernel; T*H = 8 the stream kernel: every pipeline, with and without the merge.
-    for num_queries, variant in ((5, "pipelined"), (5, "wide"), (1, "stream")):
+    # T*H = 40 runs both row-tile instances of the kernels (32 rows, then 8: one m16 tile), T*H = 8 the one-m16 one:
+    # every pipeline, with and without the merge.
+    for num_queries, variant in ((5, "pipelined"), (5, "wide"), (1, "pipelined"), (1, "wide")):
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
             fn = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.07, rope_dim=64,

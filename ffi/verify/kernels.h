@@ -10,8 +10,6 @@
 
 namespace kdtree::verify {
 
-cudaError_t stream_kernel_setup();     // stream_kernel.cu: T*H <= 16
-void launch_stream_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t wide_kernel_setup();       // wide_kernel.cu: T*H > 16 within 99 KB of shared memory (sm_120)
 void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t pipelined_kernel_setup();  // pipelined_kernel.cu: T*H > 16 with 213 KB of shared memory (sm_90-class)

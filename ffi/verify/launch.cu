@@ -19,7 +19,6 @@ cudaError_t ensure_setup(int device) {
     int smem = 0;
     cudaError_t err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     optin_smem[device] = smem;
-    if (err == cudaSuccess) err = stream_kernel_setup();
     if (err == cudaSuccess) err = wide_kernel_setup();
     if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes()) err = pipelined_kernel_setup();
     if (err == cudaSuccess) err = merge_setup();
@@ -34,22 +33,19 @@ int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
   if (ensure_setup(device) != cudaSuccess) return -1;
   const bool pipelined_fits = optin_smem[device] >= pipelined_kernel_smem_bytes();
   if (requested == kAuto) {
-    if (rows <= kRows) return kStream;
     return pipelined_fits ? kPipelined : kWide;
   }
   if (requested == kPipelined && !pipelined_fits) return -1;
-  if (requested == kStream && rows > kRows) return -1;  // one m16 tile of rows per block
   return requested > kAuto && requested < kNumVariants ? requested : -1;
 }
 
-int rows_per_block(int64_t variant) { return variant == kStream ? kRows : 2 * kRows; }
+int rows_per_block(int64_t) { return 2 * kRows; }
 
 cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream, bool main,
                           bool merge) {
   if (cudaError_t err = ensure_setup(device); err != cudaSuccess) return err;
   if (main) {
     switch (variant) {
-      case kStream: launch_stream_kernel(p, batch, stream); break;
       case kWide: launch_wide_kernel(p, batch, stream); break;
       case kPipelined: launch_pipelined_kernel(p, batch, stream); break;
       default: return cudaErrorInvalidValue;

@@ -39,10 +39,10 @@ struct Params {
 
 constexpr int kMaxSplits = 1024;  // what the merge accepts
 
-// The kernel a call runs (the FFI attribute `variant`; kdtree_jax/ops/ffi.py VARIANTS names them). kAuto picks from the
-// shapes and the device: the stream kernel for T*H <= 16; else the pipelined kernel where the device's opt-in shared
-// memory holds its 213 KB (sm_90-class), the wide kernel (97 KB) elsewhere (sm_120, sm_80). Benchmarks and tests force
-// one.
-enum Variant : int64_t { kAuto = 0, kStream = 1, kWide = 2, kPipelined = 3, kNumVariants = 4 };
+// The kernel a call runs (the FFI attribute `variant`; kdtree_jax/ops/ffi.py VARIANTS names them), for every T: kAuto
+// picks the pipelined kernel where the device's opt-in shared memory holds its 213 KB (sm_90-class), the wide kernel
+// (97 KB) elsewhere (sm_120, sm_80). Benchmarks and tests force one. One kernel for every T also means a verify pass's
+// row and the one-token step's take the same tiles and softmax steps (issue 24).
+enum Variant : int64_t { kAuto = 0, kWide = 1, kPipelined = 2, kNumVariants = 3 };
 
 }  // namespace kdtree::verify

@@ -33,11 +33,11 @@ except ImportError:  # pragma: no cover - exercised only without a build
 
 TARGET = "kdtree_verify_attention"
 
-# The CUDA kernel's tiling (ffi/verify_attention.cu); the split heuristic below needs the same numbers.
+# The CUDA kernels' geometry (ffi/verify/); the split heuristic below needs the same numbers.
 CUDA_LATENT_DIM = 512
 CUDA_ROPE_DIM = 64
-CUDA_ROWS_PER_GROUP = 16  # a row group = 4 warps on one m16 tile of query rows
-CUDA_KV_TILE = 16
+CUDA_ROWS_PER_GROUP = 16  # one m16 MMA tile of query rows
+CUDA_KV_TILE = 16         # the split heuristic's unit: a split covers at least four of these (64 positions)
 CUDA_MAX_SPLITS = 256     # the heuristic's cap
 CUDA_SPLIT_LIMIT = 1024   # what the merge kernel accepts (kMaxSplits)
 CPU_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -74,37 +74,26 @@ def sm_count(device: int = 0) -> int:
 
 
 # Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
-# from the shapes and the device: the stream kernel for T*H <= 16; else "pipelined" (213 KB of shared memory: sm_90-
-# class parts) or "wide" (within sm_120's 99 KB). Benchmarks and tests name one explicitly.
-VARIANTS = {"auto": 0, "stream": 1, "wide": 2, "pipelined": 3}
-STREAM_MAX_ROWS = 16  # T*H the stream kernel takes (one m16 tile of query rows per block)
+# from the device, for every T: "pipelined" (213 KB of shared memory: sm_90-class parts) or "wide" (within sm_120's
+# 99 KB). Benchmarks and tests name one explicitly. (The T*H <= 16 "stream" kernel lost its A/B to the pipelined kernel
+# on an H200 and was deleted: benchmarks/README_verify_kernel.md.)
+VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2}
+ROWS_PER_BLOCK = 2 * CUDA_ROWS_PER_GROUP  # query rows a block holds (two m16 tiles), one block per SM
 
 
-def rows_per_block(num_queries: int, num_heads: int, variant: str = "auto") -> int:
-    """Query rows a block of the chosen kernel holds: 16 for the stream kernel (two blocks per SM), 32 otherwise
-    (one block per SM). The split count below is computed from this."""
-    if variant == "stream" or (variant == "auto" and num_queries * num_heads <= STREAM_MAX_ROWS):
-        return CUDA_ROWS_PER_GROUP
-    return 2 * CUDA_ROWS_PER_GROUP
-
-
-def _check_variant(variant: str, num_queries: int, num_heads: int) -> None:
+def _check_variant(variant: str) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
-    if variant == "stream" and num_queries * num_heads > STREAM_MAX_ROWS:
-        raise ValueError(f"variant 'stream' takes T*H <= {STREAM_MAX_ROWS} query rows; got {num_queries * num_heads}")
 
 
-def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
-                      variant: str = "auto") -> int:
+def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
     of 132), the fewest splits whose waves fill at least 90% (5 there: 360 blocks in three waves of 132), or
     the best filling count the four-tile minimum allows, since a block's time shrinks with its split's length."""
-    block_rows = rows_per_block(num_queries, num_heads, variant)
-    slots = (2 if block_rows == CUDA_ROWS_PER_GROUP else 1) * num_sms
-    per_split = math.ceil(num_queries * num_heads / block_rows) * batch
+    slots = num_sms  # one block per SM
+    per_split = math.ceil(num_queries * num_heads / ROWS_PER_BLOCK) * batch
     cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
     splits = min(max(1, slots // per_split), cap)
 
@@ -152,7 +141,7 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
 def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
     batch, num_queries, num_heads, width = q.shape
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count(), variant)
+        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count())
     rows = num_queries * num_heads
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
@@ -174,7 +163,7 @@ def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, sof
     if not available():
         raise ValueError("the compiled verify-attention extension is not built; reinstall with `pip install -e .`")
     _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits)
-    _check_variant(variant, q.shape[1], q.shape[2])
+    _check_variant(variant)
     layer = jnp.asarray(layer, jnp.int32)
     kwargs = dict(softmax_scale=float(softmax_scale), rope_dim=int(rope_dim))
 
@@ -214,5 +203,5 @@ def bench_module():
     return _kernel_bench
 
 
-__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "rows_per_block", "VARIANTS",
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
            "sm_count", "cuda_fast_path", "bench_module"]
