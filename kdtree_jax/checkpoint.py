@@ -98,6 +98,7 @@ class CheckpointWriter:
             raise ValueError(f"checkpoint path {self.path} exists and is not an empty directory; choose a new one")
         # Checked before anything is written; copied by finish().
         self.tokenizer_kind, self.tokenizer_files = _tokenizer_files(tokenizer)
+        self.created = not os.path.exists(self.path)  # abort() removes the directory only if this writer made it
         os.makedirs(self.path, exist_ok=True)
         self.target_cfg, self.dtype = target_cfg, dtype
         self.drafter_cfg, self.drafter_dtype = drafter_cfg, drafter_dtype if drafter_dtype is not None else dtype
@@ -116,6 +117,18 @@ class CheckpointWriter:
         if self.drafter_cfg is None:
             raise ValueError("this writer was made without a drafter_cfg")
         self._write("drafter", name or ".".join(_key(next(iter(flat)))), flat)
+
+    def abort(self) -> None:
+        """Remove what this writer wrote (after a failure or an interrupt): the directory if it made it, else the
+        directory's contents (it was empty), so that no half-written checkpoint is left behind."""
+        if not os.path.isdir(self.path):
+            return
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for name in os.listdir(self.path):
+            full = os.path.join(self.path, name)
+            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
 
     def finish(self, extra_metadata: Optional[dict] = None) -> None:
         if self.tokenizer_files:
@@ -178,10 +191,14 @@ def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None
         raise ValueError(f"drafter must be a kdtree_jax Drafter or None; got {type(drafter).__name__}")
     writer = CheckpointWriter(path, target.cfg, target.dtype, drafter.cfg if drafter is not None else None,
                               drafter.dtype if drafter is not None else None, tokenizer_dir_or_files)
-    writer.write_target_piece(_leaf_paths(nnx.state(target)), name="params")
-    if drafter is not None:
-        writer.write_drafter_piece(_leaf_paths(nnx.state(drafter)), name="params")
-    writer.finish(extra_metadata)
+    try:
+        writer.write_target_piece(_leaf_paths(nnx.state(target)), name="params")
+        if drafter is not None:
+            writer.write_drafter_piece(_leaf_paths(nnx.state(drafter)), name="params")
+        writer.finish(extra_metadata)
+    except BaseException:
+        writer.abort()
+        raise
 
 
 # Reading ---------------------------------------------------------------------------------------------
@@ -191,8 +208,13 @@ def read_metadata(path) -> dict:
     if not os.path.exists(file):
         raise ValueError(f"{path} is not a kdtree-jax checkpoint (no {METADATA_FILE}; an interrupted save or "
                          "conversion leaves none)")
-    with open(file) as f:
-        meta = json.load(f)
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be read as JSON ({e}): a corrupt checkpoint") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} is not a JSON object: a corrupt checkpoint")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{file}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
                          f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
@@ -240,7 +262,15 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
     restored: dict = {}
     for piece in pieces:
         piece_dir = os.path.join(path, piece)
-        stored = _flatten(ocp.metadata(piece_dir).metadata)
+        try:
+            tree = ocp.metadata(piece_dir).metadata
+        except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a missing or corrupt piece
+            raise ValueError(f"{what} piece {piece_dir} cannot be read ({type(e).__name__}: "
+                             f"{_one_line(e)}): a corrupt or incomplete checkpoint") from None
+        if not isinstance(tree, dict) or not tree:  # Orbax logs a corrupt metadata file and returns None
+            raise ValueError(f"{what} piece {piece_dir} cannot be read (its Orbax metadata is missing or corrupt): "
+                             "a corrupt or incomplete checkpoint")
+        stored = _flatten(tree)
         unknown = [".".join(p) for p in stored if p not in flat]
         if unknown:
             raise ValueError(f"{what} piece {piece}: parameter(s) {unknown[:4]} are not in the model built from "
@@ -250,7 +280,11 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
         if wrong:
             raise ValueError(f"{what} piece {piece}: shape mismatch {wrong[:4]}")
         want = {p: jax.ShapeDtypeStruct(flat[p].shape, flat[p].dtype, sharding=sharding[p]) for p in stored}
-        restored.update(_flatten(ocp.load(piece_dir, _nest(want))))
+        try:
+            restored.update(_flatten(ocp.load(piece_dir, _nest(want))))
+        except Exception as e:  # noqa: BLE001 - truncated or garbled array files fail inside TensorStore
+            raise ValueError(f"{what} piece {piece_dir} cannot be read ({type(e).__name__}: "
+                             f"{_one_line(e)}): a corrupt or truncated checkpoint") from None
     missing = [".".join(p) for p in flat if p not in restored]
     if missing:
         raise ValueError(f"{what}: checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
@@ -306,5 +340,15 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
         drafter = _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)),
                                   meta["drafter"]["pieces"], shardings, "drafter")
     tok = meta.get("tokenizer") or {"kind": "byte"}
-    tokenizer = tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
+    try:
+        tokenizer = tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
+    except Exception as e:  # noqa: BLE001 - tokenizers and tiktoken raise their own kinds on a corrupt file
+        raise ValueError(f"the tokenizer in {os.path.join(path, 'tokenizer')} cannot be read ({type(e).__name__}: "
+                         f"{_one_line(e)})") from None
     return target, drafter, tokenizer
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (Orbax / TensorStore errors span many), cut to `limit` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -82,18 +82,47 @@ class _TensorEntry:
 
 
 def _read_safetensors_header(path: str) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    """The tensors of one safetensors file, checked against the file's size: a corrupt or truncated file is a
+    ValueError naming it (not a struct, JSON or mmap error later, mid-conversion)."""
+
+    def bad(why: str):
+        return ValueError(f"{path} is not a valid safetensors file ({why}); re-download or re-copy it")
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > size - 8:
+                raise bad(f"its header claims {n} bytes but the file has {size}: truncated or not safetensors")
+            raw = f.read(n)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise bad(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
     header.pop("__metadata__", None)
     base = 8 + n
     entries = {}
     for key, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which we cannot read")
-        start, end = info["data_offsets"]
-        entries[key] = _TensorEntry(path, key, np.dtype(_ST_DTYPES[info["dtype"]]), tuple(info["shape"]),
-                                    base + start, base + end)
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            start, end = int(start), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key!r} has a malformed entry {str(info)[:100]}") from None
+        if dtype_name not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {dtype_name}, which we cannot read")
+        dtype = np.dtype(_ST_DTYPES[dtype_name])
+        if any(d < 0 for d in shape) or not 0 <= start <= end or end - start != math.prod(shape) * dtype.itemsize:
+            raise bad(f"tensor {key!r}: offsets [{start}, {end}) do not hold {dtype_name} {list(shape)}")
+        if base + end > size:
+            raise bad(f"tensor {key!r} ends at byte {base + end} but the file has {size}: truncated")
+        entries[key] = _TensorEntry(path, key, dtype, shape, base + start, base + end)
     return entries
 
 
@@ -144,7 +173,10 @@ class SafetensorsDir:
         # memory) as soon as the caller drops the array, so reading a whole checkpoint never keeps it all.
         page = mmap.ALLOCATIONGRANULARITY
         offset = e.start - e.start % page
-        raw = np.memmap(e.file, dtype=np.uint8, mode="r", offset=offset, shape=(e.end - offset,))
+        try:
+            raw = np.memmap(e.file, dtype=np.uint8, mode="r", offset=offset, shape=(e.end - offset,))
+        except (OSError, ValueError) as err:  # the file changed or shrank since its header was read
+            raise ValueError(f"{e.file}: cannot read tensor {e.raw_key!r} ({err})") from None
         return raw[e.start - offset:].view(e.dtype).reshape(e.shape)
 
 
@@ -372,8 +404,14 @@ def read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"no config.json in {path}")
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object")
+    return raw
 
 
 def model_config(raw: dict, num_layers: Optional[int] = None) -> ModelConfig:
@@ -485,20 +523,25 @@ def convert_checkpoint(hf_dir: str, out_dir: str, *, dtype=jnp.bfloat16, num_lay
         tokenizer_files = []
     writer = checkpoint.CheckpointWriter(out_dir, cfg, dtype, tokenizer=tokenizer_files or None)
     total = sum(math.prod(var.shape) * np.dtype(var.dtype).itemsize for _, var in flat)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress, file=sys.stderr) as bar:
-        pending, pending_bytes = {}, 0
-        for p, var in flat:
-            bar.set_postfix_str(".".join(str(x) for x in p), refresh=False)
-            pending[p] = convert_param(weights, p, var.shape, var.dtype, cfg)
-            pending_bytes += pending[p].nbytes
-            bar.update(pending[p].nbytes)
-            if pending_bytes >= piece_bytes:
+    try:  # a failed or interrupted conversion removes what it wrote: no half-written output directory
+        with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress,
+                  file=sys.stderr) as bar:
+            pending, pending_bytes = {}, 0
+            for p, var in flat:
+                bar.set_postfix_str(".".join(str(x) for x in p), refresh=False)
+                pending[p] = convert_param(weights, p, var.shape, var.dtype, cfg)
+                pending_bytes += pending[p].nbytes
+                bar.update(pending[p].nbytes)
+                if pending_bytes >= piece_bytes:
+                    writer.write_target_piece(pending)
+                    pending, pending_bytes = {}, 0
+            if pending:
                 writer.write_target_piece(pending)
-                pending, pending_bytes = {}, 0
-        if pending:
-            writer.write_target_piece(pending)
-    writer.finish(extra_metadata={"converted_from": os.path.abspath(hf_dir),
-                                  "quantization": dataclasses.asdict(weights.quant)})
+        writer.finish(extra_metadata={"converted_from": os.path.abspath(hf_dir),
+                                      "quantization": dataclasses.asdict(weights.quant)})
+    except BaseException:
+        writer.abort()
+        raise
     return cfg
 
 
@@ -531,8 +574,9 @@ def main(argv=None) -> int:
     try:
         cfg = convert_checkpoint(args.hf_dir, args.out_dir, dtype=_DTYPES[args.dtype], num_layers=args.layers,
                                  piece_bytes=args.piece_mib << 20, progress=not args.no_progress)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
+    except (ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out_dir}: {cfg.num_hidden_layers} layers, dtype {args.dtype}", file=sys.stderr)
     return 0
 
