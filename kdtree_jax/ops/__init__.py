@@ -67,7 +67,7 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
     if impl == "xla":
         return verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                     softmax_scale=softmax_scale, rope_dim=rope_dim)
-    # The compiled extension arrives with issue 3 (ops/ffi.py); until it is built, "auto" is the reference.
+    # The compiled extension (ops/ffi.py) is optional: a checkout without a build runs "auto" on the reference.
     try:
         from kdtree_jax.ops import ffi
     except ImportError:
