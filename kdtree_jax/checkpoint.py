@@ -191,8 +191,12 @@ def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None
         raise ValueError(f"drafter must be a kdtree_jax Drafter or None; got {type(drafter).__name__}")
     writer = CheckpointWriter(path, target.cfg, target.dtype, drafter.cfg if drafter is not None else None,
                               drafter.dtype if drafter is not None else None, tokenizer_dir_or_files)
+    params = _leaf_paths(nnx.state(target))
+    head = params.get(("lm_head", "kernel"))
+    if head is not None and head.shape[-1] != target.cfg.vocab_size:  # a vocabulary padded for a mesh (sharding.py)
+        params[("lm_head", "kernel")] = head[:, :target.cfg.vocab_size]
     try:
-        writer.write_target_piece(_leaf_paths(nnx.state(target)), name="params")
+        writer.write_target_piece(params, name="params")
         if drafter is not None:
             writer.write_drafter_piece(_leaf_paths(nnx.state(drafter)), name="params")
         writer.finish(extra_metadata)

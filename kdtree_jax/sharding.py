@@ -11,7 +11,9 @@ A layout maps some of them to the mesh axis; the rest are replicated.
       device computes its experts' contributions, then one psum; dense MLPs as in tp.
 
 In both, the lm head is split along the vocabulary and the embedding is replicated (a lookup into a
-split table would gather it). The verify-attention custom call runs under `jax.shard_map` on each
+split table would gather it). A vocabulary the mesh does not divide is padded, as vLLM and SGLang do: the lm
+head gets zero columns up to the next multiple of the mesh size (`pad_vocab`) and `Transformer.lm_logits` cuts
+the padded ids' logits off, so no padded id is ever seen, and a checkpoint is saved without the padding. The verify-attention custom call runs under `jax.shard_map` on each
 device's heads (MLA.attend), and the routed experts under `shard_map` with one psum (MoE.routed); the
 rest is partitioned by XLA from the parameter shardings.
 
@@ -106,8 +108,6 @@ def check_divisible(model: "Transformer", mesh: Mesh, layout: str) -> None:
     problems = []
     if cfg.num_attention_heads % n:
         problems.append(f"num_attention_heads ({cfg.num_attention_heads})")
-    if cfg.vocab_size % n:
-        problems.append(f"vocab_size ({cfg.vocab_size})")
     if cfg.first_k_dense_replace and cfg.intermediate_size % n:
         problems.append(f"intermediate_size ({cfg.intermediate_size})")
     if cfg.n_shared_experts and (cfg.moe_intermediate_size * cfg.n_shared_experts) % n:
@@ -131,10 +131,48 @@ def shard_model(model: "Transformer", mesh: Mesh, layout: str = "tp") -> "Transf
     check_divisible(model, mesh, layout)
     graphdef, state = nnx.split(model)
     shardings = parameter_shardings(model, mesh, layout)
+    if _needs_padding(model, mesh):  # placed whole first, then padded and split by pad_vocab
+        shardings["lm_head"]["kernel"] = NamedSharding(mesh, P())
     placed = jax.device_put(state, shardings)  # shardings is a prefix tree of state
     sharded = nnx.merge(graphdef, placed)
+    pad_vocab(sharded, mesh, layout)
     attach_mesh(sharded, mesh, layout)
     return sharded
+
+
+def padded_vocab_size(vocab_size: int, mesh: Mesh) -> int:
+    """The vocabulary rounded up to a multiple of the mesh size (what a vocab-split lm head holds)."""
+    n = mesh.shape[MESH_AXIS]
+    return -(-vocab_size // n) * n
+
+
+def _needs_padding(model: "Transformer", mesh: Mesh) -> bool:
+    """An untied lm head whose vocabulary the mesh does not divide (a tied head reads the replicated embedding)."""
+    return model.lm_head is not None and model.cfg.vocab_size % mesh.shape[MESH_AXIS] != 0
+
+
+def _padded_head(model: "Transformer", mesh: Mesh):
+    """The lm head's kernel [hidden, V] with zero columns up to padded_vocab_size, or None when no padding is
+    needed (V divides the mesh, the head is already padded, or the head is tied to the replicated embedding)."""
+    if not _needs_padding(model, mesh):
+        return None
+    kernel = model.lm_head.kernel[...]
+    padded = padded_vocab_size(model.cfg.vocab_size, mesh)
+    if kernel.shape[-1] == padded:
+        return None
+    kernel = kernel[:, :model.cfg.vocab_size]
+    return jax.numpy.pad(kernel, ((0, 0), (0, padded - model.cfg.vocab_size)))
+
+
+def pad_vocab(model: "Transformer", mesh: Mesh, layout: str) -> None:
+    """In place: pad a restored model's lm head (placed whole, see checkpoint_shardings) to the mesh and split it
+    along the vocabulary as `layout` says. Nothing to do when the vocabulary divides the mesh."""
+    head = _padded_head(model, mesh)
+    if head is not None:
+        spec = partition_spec(model.lm_head.kernel.get_metadata().get("out_sharding"), layout)
+        placed = jax.device_put(head, NamedSharding(mesh, spec))
+        kernel = model.lm_head.kernel
+        kernel.set_value(placed) if hasattr(kernel, "set_value") else setattr(kernel, "value", placed)
 
 
 def attach_mesh(model: "Transformer", mesh: Optional[Mesh], layout: Optional[str]) -> None:
@@ -157,7 +195,11 @@ def checkpoint_shardings(mesh: Mesh, layout: str = "tp"):
     def shardings(abstract_module):
         if isinstance(abstract_module, Transformer):
             check_divisible(abstract_module, mesh, layout)
-            return parameter_shardings(abstract_module, mesh, layout)
+            tree = parameter_shardings(abstract_module, mesh, layout)
+            if _needs_padding(abstract_module, mesh):
+                # A split needs the vocabulary to divide the mesh: read the head whole, load_sharded pads it.
+                tree["lm_head"]["kernel"] = NamedSharding(mesh, P())
+            return tree
         return NamedSharding(mesh, P())
 
     return shardings
@@ -169,6 +211,7 @@ def load_sharded(path: str, mesh: Mesh, layout: str = "tp", *, dtype=None):
     from kdtree_jax.checkpoint import load_checkpoint
 
     target, drafter, tokenizer = load_checkpoint(path, dtype=dtype, shardings=checkpoint_shardings(mesh, layout))
+    pad_vocab(target, mesh, layout)
     attach_mesh(target, mesh, layout)
     return target, drafter, tokenizer
 

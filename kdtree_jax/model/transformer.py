@@ -89,7 +89,10 @@ class Transformer(nnx.Module):
         if self.lm_head is None:
             return jnp.dot(x, self.embed_tokens.embedding[...].T, preferred_element_type=jnp.float32)
         kernel = self.lm_head.kernel[...]  # the input in the head's dtype, as nnx.Linear takes it
-        return jnp.dot(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        logits = jnp.dot(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        # A vocabulary split over a mesh it does not divide is padded with zero columns (sharding.pad_vocab);
+        # the padded ids' logits are cut off here, so every caller sees [.., vocab_size].
+        return logits if kernel.shape[-1] == self.cfg.vocab_size else logits[..., :self.cfg.vocab_size]
 
     def head(self, hidden):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
