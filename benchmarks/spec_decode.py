@@ -23,6 +23,13 @@ per decoder and batch size, how many outputs are identical and, per prompt, the 
 token that differs (0 = the token the prefill chose). --batch takes several sizes (e.g. 1,16); with more than
 one, each autoregressive output is also compared with the first size's (the verify rows' batch invariance).
 
+--chunk-steps: decode steps per host iteration (kdtree_jax.speculative.engine.ChunkedLoop; 0: the whole decode in one
+call), several values each a sweep; each row reports the host's reads per step and, on a GPU, the compiled loop's
+while loops outside command buffers (each reads its predicate on the host every step). The script calls
+kdtree_jax.runtime.configure() before JAX starts (command buffers capture the loop); --no-command-buffers does not.
+GPU comparison: `python benchmarks/spec_decode.py --batch 1,16 --chunk-steps 0,1,8,16 --temperatures 0`, once with
+and once with --no-command-buffers.
+
 Writes <out>/spec_decode_<device>.{json,md} (--smoke: spec_decode_smoke_<device>.*), with the device
 kind, date and commit.
 """
@@ -48,13 +55,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from kdtree_jax import runtime  # noqa: E402
+
+# Before JAX starts a backend: command buffers that capture the decode loop on a GPU (--no-command-buffers: off).
+runtime.configure(False if "--no-command-buffers" in sys.argv else None)
+
 import kdtree_jax  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
-from kdtree_jax.speculative.engine import generate  # noqa: E402
+from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
 
 DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "default")
@@ -195,12 +207,13 @@ def aggregate(results: list, batch_sizes: list) -> dict:
 
 
 def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperature, top_k, top_p, seed,
-               max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0, profile: bool = False):
+               max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0, profile: bool = False,
+               chunk_steps: int = DEFAULT_CHUNK_STEPS):
     """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s).
     profile: the first call also runs the loop once under the profiler (kdtree_jax.profiling); its split of a
     step's kernel time by part is stats["step_profile"] (with warmup, that call is not timed)."""
     kwargs = dict(max_new_tokens=max_new_tokens, budget=budget, topk=topk, temperature=temperature, top_k=top_k,
-                  top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature)
+                  top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature, chunk_steps=chunk_steps)
     use = None if tree == "ar" else drafter
     if tree == "ar":
         kwargs.update(tree="ddtree", budget=0)
@@ -214,6 +227,12 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
         results.append(generate(target, use, pb, seed=seed + i, **kwargs))
     stats = aggregate(results, [len(pb) for pb in prompt_batches])
     stats["compile_seconds"] = compile_seconds
+    # Host reads of the loop's output per decode step (one a chunk), and on a GPU the compiled loop's while loops
+    # outside command buffers (each adds a host round trip per step: its predicate).
+    stats["chunk_steps"] = chunk_steps
+    stats["host_syncs_per_step"] = (sum(r.stats["host_syncs"] for r in results)
+                                    / max(sum(r.stats["steps"] for r in results), 1))
+    stats["host_driven_loops"] = first.stats.get("host_driven_loops")
     if profile:
         stats["step_profile"] = first.stats["profile"]
     stats["wall_seconds"] = time.perf_counter() - t0
@@ -275,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
+    p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
+                   help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
+                        "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep")
+    p.add_argument("--no-command-buffers", action="store_true",
+                   help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
+                        "which lets a CUDA graph capture the decode loop on a GPU)")
     p.add_argument("--profile", action="store_true",
                    help="profile each decoder's warm-up call: a step's kernel time by part (drafter, tree, the verify "
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
@@ -310,6 +335,12 @@ def main(argv=None) -> int:
         raise ValueError(f"--budgets must be in [1, {limit}] for block_size {drafter.cfg.block_size} and "
                          f"--topk {args.topk}; got {bad}")
     batch_sizes = parse_batch_sizes(args.batch)
+    try:
+        chunk_list = [int(k) for k in str(args.chunk_steps).split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}") from None
+    if not chunk_list or min(chunk_list) < 0:
+        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}")
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1; got {args.prompts}")
     prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
@@ -325,13 +356,14 @@ def main(argv=None) -> int:
                  "topk": args.topk,
                  "tree_temperature": args.tree_temperature,
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
-                 "seed": args.seed, "impl": args.impl, "depth": depth})
+                 "seed": args.seed, "impl": args.impl, "depth": depth, "chunk_steps": chunk_list,
+                 "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
         f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")
 
     rows = []
     first_ar = {}  # temperature -> autoregressive outputs at the first batch size
-    for batch in batch_sizes:
+    for batch, chunk in [(b, k) for b in batch_sizes for k in chunk_list]:
         prompt_batches = batches([p.tolist() for p in prompts], batch)
         for temperature in temperatures:
             ar_tokens, ar_tps = None, None
@@ -339,7 +371,8 @@ def main(argv=None) -> int:
                 stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
                                            temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                            max_new_tokens=args.max_new_tokens, impl=args.impl,
-                                           tree_temperature=args.tree_temperature, profile=args.profile)
+                                           tree_temperature=args.tree_temperature, profile=args.profile,
+                                           chunk_steps=chunk)
                 if tree == "ar":
                     ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
                     first_ar.setdefault(temperature, tokens)
@@ -359,8 +392,10 @@ def main(argv=None) -> int:
                 same = (f"  identical {row['identical_to_ar']}/{len(tokens)}"
                         f" (first differences at {summarize_differences(row['first_difference'])})"
                         if row.get("identical_to_ar") is not None and tree != "ar" else "")
-                log(f"B={batch} T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  tau {stats['tau']:.3f}  "
-                    f"{stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
+                log(f"B={batch} k={chunk} T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  "
+                    f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
+                    f"host syncs/step {stats['host_syncs_per_step']:.3f}"
+                    f"{'' if stats['host_driven_loops'] is None else ' host-driven loops %d' % stats['host_driven_loops']}  "
                     f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s){same}")
     meta["seconds"] = time.perf_counter() - t_all
 
@@ -427,11 +462,20 @@ def render(result: dict) -> str:
                           [f"{r['identical_to_ar']}/{m['prompts']}", summarize_differences(r["first_difference"])])
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    for batch, temperature in [(b, t) for b in batch_sizes for t in m["temperatures"]]:
-        sub = [r for r in rows if r["temperature"] == temperature and r.get("batch", batch) == batch]
+    chunk_list = m.get("chunk_steps", [None])
+    for batch, chunk, temperature in [(b, k, t) for b in batch_sizes for k in chunk_list for t in m["temperatures"]]:
+        sub = [r for r in rows if r["temperature"] == temperature and r.get("batch", batch) == batch
+               and r.get("chunk_steps", chunk) == chunk]
         label = "greedy" if temperature == 0 else f"T = {temperature:g}"
         if len(batch_sizes) > 1:
             label += f", batch {batch}"
+        if chunk is not None:
+            syncs = max((r.get("host_syncs_per_step", 0) for r in sub), default=0)
+            loops = {r.get("host_driven_loops") for r in sub} - {None}
+            label += (f", {'the whole decode in one call' if chunk == 0 else f'{chunk} steps a chunk'} (host reads "
+                      f"<= {syncs:.3f} a step; command buffers {'on' if m.get('command_buffers') else 'off'}"
+                      + (f", while loops run from the host: {', '.join(map(str, sorted(loops)))}" if loops else "")
+                      + ")")
         greedy = temperature == 0
         lines += [f"## {label}", "",
                   "| decoder | nodes | tau | tok/s | speed-up vs AR | " +

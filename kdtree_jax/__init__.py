@@ -3,6 +3,7 @@
 The public API (DESIGN.md, "Public API"); README, tests and benchmarks use these names.
 """
 
+from kdtree_jax import runtime  # runtime.configure(): before the first JAX computation (README, "Device-resident loop")
 from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint
 from kdtree_jax.config import ModelConfig, RopeScaling
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
@@ -35,6 +36,7 @@ __all__ = [
     "make_mesh",
     "shard_model",
     "load_sharded",
+    "runtime",
 ]
 
 

@@ -256,12 +256,13 @@ def main(argv=None) -> int:
         print(f"[{description}; loaded in {load_seconds:.1f} s]", file=sys.stderr)
         print(f"[prefill of {len(ids):,} prompt tokens, then the decode loop's compile (once per shape) and "
               f"{args.max_new_tokens} new tokens ...]", file=sys.stderr, flush=True)
+    stream = None if args.json else TokenStream(tokenizer, echo_prompt(prompt))  # text as the loop accepts it
     try:
         with Heartbeat("prefill, compile and decode", enabled=not args.json):
             res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                                   topk=args.topk, tree_temperature=args.tree_temperature,
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
-                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile)
+                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile, on_tokens=stream)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         stats = {**stats, "load_seconds": load_seconds, "wall_seconds": wall_seconds}
         print(json.dumps({"prompt": prompt, "text": text, "tokens": tokens, "model": description, "stats": stats}))
         return 0
-    print(echo_prompt(prompt) + text)
+    stream.finish(text)
     for line in summary_lines(stats, load_seconds=load_seconds, wall_seconds=wall_seconds):
         print(line, file=sys.stderr)
     if args.profile:
@@ -295,6 +296,37 @@ def profile_line(profile: dict) -> str:
                    f"and their sum is not the step; the timed step {profile['step_ms']:.3f} ms)")
 
 
+class TokenStream:
+    """`generate`'s on_tokens for one sequence: writes the text to `out` as the decode loop hands over tokens (after
+    the prefill, then after every chunk of steps), `prefix` (the echoed prompt) first. Each time it decodes all the
+    tokens so far and writes what is new, holding back a trailing U+FFFD (the first bytes of a character whose
+    last bytes are still to come); finish(text) writes the rest of the final text and a newline."""
+
+    def __init__(self, tokenizer, prefix: str = "", out=None):
+        self.tokenizer, self.prefix, self.out = tokenizer, prefix, out
+        self.ids, self.shown, self.started = [], "", False
+
+    def _write(self, text: str):
+        out = self.out or sys.stdout
+        if not self.started:
+            text, self.started = self.prefix + text, True
+        if text:
+            out.write(text)
+            out.flush()
+
+    def __call__(self, row: int, new_ids):
+        if row != 0:
+            return
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self._write(text[len(self.shown):])
+            self.shown = text
+
+    def finish(self, text: str):
+        self._write((text[len(self.shown):] if text.startswith(self.shown) else "") + "\n")
+
+
 class _CallableModule(types.ModuleType):
     """`kdtree_jax.generate` names both this CLI module (`python -m kdtree_jax.generate`) and the public
     function (`kdtree_jax.generate(target, drafter, ...)`). Importing a submodule rebinds the package
@@ -307,4 +339,7 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
+    from kdtree_jax import runtime
+
+    runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
     sys.exit(main())

@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import kv_pool, profiling
+from kdtree_jax import kv_pool, profiling, runtime
 from kdtree_jax.decode import prefill, validate_tokens
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
@@ -189,6 +190,210 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
     # every step (it does not hoist the layout copies it adds after its loop-invariant code motion).
     loop_weights = target.loop_weights()
     return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, loop_weights), state)
+
+
+# The device-resident loop, k steps per host iteration --------------------------------------------------------------
+# `decode_loop` runs the whole decode in one call: nothing reaches the host until every sequence is done. The chunked
+# loop runs at most k steps per call (a `lax.while_loop` bounded by k and by "all done") and hands the host the
+# tokens those steps emitted, so output can stream and a batch row can be replaced between chunks. The state never
+# leaves the device: each call donates it and returns it with the same shapes, so every chunk reuses one compiled
+# program. The host keeps one chunk in flight: it enqueues chunk i + 1 before it reads chunk i's tokens, so its
+# work (the read, the callbacks, detokenising) overlaps the device's, and what a chunk costs beyond its steps is the
+# program boundary (the loop's exit, the token window's gather, the next launch: tens of microseconds on a GPU).
+#
+# DEFAULT_CHUNK_STEPS = 8: the host's share of the decode is that boundary over k steps. The cheapest step we run
+# is the default pair's autoregressive step on an H200 (~0.28 ms at B = 1), so k = 8 puts a ~30 us boundary at
+# ~1.3% (<= 3% up to ~70 us), and a K2 step (~10 ms) at far less; a larger k only delays the stream (k = 8 DDTree
+# steps are ~50 tokens of the default pair). The host's own work per chunk (~1 ms in Python: dispatch, the read,
+# the callbacks) stays hidden while a chunk takes longer than that, which k = 8 steps do (>= 2 ms at the cheapest).
+# On a GPU the steps inside a chunk stay device-resident only when XLA captures the while loop in a command
+# buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
+# `kdtree_jax.runtime.configure()` sets that up (README, "Device-resident loop").
+DEFAULT_CHUNK_STEPS = 8
+_TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
+
+
+class ChunkOutput(NamedTuple):
+    """What one call of the chunked loop returns (all on device until the host reads it)."""
+
+    state: LoopState  # the loop's state after the chunk (pass it to the next call)
+    tokens: jnp.ndarray  # [B, k * (D + 1)] tokens the chunk emitted per sequence, -1 padding
+    start: jnp.ndarray  # [B] state.num_out before the chunk: tokens[b, i] is output position start[b] + i
+    num_out: jnp.ndarray  # [B] state.num_out after it
+    any_active: jnp.ndarray  # [] bool: some sequence is still decoding
+
+
+@jax.jit
+def _loop_weights(target: Transformer):
+    return target.loop_weights()
+
+
+@functools.partial(jax.jit, static_argnames=("structure", "spec", "steps"), donate_argnames=("state",))
+def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: SpecConfig, steps: int) -> ChunkOutput:
+    # The models come in as their leaves (flattened once by ChunkedLoop): flattening two NNX modules costs ~1 ms
+    # of host time a call, unflattening them here costs nothing at run time (it happens while tracing).
+    _TRACES["decode_chunk"] = _TRACES.get("decode_chunk", 0) + 1
+    target, drafter = jax.tree.unflatten(structure, leaves)
+    start, stop_step = state.num_out, state.step + steps
+
+    def cond(s: LoopState):
+        return (s.step < stop_step) & s.active.any()
+
+    state = jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, loop_weights), state)
+    width = state.accepted_hist.shape[0]
+    index = start[:, None] + jnp.arange(steps * width, dtype=jnp.int32)[None, :]
+    tokens = jnp.take_along_axis(state.out, jnp.minimum(index, state.out.shape[1] - 1), axis=1)
+    tokens = jnp.where(index < state.num_out[:, None], tokens, -1)
+    return ChunkOutput(state, tokens, start, state.num_out, state.active.any())
+
+
+class ChunkedLoop:
+    """The decode loop as chunks of at most `steps` steps, one compiled program for every chunk.
+
+        loop = ChunkedLoop(target, drafter, spec, steps=8)
+        out = loop(state)            # one chunk (asynchronous): ChunkOutput
+        state = out.state            # donated by the next call; replace_row / reset_row work on it in between
+        final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
+
+    drafter: None for autoregressive decoding (a root-only tree).
+    """
+
+    def __init__(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig,
+                 steps: int = DEFAULT_CHUNK_STEPS):
+        if steps < 1:
+            raise ValueError(f"chunk steps must be >= 1; got {steps}")
+        self.spec, self.steps = spec, int(steps)
+        self.leaves, self.structure = jax.tree.flatten((target, drafter))
+        self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
+        self.compiled = None
+
+    def _kwargs(self):
+        return dict(structure=self.structure, spec=self.spec, steps=self.steps)
+
+    def lower(self, state: LoopState):
+        return _decode_chunk.lower(self.leaves, self.loop_weights, state, **self._kwargs())
+
+    def compile(self, state: LoopState):
+        """Compile the chunk program ahead; later calls run it (jax's own cache would compile again on the first
+        jitted call: an ahead-of-time compile does not fill it): -> the jax Compiled."""
+        self.compiled = self.lower(state).compile()
+        return self.compiled
+
+    def __call__(self, state: LoopState) -> ChunkOutput:
+        if self.compiled is not None:
+            return self.compiled(self.leaves, self.loop_weights, state)
+        return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
+
+    def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
+        """Chunks until no sequence is active: -> (final state, chunks the host read).
+
+        on_chunk(tokens [B, k*(D+1)], start [B], num_out [B]) (numpy) after each chunk, while the next one runs.
+        The host enqueues chunk i + 1 before it reads chunk i; the chunk after the last one finds nothing active
+        and runs no step."""
+        current = self(state)
+        chunks = 0
+        while True:
+            following = self(current.state)  # enqueued behind `current`: the device never waits for the host
+            tokens, start, num_out, more = jax.device_get(
+                (current.tokens, current.start, current.num_out, current.any_active))
+            chunks += 1
+            if on_chunk is not None:
+                on_chunk(tokens, start, num_out)
+            current = following
+            if not more:
+                return current.state, chunks
+            if max_chunks is not None and chunks >= max_chunks:
+                raise RuntimeError(f"the decode loop did not finish within {max_chunks} chunks")
+
+
+def _reset_row_state(state: LoopState, row) -> LoopState:
+    which = jnp.arange(state.bonus.shape[0]) == row
+    dcache = state.dcache
+    if dcache is not None:
+        dcache = dcache._replace(lens=jnp.where(which, 0, dcache.lens))
+    return state._replace(cache=kv_pool.reset_sequences(state.cache, which), dcache=dcache,
+                          out=jnp.where(which[:, None], -1, state.out), num_out=jnp.where(which, 0, state.num_out),
+                          active=state.active & ~which)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def reset_row(state: LoopState, row) -> LoopState:
+    """Empty one batch row between chunks: its KV slots back to the pool, its drafter context, output and count
+    cleared, inactive. `row` is a device scalar, so any row reuses one compiled program (and the loop's)."""
+    return _reset_row_state(state, jnp.asarray(row, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _adopt_row(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first) -> LoopState:
+    """Row `row` of the state becomes row `row` of a freshly prefilled pool (same shapes): its latent rows are
+    copied into slots popped from the state's pool, its drafter context copied, `first` its first token."""
+    state = _reset_row_state(state, row)
+    cache = state.cache
+    count = fresh.seq_lens[row]
+    j = jnp.arange(cache.max_len, dtype=jnp.int32)
+    valid = j < count
+    short = cache.num_free < count
+    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
+    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
+    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[row]], mode="drop")
+    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(slots),
+                           seq_lens=cache.seq_lens.at[row].set(count),
+                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
+                           overflow=cache.overflow | short)
+    dcache = state.dcache
+    if dcache is not None:
+        dcache = DrafterCache(dcache.k.at[:, row].set(fresh_dcache.k[:, row]),
+                              dcache.v.at[:, row].set(fresh_dcache.v[:, row]),
+                              dcache.lens.at[row].set(fresh_dcache.lens[row]))
+    token = first[row]
+    width = state.accepted_hist.shape[0]
+    max_new = state.out.shape[1] - width
+    live = ~(token == state.stop_ids).any() & (max_new > 1)
+    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
+                          out=state.out.at[row, 0].set(token), num_out=state.num_out.at[row].set(1),
+                          active=state.active.at[row].set(live))
+
+
+def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
+                spec: SpecConfig, chunk_size: int = 64, seed: int = 0) -> LoopState:
+    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): prefill it, pick its
+    first token, and give the row its KV rows, drafter context and output; the other rows go on untouched.
+
+    The prefill runs on a second pool of the state's shapes (every row holding the prompt), so it reuses the
+    prefill the batch compiled, and the row is copied in: no shape changes, so neither this nor the next chunk
+    compiles anything. (A memory-lean insertion, prefilling only this row, is for later.) drafter: the one the loop
+    runs (None when autoregressive). The prompt plus spec.max_new_tokens must fit the pool's max_len.
+    """
+    cache = state.cache
+    batch = cache.batch
+    prompt = validate_tokens(np.asarray(prompt_ids), target.cfg.vocab_size, "prompt_ids")
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("prompt_ids must be one non-empty prompt")
+    if not 0 <= row < batch:
+        raise ValueError(f"row must be in [0, {batch}); got {row}")
+    depth = drafter.cfg.depth if drafter is not None else 0
+    nodes = (1 if drafter is None else spec.budget + 1 if spec.tree == "ddtree" else depth + 1 if spec.tree == "chain"
+             else trees.static_tree_structure(tuple(spec.tree))[0].shape[0])
+    chunk = min(chunk_size, _round_up(prompt.size, 16))
+    padded = _round_up(prompt.size, chunk)
+    if padded + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
+        raise ValueError(f"a prompt of {prompt.size} tokens and {spec.max_new_tokens} new ones do not fit the "
+                         f"batch's {cache.max_len} positions per sequence")
+    ids = np.zeros((batch, padded), np.int32)
+    ids[:, :prompt.size] = prompt
+    lens = np.full((batch,), prompt.size, np.int32)
+    fresh = kv_pool.init_cache(target.cfg, batch, cache.max_len, num_slots=cache.num_slots, dtype=cache.pages.dtype)
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:
+        fresh = replicate(fresh, mesh)
+    hidden_layers = drafter.target_layer_ids if drafter is not None else ()
+    last_logits, hidden, fresh = prefill(target, fresh, ids, lens, chunk_size=chunk, hidden_layers=hidden_layers,
+                                         impl=spec.impl)
+    fresh_dcache = None
+    if drafter is not None:
+        fresh_dcache = _extend_drafter(drafter, drafter.init_cache(batch, cache.max_len), hidden, jnp.asarray(lens))
+    first = _first_token(last_logits, spec, jax.random.fold_in(jax.random.key(seed), 1 << 30))
+    return _adopt_row(state, fresh, fresh_dcache, jnp.asarray(row, jnp.int32), first)
 
 
 @jax.jit
@@ -468,24 +673,58 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
     return state, (drafter if req.use_drafter else None), t_prefill
 
 
-def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool):
+def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
+              chunk_steps: int = 0, on_chunk=None):
     """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
     only), optionally profile it once on a copy of the state, run it: -> (final state, compile s, decode s,
-    step profile or None)."""
+    step profile or None, host syncs). chunk_steps 0: the whole decode in one call (`decode_loop`); k: the
+    chunked loop (`ChunkedLoop`), on_chunk(tokens, start, num_out) after each chunk."""
     t1 = time.perf_counter()
-    loop = decode_loop.lower(target, drafter, state, spec=spec).compile()
+    if chunk_steps:
+        runner = ChunkedLoop(target, drafter, spec, chunk_steps)
+        loop, args = runner.compile(state), (runner.leaves, runner.loop_weights)
+        steps_of = lambda out: out.state.step  # noqa: E731 - the profiled call is one chunk
+    else:
+        loop, args = decode_loop.lower(target, drafter, state, spec=spec).compile(), (target, drafter)
+        steps_of = lambda out: out.step  # noqa: E731
     t_compile = time.perf_counter() - t1
+    host_loops = _host_driven_loops(loop, (jax.tree.structure((target, drafter)), spec, chunk_steps,
+                                           str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
     step_profile = None
     if profile:
         copy = jax.tree.map(jnp.copy, state)  # the loop donates its state
-        step_profile = profiling.profile_call(loop, (target, drafter, copy), steps_of=lambda out: out.step)
+        step_profile = profiling.profile_call(loop, (*args, copy), steps_of=steps_of)
         del copy
     t1 = time.perf_counter()
-    final = loop(target, drafter, state)
+    if chunk_steps:
+        final, host_syncs = runner.run(state, on_chunk, max_chunks=-(-spec.max_new_tokens // chunk_steps) + 2)
+    else:
+        final, host_syncs = loop(*args, state), 1
+        if on_chunk is not None:
+            on_chunk(*jax.device_get((final.out, jnp.zeros_like(final.num_out), final.num_out)))
     final.num_out.block_until_ready()
     t_decode = time.perf_counter() - t1
     kv_pool.check_overflow(final.cache)
-    return final, t_compile, t_decode, step_profile
+    return final, t_compile, t_decode, step_profile, host_syncs, host_loops
+
+
+_HOST_LOOPS: dict = {}  # (models' structure, spec, chunk steps, state shapes) -> runtime.host_driven_loops
+
+
+def _host_driven_loops(compiled, key) -> Optional[int]:
+    """On a GPU, the compiled loop's while loops that no command buffer captures (each copies its predicate to the
+    host every step), once per program; None on other backends (their loops run from the host by design)."""
+    if jax.default_backend() != "gpu":
+        return None
+    if key not in _HOST_LOOPS:
+        _HOST_LOOPS[key] = runtime.host_driven_loops(compiled.as_text() or "")
+        if _HOST_LOOPS[key] and not _HOST_LOOPS.get("warned"):
+            _HOST_LOOPS["warned"] = True
+            warnings.warn("the decode loop runs from the host on this GPU (its while loop is in no command buffer: a "
+                          "host round trip per step); call kdtree_jax.runtime.configure() before the first JAX "
+                          "computation (python -m kdtree_jax.generate and the benchmarks do)", RuntimeWarning,
+                          stacklevel=3)
+    return _HOST_LOOPS[key]
 
 
 def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, t_prefill: float, t_compile: float,
@@ -525,7 +764,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
-             profile: bool = False) -> GenerateResult:
+             profile: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS, on_tokens=None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
@@ -538,9 +777,14 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     profile: first run the decode loop once under the profiler, on a copy of its starting state (memory for a
     second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
     idle time of the timed run (its step time less the union of the profiled step's kernels).
+    chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
+    at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`). on_tokens(batch_row, new_token_ids):
+    called with each sequence's first token after the prefill, then after every chunk with the tokens it added
+    (stop token included, never past max_new_tokens), while the device runs the next chunk; the calls of a row
+    concatenate to its `tokens`. chunk_size is the prefill's chunk (tokens per prefill pass).
 
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
-    `_run_loop` (compile, `decode_loop`), `_stats`.
+    `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
     """
     req = _validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
                     tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree)
@@ -555,12 +799,35 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices)
 
+    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 0:
+        raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
+    chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
+
     state, loop_drafter, t_prefill = _setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
                                             kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots)
-    final, t_compile, t_decode, step_profile = _run_loop(target, loop_drafter, state, spec, profile)
+    on_chunk = None
+    if on_tokens is not None:
+        streamed = [1] * len(req.prompts)  # output positions handed to on_tokens, per row
+        for b, token in enumerate(np.asarray(state.bonus).tolist()):
+            on_tokens(b, [token])
+
+        def on_chunk(chunk_tokens, start, num_out):
+            for b in range(chunk_tokens.shape[0]):
+                end = min(int(num_out[b]), max_new_tokens)
+                if end > streamed[b]:
+                    on_tokens(b, chunk_tokens[b, streamed[b] - int(start[b]):end - int(start[b])].tolist())
+                    streamed[b] = end
+
+    final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
+        target, loop_drafter, state, spec, profile, chunk_steps, on_chunk)
 
     out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
     tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
     stats = _stats(final, tokens, spec, req.num_nodes, t_prefill=t_prefill, t_compile=t_compile, t_decode=t_decode,
                    step_profile=step_profile)
+    # The host's reads of the loop's output: one per chunk (one for the whole loop with chunk_steps 0). On a GPU,
+    # XLA adds a read of the loop predicate per step unless a command buffer captures the loop (runtime.py).
+    # host_driven_loops (GPU only, else None): the compiled loop's while loops outside command buffers.
+    stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
+                 host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)

@@ -1,0 +1,100 @@
+"""What the decode loop needs from XLA, set before JAX starts its backends: `configure()`.
+
+On a GPU, XLA runs a `lax.while_loop` from the host unless a command buffer captures it: every iteration it copies
+the loop's predicate to the host and launches the body's kernels again, one host round trip per decode step. With
+command buffers for WHILE and CONDITIONAL, XLA records the loop as one CUDA graph with conditional nodes, and the
+steps of a chunk (kdtree_jax.speculative.engine.ChunkedLoop) run without the host. XLA reads its flags once, when
+the first backend starts (the first array or computation, not `import jax`), so:
+
+    import kdtree_jax.runtime
+    kdtree_jax.runtime.configure()   # before the first JAX computation of the process
+    import kdtree_jax                 # ... and use it as usual
+
+The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. It changes nothing
+on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if they already choose command buffers
+(`--xla_gpu_enable_command_buffer`), and does nothing with KDTREE_JAX_COMMAND_BUFFERS=0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+
+# XLA's command-buffer types: the default set (fusions, cuBLAS/cuBLASLt calls, custom calls such as the verify
+# kernel and the expert MLP, both marked command-buffer compatible) plus control flow. min_graph_size 1: capture
+# even a loop body of one kernel (the default, 5, leaves small programs to the host).
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "WHILE", "CONDITIONAL")
+COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFFER_TYPES)} "
+                        "--xla_gpu_graph_min_graph_size=1")
+ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
+
+
+def backends_started() -> bool:
+    """Whether JAX has started a backend in this process (after which XLA_FLAGS are no longer read)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(bridge is not None and bridge.backends_are_initialized())
+
+
+def configure(command_buffers: bool | None = None) -> bool:
+    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU. Call it before the
+    process's first JAX computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False
+    leaves XLA_FLAGS as they are. Returns whether the flags are in XLA_FLAGS now (set here or before)."""
+    if command_buffers is None:
+        command_buffers = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not command_buffers:
+        return False
+    if "--xla_gpu_enable_command_buffer" in flags:  # the user's own choice wins
+        return command_buffers_configured()
+    if backends_started():
+        warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
+                      "already, so a GPU decode loop copies its predicate to the host every step; call it before "
+                      "the first JAX computation", RuntimeWarning, stacklevel=2)
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " + COMMAND_BUFFER_FLAGS).strip()
+    return True
+
+
+def command_buffers_configured() -> bool:
+    """Whether XLA_FLAGS let a command buffer capture while loops (what XLA read, if its backend has started
+    since XLA_FLAGS last changed)."""
+    match = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    return bool(match) and "WHILE" in match[-1].upper().split(",")
+
+
+def host_driven_loops(hlo_text: str) -> int:
+    """While loops of a compiled program (`Compiled.as_text()`) that no command buffer captures. On a GPU each runs
+    from the host, its predicate copied to the host every iteration; XLA outlines a captured loop into a computation
+    named `command_buffer...` (or called by an instruction of that name). On a CPU every loop counts (the CPU runs
+    them from the host, in host memory, where that costs nothing)."""
+    computations, current = {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None and line.strip() and line.strip() != "}":
+            current.append(line)
+    calls = {name: set() for name in computations}
+    roots, loops = set(), []
+    for name, lines in computations.items():
+        if name.startswith("command_buffer"):
+            roots.add(name)
+        for line in lines:
+            called = set(re.findall(r"(?:to_apply|body|condition|calls)=%?([\w.\-]+)", line))
+            for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", line):
+                called |= {c.strip().lstrip("%") for c in group.split(",") if c.strip()}
+            calls[name] |= called
+            instr = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+            if instr and instr.group(1).startswith("command_buffer"):
+                roots |= called
+            if re.search(r"\swhile\(", line) and "body=" in line:
+                loops.append(name)
+    captured, stack = set(), list(roots)
+    while stack:
+        name = stack.pop()
+        if name not in captured:
+            captured.add(name)
+            stack.extend(calls.get(name, ()))
+    return sum(1 for name in loops if name not in captured)

@@ -1,0 +1,197 @@
+"""The device-resident loop in chunks (issue 23, deliverable 1): k steps per host iteration, output handed to the
+host after each chunk (streaming, issue 25), a batch row replaced between chunks without compiling anything, and
+what `kdtree_jax.runtime` sets before JAX starts. CPU, the embedded default pair in float32."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from kdtree_jax import runtime
+from kdtree_jax.speculative import engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(ROOT, "checkpoints", "default")
+needs_default = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json")),
+                                   reason="checkpoints/default is not there")
+LENGTH = 16  # every prompt is cut to this many tokens: a replaced row then has the shapes of the batch's prompts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from kdtree_jax import load_checkpoint
+
+    return load_checkpoint(DEFAULT, dtype="auto")
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    from kdtree_jax import corpus
+
+    tokenizer = pair[2]
+    docs = [tokenizer.encode(d.text) for d in corpus.documents("eval")]
+    docs = [ids for ids in docs if len(ids) > 200]
+    return [docs[i][100 + 7 * i:100 + 7 * i + LENGTH] for i in range(3)]  # held-out text, three files
+
+
+def _generate(pair, prompts, **kwargs):
+    target, drafter, _ = pair
+    kwargs = {"max_new_tokens": 24, "budget": 16, "tree_temperature": 0.6, **kwargs}
+    return engine.generate(target, drafter, prompts, **kwargs)
+
+
+@needs_default
+@pytest.mark.parametrize("budget,k", [(16, 3), (0, 1)])
+def test_chunked_output_equals_whole_loop_and_streams_it(pair, prompts, budget, k):
+    """Greedy output is the same whether the loop runs whole (chunk_steps 0) or in chunks (of 3 DDTree steps; of 1
+    autoregressive step: a host read per step), and the on_tokens calls of each row concatenate to its output
+    (first token first, nothing past max_new_tokens)."""
+    batch = [prompts[0], prompts[1][:11]]  # ragged
+    whole = _generate(pair, batch, budget=budget, chunk_steps=0)
+    assert whole.stats["host_syncs"] == 1
+    if True:
+        streamed = {0: [], 1: []}
+        calls = []
+
+        def on_tokens(row, ids):
+            calls.append(row)
+            streamed[row].extend(ids)
+
+        res = _generate(pair, batch, budget=budget, chunk_steps=k, on_tokens=on_tokens)
+        assert res.tokens == whole.tokens, k
+        assert res.stats["tau"] == whole.stats["tau"] and res.stats["steps"] == whole.stats["steps"]
+        assert [streamed[0], streamed[1]] == res.tokens
+        assert all(len(t) == 24 for t in res.tokens)
+        assert calls.count(0) >= 2  # the first token, then the chunks
+        # one read per chunk of k steps, and one more for the chunk that found every sequence done
+        assert res.stats["chunk_steps"] == k
+        assert -(-res.stats["steps"] // k) <= res.stats["host_syncs"] <= -(-res.stats["steps"] // k) + 1
+        assert res.stats["host_driven_loops"] is None  # reported on a GPU only
+
+
+@needs_default
+def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
+    """Row 1 gets a new prompt after the first chunk: no trace (= no compile) of the chunk program, the row's
+    output is the one the new prompt gets from the start (same batch shapes), row 0 goes on unaffected."""
+    target, drafter, _ = pair
+    k = 3
+    kwargs = dict(max_new_tokens=24, budget=16, tree_temperature=0.6, chunk_steps=k)
+    ref_ab = engine.generate(target, drafter, [prompts[0], prompts[1]], **kwargs).tokens
+    ref_ac = engine.generate(target, drafter, [prompts[0], prompts[2]], **kwargs).tokens
+
+    spec = engine.SpecConfig(budget=16, tree_temperature=0.6, max_new_tokens=24)
+    req = engine._validate(target, drafter, [prompts[0], prompts[1]], max_new_tokens=24, budget=16, topk=4,
+                           tree_temperature=0.6, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine._setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
+                                           num_moe=sum(layer.is_moe for layer in target.layers),
+                                           slots=next(layer.mlp.num_slots for layer in target.layers if layer.is_moe))
+    loop = engine.ChunkedLoop(target, loop_drafter, spec, steps=k)  # the jitted path: its cache shows compiles
+    out = loop(loop(state).state)  # two chunks: the second call's arguments are the steady state's (committed)
+    traces, programs = engine._TRACES["decode_chunk"], engine._decode_chunk._cache_size()
+    first_out = np.asarray(out.state.out[0])
+    state = engine.replace_row(target, loop_drafter, out.state, 1, prompts[2], spec=spec)
+    adopt_programs = engine._adopt_row._cache_size()
+    while True:
+        out = loop(state)
+        state = out.state
+        if not bool(out.any_active):
+            break
+    assert engine._TRACES["decode_chunk"] == traces and engine._decode_chunk._cache_size() == programs
+    final_out, num_out = np.asarray(state.out), np.asarray(state.num_out)
+    assert final_out[0, :min(num_out[0], 24)].tolist() == ref_ab[0]
+    assert final_out[1, :min(num_out[1], 24)].tolist() == ref_ac[1]
+    assert (first_out == final_out[0])[first_out >= 0].all()
+    assert not bool(state.cache.overflow)
+    # A second replacement (another row) reuses the row-adoption program; the pool's accounting holds.
+    state = engine.replace_row(target, loop_drafter, state, 0, prompts[1], spec=spec)
+    assert engine._adopt_row._cache_size() == adopt_programs
+    live = int(np.asarray(state.cache.seq_lens).sum())
+    assert int(state.cache.num_free) == state.cache.num_slots - live
+    state = engine.reset_row(state, 0)
+    assert int(state.cache.num_free) == state.cache.num_slots - int(np.asarray(state.cache.seq_lens).sum())
+    assert not bool(state.active[0]) and int(state.num_out[0]) == 0
+
+
+@needs_default
+def test_cli_streams_text_as_chunks_arrive(monkeypatch):
+    """The CLI writes the echoed prompt and the text in several pieces as the loop hands tokens over (not one write
+    at the end), and what it wrote is the prompt and the final text."""
+    import json
+
+    from kdtree_jax.generate import main as cli_main
+
+    argv = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "0"]
+
+    class Recorder(io.StringIO):
+        writes = 0
+
+        def write(self, s):
+            Recorder.writes += bool(s)
+            return super().write(s)
+
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli_main(argv) == 0
+    streamed = out.getvalue()
+    assert Recorder.writes >= 3  # the prompt with the first token, the chunks (40 steps / 8), the end
+    json_out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", json_out)
+    assert cli_main(argv + ["--json"]) == 0
+    record = json.loads(json_out.getvalue())
+    assert streamed == record["prompt"] + record["text"] + "\n"
+
+
+def test_runtime_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    # JAX is running in this process: too late to set flags, and configure() says so.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert runtime.configure() is False
+    assert any("after JAX started" in str(w.message) for w in caught)
+    monkeypatch.setenv(runtime.ENV_SWITCH, "0")
+    assert runtime.configure() is False
+    monkeypatch.delenv(runtime.ENV_SWITCH)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")  # the user's choice wins
+    assert runtime.configure() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
+    monkeypatch.setenv("XLA_FLAGS", runtime.COMMAND_BUFFER_FLAGS)
+    assert runtime.command_buffers_configured() and runtime.configure() is True
+
+
+def test_configure_before_jax_starts():
+    """In a fresh process configure() sets the flags, and XLA (here the CPU backend) accepts them."""
+    code = ("import os, kdtree_jax.runtime as r; assert r.configure() is True; "
+            "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS']; "
+            "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.ENV_SWITCH)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "6"
+
+
+def test_host_driven_loops():
+    """A while loop counts unless it lives in (or under) a command-buffer computation."""
+    text = """%command_buffer (p: f32[3]) -> f32[3] {
+  %w = (s32[]) while(%t), condition=%c, body=%b
+}
+
+%b (x: s32[]) -> s32[] {
+  %w2 = (s32[]) while(%t), condition=%c2, body=%b2
+}
+
+ENTRY %main (x: f32[3]) -> f32[3] {
+  %call = f32[3] call(%x), to_apply=%command_buffer
+  ROOT %w3 = (s32[]) while(%t), condition=%c3, body=%b3
+}
+"""
+    assert runtime.host_driven_loops(text) == 1
+    assert runtime.host_driven_loops(text.replace("  ROOT %w3 = (s32[]) while(%t), condition=%c3, body=%b3\n", "")) == 0
+    f = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)))
+    assert runtime.host_driven_loops(f.lower(np.ones(3, np.float32)).compile().as_text()) == 1
