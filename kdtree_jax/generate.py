@@ -203,11 +203,29 @@ class Heartbeat:
         while not self._done.wait(self.every):
             print(f"  ... {self.what}: {time.perf_counter() - self.t0:.0f} s", file=sys.stderr, flush=True)
 
+    def stop(self):
+        """No more lines (idempotent): e.g. once streamed text shows the progress itself."""
+        self._done.set()
+
     def __exit__(self, *exc):
         self._done.set()
         if self._thread is not None:
             self._thread.join()
         return False
+
+
+class _stop_first:
+    """An on_tokens callback that stops a Heartbeat before handing the tokens on (keeps the stream's finish())."""
+
+    def __init__(self, beat: Heartbeat, stream):
+        self.beat, self.stream = beat, stream
+
+    def __call__(self, row, new_ids):
+        self.beat.stop()
+        return self.stream(row, new_ids)
+
+    def finish(self, text: str):
+        return self.stream.finish(text)
 
 
 def summary_lines(stats: dict, *, load_seconds: float, wall_seconds: float) -> list[str]:
@@ -258,7 +276,9 @@ def main(argv=None) -> int:
               f"{args.max_new_tokens} new tokens ...]", file=sys.stderr, flush=True)
     stream = None if args.json else TokenStream(tokenizer, echo_prompt(prompt))  # text as the loop accepts it
     try:
-        with Heartbeat("prefill, compile and decode", enabled=not args.json):
+        with Heartbeat("prefill, compile and decode", enabled=not args.json) as beat:
+            if stream is not None:  # the heartbeat stops at the first streamed token: the text shows progress then
+                stream = _stop_first(beat, stream)
             res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                                   topk=args.topk, tree_temperature=args.tree_temperature,
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
