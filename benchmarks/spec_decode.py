@@ -473,7 +473,8 @@ def render(result: dict) -> str:
             syncs = max((r.get("host_syncs_per_step", 0) for r in sub), default=0)
             loops = {r.get("host_driven_loops") for r in sub} - {None}
             label += (f", {'the whole decode in one call' if chunk == 0 else f'{chunk} steps a chunk'} (host reads "
-                      f"<= {syncs:.3f} a step; command buffers {'on' if m.get('command_buffers') else 'off'}"
+                      f"<= {syncs:.3f} a step; command buffers "
+                      f"{('on' if m.get('command_buffers') else 'off') if m['backend'] == 'gpu' else 'n/a (CPU)'}"
                       + (f", while loops run from the host: {', '.join(map(str, sorted(loops)))}" if loops else "")
                       + ")")
         greedy = temperature == 0
