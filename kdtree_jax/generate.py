@@ -3,6 +3,8 @@
     python -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 64
     python -m kdtree_jax.generate --prompt "..." --budget 32 --topk 4 --temperature 0.7 --json
     python -m kdtree_jax.generate --prompt-file long_prompt.txt      # or: ... | python -m kdtree_jax.generate --prompt -
+    python -m kdtree_jax.generate --prompt "def f(x):" --stop "\n\n" --no-echo
+    python -m kdtree_jax.generate --batch-file prompts.jsonl > out.jsonl   # {"prompt": ...} a line in, a record a line out
 
 Every argument is checked before any device work (the context, the tree's size, the memory a run needs): a bad one
 is a one-line `error: ...` on stderr and exit status 2. Progress (load, prefill + compile) goes to stderr.
@@ -39,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue; '-' reads it from standard input")
     source.add_argument("--prompt-file", metavar="PATH", help="read the text to continue from this file (UTF-8)")
+    source.add_argument("--batch-file", metavar="PATH",
+                        help="a batch of prompts, one JSON object a line ({\"prompt\": \"...\"}; '-': standard "
+                             "input), decoded together; prints one JSON record a line (index, prompt, text, tokens, "
+                             "finish_reason, stats) on stdout")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end a sequence when its generated text contains STRING; the output is cut before it "
+                        "(repeatable; escapes such as \\n are read as Python string escapes)")
+    p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
     p.add_argument("--checkpoint", default=None,
                    help="model directory: a kdtree_jax checkpoint (Orbax: target, drafter, tokenizer; made by "
                         "save_checkpoint, `python -m kdtree_jax.convert_hf` or `python -m kdtree_jax.train`) or an HF "
@@ -155,6 +165,84 @@ def read_prompt(args) -> str:
     return text
 
 
+def read_batch(path: str) -> list[str]:
+    """The prompts of --batch-file PATH ('-': standard input): one JSON object a line with a string "prompt";
+    blank lines are skipped."""
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--batch-file {path}: {e.strerror if isinstance(e, OSError) else e}")
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            _fail(f"--batch-file {path} line {n}: not JSON ({e.msg})")
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            _fail(f"--batch-file {path} line {n}: expected an object with a string \"prompt\"")
+        if not record["prompt"]:
+            _fail(f"--batch-file {path} line {n}: the prompt is empty")
+        prompts.append(record["prompt"])
+    if not prompts:
+        _fail(f"--batch-file {path} holds no prompt")
+    return prompts
+
+
+def parse_stops(values) -> list[str]:
+    """--stop values with Python string escapes read (so that a shell's '\\n' is a newline)."""
+    stops = []
+    for v in values:
+        try:
+            text = v.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError:
+            text = v
+        if not text:
+            _fail("--stop must not be empty")
+        stops.append(text)
+    return stops
+
+
+def stop_token_ids(tokenizer, stops) -> list[int]:
+    """The stops that are one token of their own (the loop stops on those on the device; the rest are matched in
+    the text on the host after each chunk)."""
+    ids = []
+    for s in stops:
+        enc = tokenizer.encode(s)
+        if len(enc) == 1 and tokenizer.decode(enc) == s:
+            ids.append(enc[0])
+    return ids
+
+
+def find_stop(text: str, stops) -> int | None:
+    """Where the first stop string starts in text, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def cut_at_stop(text: str, stops) -> tuple[str, bool]:
+    """(text cut before its first stop string, whether one was found)."""
+    i = find_stop(text, stops)
+    return (text, False) if i is None else (text[:i], True)
+
+
+class StopWatch:
+    """`generate`'s on_tokens for a batch: ends a row (returns True) once its text contains a stop string."""
+
+    def __init__(self, tokenizer, stops):
+        self.tokenizer, self.stops, self.ids = tokenizer, stops, {}
+
+    def __call__(self, row: int, new_ids):
+        ids = self.ids.setdefault(row, [])
+        ids.extend(new_ids)
+        return bool(self.stops) and find_stop(self.tokenizer.decode(ids), self.stops) is not None
+
+
 def check_flags(args) -> None:
     """The checks that need no model, before loading one (the rest come from generate's own validation)."""
     if args.max_new_tokens < 1:
@@ -253,6 +341,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
     check_flags(args)
+    stops = parse_stops(args.stop)
+    if args.batch_file is not None:
+        return run_batch(args, tree, stops, t_start)
     prompt = read_prompt(args)
     if not args.json:
         print("[loading the model ...]", file=sys.stderr, flush=True)
@@ -265,39 +356,92 @@ def main(argv=None) -> int:
         _fail("the prompt encodes to no tokens")
     if args.top_k_sampling > target.cfg.vocab_size:
         _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
+    stop_ids = stop_token_ids(tokenizer, stops)
     try:  # every argument against the model (context, tree size, memory) before any device work
         engine._validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                         tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=(), tree=tree)
+                         tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids,
+                         tree=tree)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     if not args.json:
         print(f"[{description}; loaded in {load_seconds:.1f} s]", file=sys.stderr)
         print(f"[prefill of {len(ids):,} prompt tokens, then the decode loop's compile (once per shape) and "
               f"{args.max_new_tokens} new tokens ...]", file=sys.stderr, flush=True)
-    stream = None if args.json else TokenStream(tokenizer, echo_prompt(prompt))  # text as the loop accepts it
+    # Text as the loop accepts it (or, with --json, only the stop strings watched)
+    stream = (StopWatch(tokenizer, stops) if args.json else
+              TokenStream(tokenizer, "" if args.no_echo else echo_prompt(prompt), stops=stops))
     try:
         with Heartbeat("prefill, compile and decode", enabled=not args.json) as beat:
-            if stream is not None:  # the heartbeat stops at the first streamed token: the text shows progress then
+            if not args.json:  # the heartbeat stops at the first streamed token: the text shows progress then
                 stream = _stop_first(beat, stream)
             res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                                   topk=args.topk, tree_temperature=args.tree_temperature,
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
-                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile, on_tokens=stream)
+                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
+                                  stop_ids=stop_ids, on_tokens=stream)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
-    text = tokenizer.decode(tokens)
+    text, finish_reason = finished_text(tokenizer, tokens, stops, stop_ids, args.max_new_tokens)
     stats = res.stats
     wall_seconds = time.perf_counter() - t_start
     if args.json:
         stats = {**stats, "load_seconds": load_seconds, "wall_seconds": wall_seconds}
-        print(json.dumps({"prompt": prompt, "text": text, "tokens": tokens, "model": description, "stats": stats}))
+        print(json.dumps({"prompt": prompt, "text": text, "tokens": tokens, "finish_reason": finish_reason,
+                          "model": description, "stats": stats}))
         return 0
     stream.finish(text)
     for line in summary_lines(stats, load_seconds=load_seconds, wall_seconds=wall_seconds):
         print(line, file=sys.stderr)
     if args.profile:
         print(profile_line(stats["profile"]), file=sys.stderr)
+    return 0
+
+
+def finished_text(tokenizer, tokens, stops, stop_ids, max_new_tokens) -> tuple[str, str]:
+    """A sequence's text, cut before its first stop string, and why it ended: 'stop' (a stop string; the tokens may
+    run up to a chunk past it) or 'length' (max_new_tokens)."""
+    text, stopped = cut_at_stop(tokenizer.decode(tokens), stops)
+    if stopped or (tokens and tokens[-1] in stop_ids) or len(tokens) < max_new_tokens:
+        return text, "stop"
+    return text, "length"
+
+
+def run_batch(args, tree, stops, t_start) -> int:
+    """--batch-file: every prompt of the file in one batch; one JSON record a line per prompt on stdout."""
+    prompts = read_batch(args.batch_file)
+    print(f"[loading the model for {len(prompts)} prompts ...]", file=sys.stderr, flush=True)
+    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
+    load_seconds = time.perf_counter() - t_start
+    if args.tree_temperature is None:
+        args.tree_temperature = recommended
+    ids = [tokenizer.encode(p) for p in prompts]
+    for i, row in enumerate(ids):
+        if not row:
+            _fail(f"--batch-file prompt {i + 1} encodes to no tokens")
+    if args.top_k_sampling > target.cfg.vocab_size:
+        _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
+    stop_ids = stop_token_ids(tokenizer, stops)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
+                  tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree)
+    try:
+        engine._validate(target, drafter, ids, **kwargs)
+        print(f"[{description}; loaded in {load_seconds:.1f} s; decoding {len(ids)} prompts together ...]",
+              file=sys.stderr, flush=True)
+        with Heartbeat("prefill, compile and decode"):
+            res = engine.generate(target, drafter, ids, **kwargs, top_k=args.top_k_sampling, top_p=args.top_p,
+                                  seed=args.seed, impl=args.impl, on_tokens=StopWatch(tokenizer, stops))
+    except ValueError as e:
+        _fail(_as_flags(str(e)))
+    stats = {**res.stats, "load_seconds": load_seconds, "wall_seconds": time.perf_counter() - t_start,
+             "batch_size": len(prompts)}
+    for i, (prompt, tokens) in enumerate(zip(prompts, res.tokens)):
+        text, finish_reason = finished_text(tokenizer, tokens, stops, stop_ids, args.max_new_tokens)
+        print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": tokens,
+                          "finish_reason": finish_reason, "model": description,
+                          "stats": {**stats, "new_tokens": len(tokens)}}), flush=True)
+    print(f"{len(prompts)} prompts, {sum(len(t) for t in res.tokens)} tokens in {stats['wall_seconds']:.1f} s end "
+          f"to end; tau {stats['tau']:.2f} tokens per target pass", file=sys.stderr)
     return 0
 
 
@@ -320,11 +464,14 @@ class TokenStream:
     """`generate`'s on_tokens for one sequence: writes the text to `out` as the decode loop hands over tokens (after
     the prefill, then after every chunk of steps), `prefix` (the echoed prompt) first. Each time it decodes all the
     tokens so far and writes what is new, holding back a trailing U+FFFD (the first bytes of a character whose
-    last bytes are still to come); finish(text) writes the rest of the final text and a newline."""
+    last bytes are still to come); finish(text) writes the rest of the final text and a newline.
 
-    def __init__(self, tokenizer, prefix: str = "", out=None):
-        self.tokenizer, self.prefix, self.out = tokenizer, prefix, out
-        self.ids, self.shown, self.started = [], "", False
+    stops: stop strings; the text is shown up to the first one and never past it (an end that could begin one is
+    held back until the next tokens decide), and the call that finds one returns True (generate ends the row)."""
+
+    def __init__(self, tokenizer, prefix: str = "", out=None, stops=()):
+        self.tokenizer, self.prefix, self.out, self.stops = tokenizer, prefix, out, list(stops)
+        self.ids, self.shown, self.started, self.stopped = [], "", False, False
 
     def _write(self, text: str):
         out = self.out or sys.stdout
@@ -337,11 +484,18 @@ class TokenStream:
     def __call__(self, row: int, new_ids):
         if row != 0:
             return
+        if self.stopped:
+            return True
         self.ids.extend(new_ids)
         text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        text, self.stopped = cut_at_stop(text, self.stops)
+        if not self.stopped:  # hold back an end that may be the start of a stop string
+            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
         if text.startswith(self.shown) and len(text) > len(self.shown):
             self._write(text[len(self.shown):])
             self.shown = text
+        return self.stopped
 
     def finish(self, text: str):
         self._write((text[len(self.shown):] if text.startswith(self.shown) else "") + "\n")

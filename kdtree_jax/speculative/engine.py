@@ -297,7 +297,8 @@ class ChunkedLoop:
     def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
         """Chunks until no sequence is active: -> (final state, chunks the host read).
 
-        on_chunk(tokens [B, k*(D+1)], start [B], num_out [B]) (numpy) after each chunk, while the next one runs.
+        on_chunk(tokens [B, k*(D+1)], start [B], num_out [B]) (numpy) after each chunk, while the next one runs; it
+        may return batch rows to end (they stop after the chunk in flight).
         The host enqueues chunk i + 1 before it reads chunk i; the chunk after the last one finds nothing active
         and runs no step."""
         current = self(state)
@@ -307,13 +308,20 @@ class ChunkedLoop:
             tokens, start, num_out, more = jax.device_get(
                 (current.tokens, current.start, current.num_out, current.any_active))
             chunks += 1
-            if on_chunk is not None:
-                on_chunk(tokens, start, num_out)
+            finished = on_chunk(tokens, start, num_out) if on_chunk is not None else None
             current = following
+            if finished:  # rows the host ended (a stop string): inactive from the chunk after the one in flight
+                current = current._replace(state=_deactivate(current.state, finished))
             if not more:
                 return current.state, chunks
             if max_chunks is not None and chunks >= max_chunks:
                 raise RuntimeError(f"the decode loop did not finish within {max_chunks} chunks")
+
+
+def _deactivate(state: LoopState, rows) -> LoopState:
+    """The state with these batch rows inactive (the loop runs no more steps for them)."""
+    rows = jnp.asarray(sorted(set(int(r) for r in rows)), jnp.int32)
+    return state._replace(active=state.active.at[rows].set(False))
 
 
 def _reset_row_state(state: LoopState, row) -> LoopState:
@@ -798,7 +806,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`). on_tokens(batch_row, new_token_ids):
     called with each sequence's first token after the prefill, then after every chunk with the tokens it added
     (stop token included, never past max_new_tokens), while the device runs the next chunk; the calls of a row
-    concatenate to its `tokens`. chunk_size is the prefill's chunk (tokens per prefill pass).
+    concatenate to its `tokens`. on_tokens returning True ends that row (e.g. a stop string the host found in its
+    text): it gets no more calls and no more steps after the chunk in flight, so its `tokens` may run up to a chunk
+    past the point it was ended. chunk_size is the prefill's chunk (tokens per prefill pass).
 
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
@@ -825,15 +835,23 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     on_chunk = None
     if on_tokens is not None:
         streamed = [1] * len(req.prompts)  # output positions handed to on_tokens, per row
+        ended = set()  # rows whose on_tokens returned True
         for b, token in enumerate(np.asarray(state.bonus).tolist()):
-            on_tokens(b, [token])
+            if on_tokens(b, [token]):
+                ended.add(b)
+        if ended:
+            state = _deactivate(state, ended)
 
         def on_chunk(chunk_tokens, start, num_out):
+            finished = []
             for b in range(chunk_tokens.shape[0]):
                 end = min(int(num_out[b]), max_new_tokens)
-                if end > streamed[b]:
-                    on_tokens(b, chunk_tokens[b, streamed[b] - int(start[b]):end - int(start[b])].tolist())
+                if end > streamed[b] and b not in ended:
+                    if on_tokens(b, chunk_tokens[b, streamed[b] - int(start[b]):end - int(start[b])].tolist()):
+                        ended.add(b)
+                        finished.append(b)
                     streamed[b] = end
+            return finished
 
     final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
         target, loop_drafter, state, spec, profile, chunk_steps, on_chunk)

@@ -1,0 +1,101 @@
+"""`python -m kdtree_jax.generate`: --stop, --batch-file, --no-echo, streaming read as it arrives (issue 25 item 6)."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+from kdtree_jax.generate import TokenStream, main as cli_main
+from kdtree_jax.tokenizer import ByteTokenizer
+
+BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8"]
+
+
+def _json(capsys, argv):
+    assert cli_main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stop_string_cuts_the_text_and_ends_the_row(capsys):
+    plain = _json(capsys, BASE)
+    assert "return" in plain["text"] and plain["finish_reason"] == "length"
+    cut = plain["text"][:plain["text"].index("return")]
+    stopped = _json(capsys, BASE + ["--stop", "return", "--stop", "no such text"])
+    assert stopped["text"] == cut and stopped["finish_reason"] == "stop"
+    # Streamed without the prompt: the same cut text, the stop string never shown.
+    assert cli_main(BASE + ["--stop", "return", "--no-echo"]) == 0
+    assert capsys.readouterr().out == cut + "\n"
+    # A stop in the first token ends the row before the decode loop runs a step (generate's on_tokens -> True);
+    # '\n' is one token, so it is also a stop id the loop checks on the device.
+    assert plain["text"].startswith("\n")
+    first = _json(capsys, BASE + ["--stop", "\\n"])
+    assert first["text"] == "" and first["tokens"] == plain["tokens"][:1] and first["finish_reason"] == "stop"
+
+
+def test_token_stream_holds_back_what_may_start_a_stop():
+    out = io.StringIO()
+    stream = TokenStream(ByteTokenizer(), "P:", out=out, stops=["END"])
+    assert not stream(0, list(b"abc E"))
+    assert out.getvalue() == "P:abc "  # 'E' may begin 'END'
+    assert not stream(0, list(b"Nx"))
+    assert out.getvalue() == "P:abc ENx"  # it did not
+    assert not stream(0, list(b" EN"))
+    assert out.getvalue() == "P:abc ENx "  # 'EN' held back
+    assert stream(0, list(b"D tail"))  # the stop: the row ends, nothing from it on is shown
+    assert out.getvalue() == "P:abc ENx " and stream.stopped
+    assert stream(0, list(b"more"))
+    stream.finish("abc ENx ")
+    assert out.getvalue() == "P:abc ENx \n"
+
+
+def test_batch_file_jsonl_in_jsonl_out(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n" + json.dumps({"prompt": "class Parser:"}) + "\n")
+    assert cli_main(["--batch-file", str(path), "--max-new-tokens", "12", "--budget", "0", "--stop", "return"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["index"] for r in records] == [0, 1]
+    assert [r["prompt"] for r in records] == ["def f(x):", "class Parser:"]
+    for r in records:
+        assert "return" not in r["text"] and r["finish_reason"] in ("stop", "length")
+        assert r["stats"]["batch_size"] == 2 and r["stats"]["new_tokens"] == len(r["tokens"]) <= 12
+        assert r["stats"]["tau"] >= 1
+    # Bad files are one-line errors naming the line.
+    path.write_text('{"prompt": "a"}\nnot json\n')
+    assert cli_error(capsys, ["--batch-file", str(path)]).startswith(f"error: --batch-file {path} line 2: not JSON")
+    path.write_text('{"text": "a"}\n')
+    assert 'line 1: expected an object with a string "prompt"' in cli_error(capsys, ["--batch-file", str(path)])
+    path.write_text("\n")
+    assert "holds no prompt" in cli_error(capsys, ["--batch-file", str(path)])
+
+
+def cli_error(capsys, argv):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_streamed_output_arrives_before_the_process_ends():
+    """Read the CLI's stdout as it arrives: the first text comes while the process still runs (the first token is
+    handed over after the prefill, before the loop's compile), and the whole of it is the prompt-less text."""
+    proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.generate", "--prompt", "class Parser:", "--no-echo",
+                             "--max-new-tokens", "16", "--budget", "0", "--stop", "no such text"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = os.read(proc.stdout.fileno(), 1 << 16)
+        assert first and proc.poll() is None  # text before the end
+        rest = proc.stdout.read()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 0, err
+    text = (first + rest).decode()
+    assert not text.startswith("class Parser:") and text.endswith("\n") and len(text) > 10
+    assert "tau" in err
