@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
-    p.add_argument("--budget", type=int, default=16,
-                   help="DDTree nodes per step besides the root (0: plain autoregressive decoding; at most "
-                        f"{engine.MAX_TREE_NODES - 1})")
+    p.add_argument("--budget", type=int, default=None,
+                   help="DDTree nodes per step besides the root (default 16; 0: plain autoregressive decoding; at most "
+                        f"{engine.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or static tree has its own size")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
@@ -93,8 +93,15 @@ def _parse_tree(value: str):
     return shape
 
 
+def notice(message: str) -> None:
+    """A one-line notice on stderr: something the run does that the flags did not say."""
+    print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
 def load_models(checkpoint: str | None, dtype: str = "auto"):
-    """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature)."""
+    """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature).
+
+    A checkpoint without tokenizer files is read and written as UTF-8 bytes (token ids 0-255): a notice says so."""
     import kdtree_jax
     from kdtree_jax.checkpoint import recommended_tree_temperature
     from kdtree_jax.model.drafter import DrafterConfig, init_drafter
@@ -113,15 +120,25 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
     try:
         if os.path.exists(os.path.join(checkpoint, "config.json")):
             cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
-            return (target, None, load_tokenizer(checkpoint),
-                    f"HF checkpoint {checkpoint} (no drafter: autoregressive)", 1.0)
+            tokenizer = load_tokenizer(checkpoint)
+            _byte_notice(checkpoint, tokenizer, target)
+            return (target, None, tokenizer, f"HF checkpoint {checkpoint} (no drafter: autoregressive)", 1.0)
         target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint, dtype=dtype)
+        _byte_notice(checkpoint, tokenizer, target)
     except (ValueError, OSError) as e:
         _fail(f"--checkpoint {checkpoint!r}: {_one_line(e)}")
     except Exception as e:  # noqa: BLE001 - a corrupt Orbax piece fails deep inside Orbax / TensorStore
         _fail(f"--checkpoint {checkpoint!r} could not be read ({type(e).__name__}: {_one_line(e)})")
     return (target, drafter, tokenizer, f"checkpoint {checkpoint} ({jnp.dtype(target.dtype).name})",
             recommended_tree_temperature(checkpoint))
+
+
+def _byte_notice(checkpoint, tokenizer, target) -> None:
+    from kdtree_jax.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        notice(f"{checkpoint} has no tokenizer (tokenizer.json or tiktoken.model): text is encoded and decoded as "
+               f"UTF-8 bytes, token ids 0-255 of the model's {target.cfg.vocab_size}")
 
 
 ECHO_LIMIT = 2000  # characters of the prompt echoed to stdout; a longer prompt's echo is cut to its end
@@ -243,8 +260,17 @@ class StopWatch:
         return bool(self.stops) and find_stop(self.tokenizer.decode(ids), self.stops) is not None
 
 
-def check_flags(args) -> None:
+DEFAULT_BUDGET = 16
+
+
+def check_flags(args, tree) -> None:
     """The checks that need no model, before loading one (the rest come from generate's own validation)."""
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET
+    elif tree != "ddtree":
+        _fail(f"--budget sizes a DDTree only; --tree {args.tree} verifies "
+              + ("the drafter's top-1 path (block_size - 1 drafted nodes)" if tree == "chain" else
+                 "the static shape given") + ": drop --budget")
     if args.max_new_tokens < 1:
         _fail(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     if not 0 <= args.budget <= engine.MAX_TREE_NODES - 1:
@@ -340,7 +366,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = build_parser().parse_args(argv)
     tree = _parse_tree(args.tree)
-    check_flags(args)
+    check_flags(args, tree)
     stops = parse_stops(args.stop)
     if args.batch_file is not None:
         return run_batch(args, tree, stops, t_start)
@@ -360,9 +386,10 @@ def main(argv=None) -> int:
     try:  # every argument against the model (context, tree size, memory) before any device work
         engine._validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
                          tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids,
-                         tree=tree)
+                         tree=tree, top_k=args.top_k_sampling, top_p=args.top_p)
     except ValueError as e:
         _fail(_as_flags(str(e)))
+    autoregressive_notice(drafter, args)
     if not args.json:
         print(f"[{description}; loaded in {load_seconds:.1f} s]", file=sys.stderr)
         print(f"[prefill of {len(ids):,} prompt tokens, then the decode loop's compile (once per shape) and "
@@ -398,6 +425,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def autoregressive_notice(drafter, args) -> None:
+    """A notice when speculation was asked for but the checkpoint has no drafter (plain decoding runs)."""
+    if drafter is None and not (args.tree == "ddtree" and args.budget == 0):
+        notice("the checkpoint has no drafter: decoding autoregressively, one target pass a token (--tree, --budget "
+               "and --topk do not apply)")
+
+
 def finished_text(tokenizer, tokens, stops, stop_ids, max_new_tokens) -> tuple[str, str]:
     """A sequence's text, cut before its first stop string, and why it ended: 'stop' (a stop string; the tokens may
     run up to a chunk past it) or 'length' (max_new_tokens)."""
@@ -423,14 +457,15 @@ def run_batch(args, tree, stops, t_start) -> int:
         _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
     stop_ids = stop_token_ids(tokenizer, stops)
     kwargs = dict(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                  tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree)
+                  tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree,
+                  top_k=args.top_k_sampling, top_p=args.top_p)
     try:
         engine._validate(target, drafter, ids, **kwargs)
+        autoregressive_notice(drafter, args)
         print(f"[{description}; loaded in {load_seconds:.1f} s; decoding {len(ids)} prompts together ...]",
               file=sys.stderr, flush=True)
         with Heartbeat("prefill, compile and decode"):
-            res = engine.generate(target, drafter, ids, **kwargs, top_k=args.top_k_sampling, top_p=args.top_p,
-                                  seed=args.seed, impl=args.impl, on_tokens=StopWatch(tokenizer, stops))
+            res = engine.generate(target, drafter, ids, **kwargs, seed=args.seed, impl=args.impl, on_tokens=StopWatch(tokenizer, stops))
     except ValueError as e:
         _fail(_as_flags(str(e)))
     stats = {**res.stats, "load_seconds": load_seconds, "wall_seconds": time.perf_counter() - t_start,

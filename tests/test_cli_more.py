@@ -1,6 +1,8 @@
 """`python -m kdtree_jax.generate`: --stop, --batch-file, --no-echo, streaming read as it arrives (issue 25 item 6)."""
 
 import io
+
+import pytest
 import json
 import os
 import subprocess
@@ -61,6 +63,8 @@ def test_batch_file_jsonl_in_jsonl_out(tmp_path, capsys):
         assert "return" not in r["text"] and r["finish_reason"] in ("stop", "length")
         assert r["stats"]["batch_size"] == 2 and r["stats"]["new_tokens"] == len(r["tokens"]) <= 12
         assert r["stats"]["tau"] >= 1
+        # --budget 0: the stats say what ran (the loop decodes autoregressively, whatever --tree says).
+        assert r["stats"]["decoding"] == "autoregressive" and r["stats"]["tree"] == "autoregressive"
     # Bad files are one-line errors naming the line.
     path.write_text('{"prompt": "a"}\nnot json\n')
     assert cli_error(capsys, ["--batch-file", str(path)]).startswith(f"error: --batch-file {path} line 2: not JSON")
@@ -71,7 +75,6 @@ def test_batch_file_jsonl_in_jsonl_out(tmp_path, capsys):
 
 
 def cli_error(capsys, argv):
-    import pytest
     with pytest.raises(SystemExit) as e:
         cli_main(argv)
     assert e.value.code == 2
@@ -99,3 +102,47 @@ def test_streamed_output_arrives_before_the_process_ends():
     text = (first + rest).decode()
     assert not text.startswith("class Parser:") and text.endswith("\n") and len(text) > 10
     assert "tau" in err
+
+
+# Issue 25 item 7: no silent fallbacks.
+
+def test_no_tokenizer_and_no_drafter_are_notices(tmp_path, capsys, monkeypatch):
+    import kdtree_jax
+    from kdtree_jax.speculative import engine
+
+    from flax import nnx
+
+    from kdtree_jax.tokenizer import ByteTokenizer
+
+    # A checkpoint with no drafter and no tokenizer (load_checkpoint's answer for one; abstract weights: the checks
+    # and notices need only shapes).
+    target = nnx.eval_shape(lambda: kdtree_jax.init_model(kdtree_jax.ModelConfig.preset("tiny"), seed=0))
+    monkeypatch.setattr(kdtree_jax, "load_checkpoint", lambda path, dtype=None: (target, None, ByteTokenizer()))
+    path = str(tmp_path)
+
+    def stop_here(*a, **k):  # the notices come before any device work; the run itself is not needed here
+        raise ValueError("stopped before the device work")
+    monkeypatch.setattr(engine, "generate", stop_here)
+    assert cli_error(capsys, ["--prompt", "abc", "--checkpoint", path]) == "error: stopped before the device work"
+    # (cli_error consumed the output; run again to read the notices)
+    with pytest.raises(SystemExit):
+        cli_main(["--prompt", "abc", "--checkpoint", path, "--json"])
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: ")]
+    assert len(notices) == 2
+    assert "has no tokenizer" in notices[0] and "UTF-8 bytes" in notices[0]
+    assert "no drafter: decoding autoregressively" in notices[1]
+    # --budget 0 asks for autoregressive decoding: no notice about the drafter.
+    with pytest.raises(SystemExit):
+        cli_main(["--prompt", "abc", "--checkpoint", path, "--budget", "0"])
+    assert "no drafter" not in capsys.readouterr().err
+
+
+def test_budget_with_a_chain_or_static_tree_is_an_error_and_top_p_whatever_the_temperature(capsys):
+    assert cli_error(capsys, ["--prompt", "x", "--tree", "chain", "--budget", "8"]) == (
+        "error: --budget sizes a DDTree only; --tree chain verifies the drafter's top-1 path (block_size - 1 drafted "
+        "nodes): drop --budget")
+    assert "--tree 2,1 verifies the static shape given" in cli_error(capsys, ["--prompt", "x", "--tree", "2,1",
+                                                                              "--budget", "0"])
+    for temperature in ("0", "0.7"):
+        assert "--top-p must be in (0, 1]" in cli_error(capsys, ["--prompt", "x", "--top-p", "1.5",
+                                                                 "--temperature", temperature])

@@ -49,6 +49,10 @@ def _no_device_work(monkeypatch):
     (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer"),
     (dict(prompt_ids=[[1, 2], []]), r"prompt_ids\[1\] is empty"),
     (dict(prompt_ids=[]), r"prompt_ids holds no prompt"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\] \(1: off\); got 1.5"),  # greedy or not
+    (dict(top_p=0.0, temperature=0.7), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), r"top_k must be in \[0, 512\]"),
+    (dict(top_k=10 ** 6, temperature=0.7), r"top_k must be in \[0, 512\]"),
 ])
 def test_api_rejects_in_one_line_before_device_work(pair, monkeypatch, kwargs, message):
     target, drafter = pair

@@ -516,7 +516,8 @@ def _format_bytes(n: float) -> str:
 
 
 def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int, budget: int,
-              topk: int, tree_temperature: float, temperature: float, stop_ids, tree: TreeShape) -> _Request:
+              topk: int, tree_temperature: float, temperature: float, stop_ids, tree: TreeShape, top_k: int = 0,
+              top_p: float = 1.0) -> _Request:
     """Checks every argument of `generate` before any device work; raises ValueError naming the argument.
 
     Beyond the types and signs: the context (the longest prompt, and it plus max_new_tokens, against the target's
@@ -558,6 +559,11 @@ def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, ma
         raise ValueError(f"temperature must be >= 0; got {temperature}")
     if not tree_temperature > 0:
         raise ValueError(f"tree_temperature must be > 0; got {tree_temperature}")
+    top_k = integer(top_k, "top_k")
+    if not 0 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k must be in [0, {cfg.vocab_size}] (0: off; the vocabulary); got {top_k}")
+    if not 0 < top_p <= 1:  # whatever the temperature: a greedy call with a bad top_p is a bad call
+        raise ValueError(f"top_p must be in (0, 1] (1: off); got {top_p}")
     if isinstance(tree, str) and tree not in ("ddtree", "chain"):
         raise ValueError(f"tree must be 'ddtree', 'chain' or a tuple of branching factors; got {tree!r}")
     stop = validate_tokens(np.asarray(list(stop_ids)), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
@@ -796,7 +802,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
     drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
     emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
-    Returns the generated ids per sequence and stats: steps, tau (mean tokens per step), per-depth
+    Returns the generated ids per sequence and stats: decoding ('speculative', or 'autoregressive' when there is no
+    drafter or a DDTree's budget is 0; then tree is 'autoregressive' too), steps, tau (mean tokens per step), per-depth
     acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
     (default: the target's mesh size) — the imbalance an expert-parallel layout would see.
     profile: first run the decode loop once under the profiler, on a copy of its starting state (memory for a
@@ -814,7 +821,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
     """
     req = _validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
-                    tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree)
+                    tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree,
+                    top_k=top_k, top_p=top_p)
     mesh = getattr(target, "mesh", None)
     devices = expert_devices or (mesh.size if mesh is not None else 1)
     moe_layers = [layer.mlp for layer in target.layers if layer.is_moe]
@@ -863,6 +871,10 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     # The host's reads of the loop's output: one per chunk (one for the whole loop with chunk_steps 0). On a GPU,
     # XLA adds a read of the loop predicate per step unless a command buffer captures the loop (runtime.py).
     # host_driven_loops (GPU only, else None): the compiled loop's while loops outside command buffers.
+    # What ran: without a drafter (or with budget 0 on a DDTree) the loop decodes autoregressively, whatever `tree` says.
+    stats["decoding"] = "speculative" if req.use_drafter else "autoregressive"
+    if not req.use_drafter:
+        stats["tree"] = "autoregressive"
     stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
                  host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)
