@@ -83,3 +83,14 @@ def dense_loop(iters: int):
         return jax.lax.fori_loop(0, iters, body, x)
 
     return run
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="benchmarks/components.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__ + "\nA helper module with no command of its own: benchmarks/decode_context.py and "
+                              "benchmarks/multi_gpu.py import it.").parse_args()
+    print("benchmarks/components.py is a helper module (see --help); run benchmarks/decode_context.py or "
+          "benchmarks/multi_gpu.py")

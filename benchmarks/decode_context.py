@@ -463,8 +463,8 @@ def main(argv=None):
                         "(per-layer costs do not change with it; the fixed per-step costs weigh less with more)")
     p.add_argument("--reserve-gb", type=float, default=12.0,
                    help="with --layers fit: memory left for the drafter, workspaces and temporaries")
-    p.add_argument("--contexts", default="4096,16384,65536,131072,200000")
-    p.add_argument("--nodes", default="9,33")
+    p.add_argument("--contexts", default="4096,16384,65536,131072,200000", help="context lengths (tokens in the KV pool) to time, comma-separated")
+    p.add_argument("--nodes", default="9,33", help="tree sizes T (nodes a verify step) to time, comma-separated")
     p.add_argument("--steps", type=int, default=8, help="speculative steps per timed loop")
     p.add_argument("--impls", default="auto,xla", help="attention impls (kdtree_jax.ops.IMPLS); the step with 'auto' "
                    "is compared with the one with 'xla', the fair XLA baseline")
@@ -476,8 +476,8 @@ def main(argv=None):
                    help="profile one run of each step loop (kernel: the FFI kernel's steps only; a few seconds per "
                         "step loop) and split the step into its parts by the kernels' named scopes "
                         "(kdtree_jax/profiling.py)")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny widths and contexts on the CPU: a check that the script runs")
+    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--tree-only", action="store_true",
                    help="only the tree build and the acceptance alone, old and new formulations (no model)")
     p.add_argument("--render", default=None, metavar="PATH",

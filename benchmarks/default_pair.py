@@ -7,7 +7,7 @@
    --seq-len tokens of the held-out files (joined with EOS), all of them unless --eval-windows says how many
    (evenly spaced).
 2. Mean accepted length tau (tokens per target forward, bonus included) with greedy decoding of
-   --max-new 128 tokens from --prompts held-out prompts (--prompt-len tokens each, at varied offsets of
+   --max-new-tokens 128 tokens from --prompts held-out prompts (--prompt-len tokens each, at varied offsets of
    the held-out files, round robin over the files), one batch: chain (DFlash: the drafter's top-1 path),
    DDTree at each budget, and autoregressive. Every speculative output is compared with the
    autoregressive one (greedy decoding is lossless: they must be equal).
@@ -107,11 +107,12 @@ def run_config(target, drafter, prompts, name, tree, budget, topk, max_new, impl
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
-    p.add_argument("--prompts", type=int, default=50)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new", type=int, default=128)
-    p.add_argument("--budgets", default="8,16,32,64,128")
+    p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"), help="kdtree_jax checkpoint with a target and a drafter")
+    p.add_argument("--prompts", type=int, default=50, help="held-out prompts decoded in one batch")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--max-new-tokens", dest="max_new", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--max-new", dest="max_new", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    p.add_argument("--budgets", default="8,16,32,64,128", help="DDTree budgets (tree nodes besides the root), comma-separated")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature (< 1 sharpens); default: "
@@ -120,12 +121,12 @@ def main(argv=None) -> int:
                    help="also run DDTree at this budget with tree temperature 1.0 (0: skip)")
     p.add_argument("--latency-prompts", type=int, default=5, help="prompts decoded one at a time for tok/s")
     p.add_argument("--eval-windows", type=int, default=0, help="held-out windows for the loss (0: all)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--impl", default="auto")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per held-out window of the loss")
+    p.add_argument("--impl", default="auto", help="verify-attention implementation (auto, reference, ffi)")
     add_dtype_argument(p)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"))
-    p.add_argument("--no-write", action="store_true")
-    p.add_argument("--skip-loss", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "default_pair"), help="results path without extension (<out>.json, <out>.md)")
+    p.add_argument("--no-write", action="store_true", help="print the results, write no files")
+    p.add_argument("--skip-loss", action="store_true", help="skip the held-out loss of the target and drafter")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) configuration")
     p.add_argument("--samples", type=int, default=2, help="decoded samples to include in the report")
     p.add_argument("--h200-results", default=os.path.join(ROOT, "benchmarks", "results", "spec_decode_h200.json"),

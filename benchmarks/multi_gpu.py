@@ -207,11 +207,11 @@ def main(argv=None):
                    help="K2 layers (1 dense + the rest MoE), or 'auto': as many as fill --memory-fraction")
     p.add_argument("--memory-fraction", type=float, default=0.5,
                    help="share of all devices' memory that --layers auto fills with weights")
-    p.add_argument("--layouts", default="tp,ep")
-    p.add_argument("--contexts", default="4096,16384,65536")
+    p.add_argument("--layouts", default="tp,ep", help="sharding layouts to time: tp (tensor parallel), ep (expert parallel), comma-separated")
+    p.add_argument("--contexts", default="4096,16384,65536", help="context lengths (tokens in the KV pool), comma-separated")
     p.add_argument("--nodes", default="9,33", help="tree sizes T")
     p.add_argument("--iters", type=int, default=10, help="forwards per timed loop")
-    p.add_argument("--impl", default="auto")
+    p.add_argument("--impl", default="auto", help="verify-attention implementation (auto, reference, ffi)")
     p.add_argument("--parts-nodes", default="9", help="tree sizes at which attention/MoE/all-reduce are timed alone")
     p.add_argument("--reference-contexts", default="4096",
                    help="contexts at which the step is also timed with the XLA reference attention")

@@ -81,10 +81,10 @@ def compile_step(cfg, layout: str, n: int, nodes: int, context: int):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=3, help="K2 layers to compile (1 dense + the rest MoE)")
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--tree-nodes", type=int, default=9)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sharding"))
+    p.add_argument("--devices", type=int, default=8, help="CPU devices to shard over (read before JAX starts)")
+    p.add_argument("--tree-nodes", type=int, default=9, help="tree size T of the compiled verify step")
+    p.add_argument("--context", type=int, default=4096, help="context length of the compiled verify step")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sharding"), help="output directory")
     args = p.parse_args(argv)
 
     k2 = kdtree_jax.ModelConfig.preset("kimi-k2")

@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_argument(p)
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--batch", default="1",
                    help="prompts decoded together (1: latency); several sizes comma-separated (e.g. 1,16), each a sweep")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,0.7", help="0 = greedy; > 0 = exact sampling of the target")
     p.add_argument("--top-k", type=int, default=0, help="target sampling filter at T > 0 (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="target sampling filter at T > 0")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i of a batch run uses seed + i)")
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
     p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")
-    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: benchmarks/results; --smoke: a temp dir, removed at exit)")
     p.add_argument("--smoke", action="store_true",
                    help="random tiny pair on CPU, 2 prompts x 8 tokens, budgets 4,8 (runs in well under a minute)")
     return p
@@ -321,6 +322,11 @@ def main(argv=None) -> int:
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
     out_dir = args.out or (tempfile.mkdtemp(prefix="spec_decode_smoke_") if args.smoke else DEFAULT_OUT)
+    if args.smoke and not args.out:  # a smoke run's files are for a look only: removed at exit (--out keeps them)
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, out_dir, True)
     enable_compilation_cache(args.cache_dir)
 
     t_all = time.perf_counter()
@@ -406,7 +412,10 @@ def main(argv=None) -> int:
         json.dump(_clean(result), f, indent=1, allow_nan=False)
     with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write(render(result))
-    log(f"wrote {os.path.join(out_dir, name)}.{{json,md}} ({meta['seconds']:.0f} s)")
+    log(f"wrote {os.path.join(out_dir, name)}.{{json,md}} ({meta['seconds']:.0f} s)"
+        + (" (--smoke without --out: removed at exit; the report follows)" if args.smoke and not args.out else ""))
+    if args.smoke and not args.out:
+        print(render(result))
     return 0
 
 

@@ -2,11 +2,11 @@
 a dynamic program finds from measured acceptance rates (Sequoia-style), all on held-out prompts.
 
     python benchmarks/tree_shapes.py                          # checkpoints/default, the full sweep
-    python benchmarks/tree_shapes.py --budgets 16,64 --topks 4 --shapes "2,2,1;4,1"
+    python benchmarks/tree_shapes.py --budgets 16,64 --topk 4 --shapes "2,2,1;4,1"
     python benchmarks/tree_shapes.py --smoke                  # random tiny pair, CPU, well under a minute
 
 What is swept (greedy decoding; τ = tokens per target forward, bonus included):
-  * DDTree at every --budgets value for every --topks K (the best-first tree over the drafter's top-K
+  * DDTree at every --budgets value for every --topk K (the best-first tree over the drafter's top-K
     per depth); autoregressive and chain (DFlash) as references;
   * static shapes (--shapes, "auto" = a family of wide-at-the-root shapes): branching (b_1, ..., b_L)
     means every node at depth d - 1 gets the drafter's top-b_d tokens of depth d as children;
@@ -186,17 +186,19 @@ def run(target, drafter, prompt_batches, *, tree, budget, topk, max_new_tokens, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=common.DEFAULT_CHECKPOINT)
+    p.add_argument("--checkpoint", default=common.DEFAULT_CHECKPOINT, help="kdtree_jax checkpoint with a target and a drafter")
     add_dtype_argument(p)
     p.add_argument("--prompts", type=int, default=16, help="held-out evaluation prompts")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per evaluation prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per evaluation prompt")
     p.add_argument("--batch", type=int, default=0, help="prompts per decode batch (0: all in one); must divide --prompts")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="tree nodes besides the root")
-    p.add_argument("--topks", default="2,4,8", help="DDTree top-K per depth values")
+    p.add_argument("--topk", dest="topks", default="2,4,8",
+                   help="drafter candidates per depth for DDTree: one value or several, comma-separated")
+    p.add_argument("--topks", dest="topks", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     common.add_tree_temperature_argument(p)
     p.add_argument("--shapes", default="auto", help='static shapes "b1,b2,...;..." or "auto"')
-    p.add_argument("--dp-topk", type=int, default=0, help="widest branching the DP may use (0: max of --topks)")
+    p.add_argument("--dp-topk", type=int, default=0, help="widest branching the DP may use (0: max of --topk)")
     p.add_argument("--measure-prompts", type=int, default=32, help="held-out prompts for the teacher-forced p[d][r]")
     p.add_argument("--measure-new-tokens", type=int, default=64, help="greedy tokens after each measurement prompt")
     p.add_argument("--measure-batch", type=int, default=4, help="sequences per teacher-forced drafter pass")
@@ -205,21 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "two sets are cut at other offsets; 0 with --measure-prompts = --prompts and "
                         "--measure-new-tokens = --max-new-tokens + D - 1 makes the replay predict the measured τ "
                         "exactly: a check of the prediction pipeline)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' offsets")
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")
     p.add_argument("--warmup", action="store_true",
                    help="time a second call of every configuration (default: the first call after the ahead-of-time "
                         "compile is timed; tau does not depend on it)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no plots (the JSON and markdown only)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="random tiny pair on CPU: 2 prompts x 8 tokens, budgets 4,8")
     return p
 
 
 SMOKE_DEFAULTS = (("--prompts", 2), ("--prompt-len", 24), ("--max-new-tokens", 8), ("--budgets", "4,8"),
-                  ("--topks", "4"), ("--shapes", "2,1,1"), ("--measure-prompts", 2), ("--measure-new-tokens", 8),
+                  ("--topk", "4"), ("--shapes", "2,1,1"), ("--measure-prompts", 2), ("--measure-new-tokens", 8),
                   ("--measure-batch", 2))
 
 
@@ -230,10 +232,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.smoke:
-        given = {a.split("=")[0] for a in argv}
+        given = {a.split("=")[0] for a in argv} | ({"--topk"} if "--topks" in argv else set())  # the old spelling
         for flag, value in SMOKE_DEFAULTS:
             if flag not in given:
-                setattr(args, flag[2:].replace("-", "_"), value)
+                setattr(args, {"--topk": "topks"}.get(flag, flag[2:].replace("-", "_")), value)
     out_dir = args.out or (tempfile.mkdtemp(prefix="tree_shapes_smoke_") if args.smoke else common.DEFAULT_OUT)
     common.enable_compilation_cache(args.cache_dir)
 
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     budgets = sorted({int(b) for b in str(args.budgets).split(",") if b.strip()})
     topks = [int(k) for k in str(args.topks).split(",") if k.strip()]
     if not budgets or min(budgets) < 1 or not topks or min(topks) < 1:
-        raise ValueError(f"--budgets and --topks must be positive integers; got {args.budgets!r}, {args.topks!r}")
+        raise ValueError(f"--budgets and --topk must be positive integers; got {args.budgets!r}, {args.topks!r}")
     dp_topk = args.dp_topk or max(topks)
     shapes = parse_shapes(args.shapes, depth, max(budgets), max(8, dp_topk))
     kmax = max([dp_topk] + topks + [max(s) for s in shapes])

@@ -29,15 +29,16 @@ from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"), help="kdtree_jax checkpoint with a target and a drafter")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts decoded in one batch")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     p.add_argument("--prompt-seed", type=int, default=7, help="offsets of the prompts (default_pair.py uses 0)")
-    p.add_argument("--max-new", type=int, default=128)
-    p.add_argument("--budgets", default="32")
+    p.add_argument("--max-new-tokens", dest="max_new", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--max-new", dest="max_new", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    p.add_argument("--budgets", default="32", help="DDTree budgets (tree nodes besides the root), comma-separated")
     p.add_argument("--temperatures", default="1.0,0.7,0.5,0.4", help="tree temperatures to compare")
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--impl", default="auto")
+    p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
+    p.add_argument("--impl", default="auto", help="verify-attention implementation (auto, reference, ffi)")
     add_dtype_argument(p)
     p.add_argument("--out", default=None, help="results path without extension (default: "
                    "benchmarks/results/tree_temperature_cpu; --smoke: a temp dir)")

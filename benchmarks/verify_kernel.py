@@ -816,8 +816,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-while-loop", action="store_true",
                         help="skip the command-buffer while-loop figure (a child process; every row has its in-loop "
                              "time anyway)")
-    parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
-    parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200")
+    parser.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"), help="commit recorded in the results (default: $KDTREE_COMMIT)")
+    parser.add_argument("--out", default="benchmarks/results/verify_kernel_h200", help="results path without extension")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA baseline (its compiles dominate a sweep)")
     parser.add_argument("--command-buffers", action="store_true",
                         help="time with XLA command buffers on (the timed program replays as a CUDA graph, as inside "

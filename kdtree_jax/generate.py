@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample the target")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the target distribution (sampling)")
-    p.add_argument("--top-k-sampling", type=int, default=0, help="top-k filter of the target distribution (0: off)")
+    p.add_argument("--top-k", dest="top_k_sampling", type=int, default=0,
+                   help="top-k filter of the target distribution (sampling; 0: off); --topk is the drafter's")
+    p.add_argument("--top-k-sampling", dest="top_k_sampling", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"],
@@ -143,7 +146,7 @@ def _byte_notice(checkpoint, tokenizer, target) -> None:
 
 ECHO_LIMIT = 2000  # characters of the prompt echoed to stdout; a longer prompt's echo is cut to its end
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "tree_temperature": "--tree-temperature", "budget": "--budget",
-          "topk": "--topk", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k-sampling",
+          "topk": "--topk", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
           "prompt_ids": "the prompt", "stop_ids": "the stop ids", "tree": "--tree"}
 
 
@@ -284,7 +287,7 @@ def check_flags(args, tree) -> None:
     if not 0 < args.top_p <= 1:
         _fail(f"--top-p must be in (0, 1] (1: off); got {args.top_p}")
     if args.top_k_sampling < 0:
-        _fail(f"--top-k-sampling must be >= 0 (0: off); got {args.top_k_sampling}")
+        _fail(f"--top-k must be >= 0 (0: off); got {args.top_k_sampling}")
 
 
 def echo_prompt(prompt: str) -> str:
@@ -380,8 +383,6 @@ def main(argv=None) -> int:
     ids = tokenizer.encode(prompt)
     if not ids:
         _fail("the prompt encodes to no tokens")
-    if args.top_k_sampling > target.cfg.vocab_size:
-        _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
     stop_ids = stop_token_ids(tokenizer, stops)
     try:  # every argument against the model (context, tree size, memory) before any device work
         engine._validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
@@ -453,8 +454,6 @@ def run_batch(args, tree, stops, t_start) -> int:
     for i, row in enumerate(ids):
         if not row:
             _fail(f"--batch-file prompt {i + 1} encodes to no tokens")
-    if args.top_k_sampling > target.cfg.vocab_size:
-        _fail(f"--top-k-sampling must be <= {target.cfg.vocab_size} (the vocabulary); got {args.top_k_sampling}")
     stop_ids = stop_token_ids(tokenizer, stops)
     kwargs = dict(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
                   tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree,

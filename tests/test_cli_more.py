@@ -146,3 +146,46 @@ def test_budget_with_a_chain_or_static_tree_is_an_error_and_top_p_whatever_the_t
     for temperature in ("0", "0.7"):
         assert "--top-p must be in (0, 1]" in cli_error(capsys, ["--prompt", "x", "--top-p", "1.5",
                                                                  "--temperature", temperature])
+
+
+# Issue 25 item 8: nits.
+
+def test_benchmark_help_and_one_flag_name_per_concept():
+    """components.py --help prints help; every benchmark flag has help text; --max-new-tokens, --topk (drafter
+    candidates) and --top-k (sampling) everywhere, the old spellings hidden aliases."""
+    import ast
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "components.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "helper module" in proc.stdout
+    flags = set()
+    for path in sorted(glob.glob(os.path.join(root, "benchmarks", "*.py"))) + [os.path.join(root, "kdtree_jax",
+                                                                                           "generate.py")]:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                assert any(k.arg == "help" for k in node.keywords), f"{path}: {names} has no help"
+                hidden = any(k.arg == "help" and isinstance(k.value, ast.Attribute) and k.value.attr == "SUPPRESS"
+                             for k in node.keywords)
+                if not hidden:
+                    flags.update(names)
+    assert not flags & {"--max-new", "--topks", "--top-k-sampling"}
+    assert {"--max-new-tokens", "--topk", "--top-k"} <= flags
+
+
+def test_an_empty_prompt_of_a_batch_is_named_and_top_k_keeps_its_old_spelling():
+    from flax import nnx
+
+    import kdtree_jax
+
+    cfg = kdtree_jax.ModelConfig.preset("tiny")
+    target = nnx.eval_shape(lambda: kdtree_jax.init_model(cfg, seed=0))
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] is empty"):
+        kdtree_jax.generate(target, None, [[1, 2], []])
+    from kdtree_jax.generate import build_parser
+
+    assert build_parser().parse_args(["--prompt", "x", "--top-k-sampling", "3"]).top_k_sampling == 3  # old spelling
+    assert build_parser().parse_args(["--prompt", "x", "--top-k", "5"]).top_k_sampling == 5
+    assert build_parser().parse_args(["--prompt", "x"]).top_k_sampling == 0

@@ -98,7 +98,8 @@ def _cli_error(capsys, argv) -> str:
                                          "context of 4096 tokens (max_position_embeddings); --max-new-tokens can be "
                                          "at most 4095"),
     (["--topk", "100000"], "--topk must be in [1, 8192]"),
-    (["--top-k-sampling", "100000"], "--top-k-sampling must be <= 8192"),
+    (["--top-k", "100000"], "--top-k must be in [0, 8192] (0: off; the vocabulary); got 100000"),
+    (["--top-k-sampling", "-1"], "--top-k must be >= 0"),  # the old spelling, a hidden alias
     (["--tree", "4,4,4,4,4,4,4"], "has more than 4097 nodes"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, argv, message):
