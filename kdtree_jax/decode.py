@@ -62,9 +62,11 @@ def decode_step(model: Transformer, cache: KVCache, tokens, *, impl: str = "auto
 
 
 def prefill(model: Transformer, cache: KVCache, prompt_ids, prompt_lens=None, *, chunk_size: int = 64,
-            hidden_layers=(), impl: str = "auto"):
+            hidden_layers=(), impl: str = "auto", on_progress=None):
     """Feed right-padded prompts [B, L] (real lengths `prompt_lens`) in causal chunks of `chunk_size`.
 
+    on_progress("prefill", tokens done, tokens in all) after each chunk has run (given one, the host waits for
+    each chunk instead of queueing them all: the count is what the device did).
     Every chunk has the same static shape, so one compile serves any prompt length. Returns the logits
     at each prompt's last token [B, V], the requested hidden states of every prompt token
     [len(hidden_layers), B, L, hidden] and the cache.
@@ -102,6 +104,10 @@ def prefill(model: Transformer, cache: KVCache, prompt_ids, prompt_lens=None, *,
         here = jnp.asarray((idx >= 0) & (idx < chunk))
         picked = jnp.take_along_axis(logits, jnp.asarray(np.clip(idx, 0, chunk - 1))[:, None, None], axis=1)[:, 0]
         last_logits = picked if last_logits is None else jnp.where(here[:, None], picked, last_logits)
+        if on_progress is not None:
+            last_logits.block_until_ready()
+            total = int(prompt_lens.max())  # the longest prompt (the padding past it is not counted)
+            on_progress("prefill", min(start + chunk, total), total)
     kv_pool.check_overflow(cache)
     hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
     return last_logits, hidden, cache

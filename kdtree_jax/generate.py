@@ -331,14 +331,44 @@ class Heartbeat:
         return False
 
 
-class _stop_first:
-    """An on_tokens callback that stops a Heartbeat before handing the tokens on (keeps the stream's finish())."""
+class ProgressBar:
+    """`generate`'s on_progress for a terminal: a tqdm bar on stderr over the prefill's prompt tokens, then the
+    compile as its description; nothing when stderr is not a terminal (tqdm's disable=None), gone when done."""
 
-    def __init__(self, beat: Heartbeat, stream):
-        self.beat, self.stream = beat, stream
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.bar = enabled, None
+
+    def __call__(self, phase: str, done: int, total: int):
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, disable=None, leave=False)
+        if phase == "prefill":
+            self.bar.update(done - self.bar.n)
+        elif done < total:
+            self.bar.set_description("compiling the decode loop")
+        else:
+            self.close()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        self.enabled = False
+
+
+class _stop_first:
+    """An on_tokens callback that stops a Heartbeat (and closes a ProgressBar: no bar inside the streamed text) before
+    handing the tokens on (keeps the stream's finish())."""
+
+    def __init__(self, beat: Heartbeat, stream, progress=None):
+        self.beat, self.stream, self.progress = beat, stream, progress
 
     def __call__(self, row, new_ids):
         self.beat.stop()
+        if self.progress is not None:
+            self.progress.close()
         return self.stream(row, new_ids)
 
     def finish(self, text: str):
@@ -400,13 +430,14 @@ def main(argv=None) -> int:
               TokenStream(tokenizer, "" if args.no_echo else echo_prompt(prompt), stops=stops))
     try:
         with Heartbeat("prefill, compile and decode", enabled=not args.json) as beat:
-            if not args.json:  # the heartbeat stops at the first streamed token: the text shows progress then
-                stream = _stop_first(beat, stream)
+            progress = ProgressBar(enabled=not args.json)
+            if not args.json:  # the heartbeat and the bar stop at the first streamed token: the text shows progress
+                stream = _stop_first(beat, stream, progress)
             res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                                   topk=args.topk, tree_temperature=args.tree_temperature,
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
                                   seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
-                                  stop_ids=stop_ids, on_tokens=stream)
+                                  stop_ids=stop_ids, on_tokens=stream, on_progress=progress)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]

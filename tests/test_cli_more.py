@@ -1,12 +1,13 @@
 """`python -m kdtree_jax.generate`: --stop, --batch-file, --no-echo, streaming read as it arrives (issue 25 item 6)."""
 
 import io
-
-import pytest
 import json
 import os
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 from kdtree_jax.generate import TokenStream, main as cli_main
 from kdtree_jax.tokenizer import ByteTokenizer
@@ -19,15 +20,26 @@ def _json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_stop_string_cuts_the_text_and_ends_the_row(capsys):
+def test_stop_string_cuts_the_text_and_ends_the_row(capsys, monkeypatch):
     plain = _json(capsys, BASE)
     assert "return" in plain["text"] and plain["finish_reason"] == "length"
     cut = plain["text"][:plain["text"].index("return")]
     stopped = _json(capsys, BASE + ["--stop", "return", "--stop", "no such text"])
     assert stopped["text"] == cut and stopped["finish_reason"] == "stop"
-    # Streamed without the prompt: the same cut text, the stop string never shown.
+    # Streamed without the prompt: the same cut text, the stop string never shown; the progress bar is fed the
+    # prefill and the compile (generate's on_progress).
+    import kdtree_jax.generate as cli
+
+    calls = []
+
+    class Recorder(cli.ProgressBar):
+        def __call__(self, *a):
+            calls.append(a)
+            return super().__call__(*a)
+    monkeypatch.setattr(cli, "ProgressBar", Recorder)
     assert cli_main(BASE + ["--stop", "return", "--no-echo"]) == 0
     assert capsys.readouterr().out == cut + "\n"
+    assert calls[0][0] == "prefill" and calls[-3][0] == "prefill" and calls[-2:] == [("compile", 0, 1), ("compile", 1, 1)]
     # A stop in the first token ends the row before the decode loop runs a step (generate's on_tokens -> True);
     # '\n' is one token, so it is also a stop id the loop checks on the device.
     assert plain["text"].startswith("\n")
@@ -189,3 +201,26 @@ def test_an_empty_prompt_of_a_batch_is_named_and_top_k_keeps_its_old_spelling():
     assert build_parser().parse_args(["--prompt", "x", "--top-k-sampling", "3"]).top_k_sampling == 3  # old spelling
     assert build_parser().parse_args(["--prompt", "x", "--top-k", "5"]).top_k_sampling == 5
     assert build_parser().parse_args(["--prompt", "x"]).top_k_sampling == 0
+
+
+def test_progress_hook_counts_prefill_chunks(monkeypatch):
+    """prefill(on_progress=): ("prefill", done, total) after each chunk has run (generate passes its on_progress
+    down; the compile's calls are checked through the CLI in test_stop_string_...); the CLI's bar takes them."""
+    import kdtree_jax
+    from kdtree_jax import kv_pool
+    from kdtree_jax.decode import prefill
+    from kdtree_jax.generate import ProgressBar
+
+    cfg = kdtree_jax.ModelConfig.preset("tiny")
+    target = kdtree_jax.init_model(cfg, seed=0)
+    calls = []
+    ids = np.zeros((1, 48), np.int32)
+    ids[0, :40] = np.arange(1, 41)
+    prefill(target, kv_pool.init_cache(cfg, 1, 64), ids, np.array([40]), chunk_size=16,
+            on_progress=lambda *a: calls.append(a))
+    assert calls == [("prefill", 16, 40), ("prefill", 32, 40), ("prefill", 40, 40)]
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = ProgressBar()
+    for call in calls + [("compile", 0, 1), ("compile", 1, 1)]:
+        bar(*call)
+    assert bar.bar is not None and not bar.enabled  # closed after the compile (no terminal: tqdm drew nothing)

@@ -656,7 +656,7 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
 
 
 def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec: SpecConfig, *, seed: int,
-           chunk_size: int, kv_dtype, num_moe: int, slots: int):
+           chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None):
     """Prefill the prompts and the drafter's context, pick the first tokens: -> (the loop's starting state, the
     drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds)."""
     cfg = target.cfg
@@ -682,7 +682,7 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
     t0 = time.perf_counter()
     hidden_layers = drafter.target_layer_ids if req.use_drafter else ()
     last_logits, hidden, cache = prefill(target, cache, ids, lens, chunk_size=chunk,
-                                         hidden_layers=hidden_layers, impl=spec.impl)
+                                         hidden_layers=hidden_layers, impl=spec.impl, on_progress=on_progress)
     dcache = None
     if req.use_drafter:
         dcache = _extend_drafter(drafter, drafter.init_cache(batch, max_len), hidden, jnp.asarray(lens))
@@ -698,12 +698,14 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
 
 
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
-              chunk_steps: int = 0, on_chunk=None):
+              chunk_steps: int = 0, on_chunk=None, on_progress=None):
     """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
     only), optionally profile it once on a copy of the state, run it: -> (final state, compile s, decode s,
     step profile or None, host syncs). chunk_steps 0: the whole decode in one call (`decode_loop`); k: the
     chunked loop (`ChunkedLoop`), on_chunk(tokens, start, num_out) after each chunk."""
     t1 = time.perf_counter()
+    if on_progress is not None:
+        on_progress("compile", 0, 1)
     if chunk_steps:
         # The last call's loop is reused while the models' arrays and the settings are the same: its loop weights
         # and its compiled program (a fresh ChunkedLoop would recompute the weights and run a new program object,
@@ -718,6 +720,8 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         loop, args = decode_loop.lower(target, drafter, state, spec=spec).compile(), (target, drafter)
         steps_of = lambda out: out.step  # noqa: E731
     t_compile = time.perf_counter() - t1
+    if on_progress is not None:
+        on_progress("compile", 1, 1)
     host_loops = _host_driven_loops(loop, (jax.tree.structure((target, drafter)), spec, chunk_steps,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
     step_profile = None
@@ -795,7 +799,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
-             profile: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS, on_tokens=None) -> GenerateResult:
+             profile: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS, on_tokens=None,
+             on_progress=None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
@@ -816,6 +821,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     concatenate to its `tokens`. on_tokens returning True ends that row (e.g. a stop string the host found in its
     text): it gets no more calls and no more steps after the chunk in flight, so its `tokens` may run up to a chunk
     past the point it was ended. chunk_size is the prefill's chunk (tokens per prefill pass).
+    on_progress(phase, done, total): ("prefill", prompt tokens done, the longest prompt's tokens) after each prefill
+    chunk has run, then ("compile", 0, 1) and ("compile", 1, 1) around the decode loop's compile (a cache hit is
+    quick), for a progress bar.
 
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
@@ -839,7 +847,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
 
     state, loop_drafter, t_prefill = _setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
-                                            kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots)
+                                            kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots,
+                                            on_progress=on_progress)
     on_chunk = None
     if on_tokens is not None:
         streamed = [1] * len(req.prompts)  # output positions handed to on_tokens, per row
@@ -862,7 +871,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
             return finished
 
     final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
-        target, loop_drafter, state, spec, profile, chunk_steps, on_chunk)
+        target, loop_drafter, state, spec, profile, chunk_steps, on_chunk, on_progress)
 
     out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
     tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
