@@ -799,7 +799,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
-             profile: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS, on_tokens=None,
+             profile: bool = False, chunk_steps: Optional[int] = None, on_tokens=None,
              on_progress=None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
@@ -815,7 +815,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
     idle time of the timed run (its step time less the union of the profiled step's kernels).
     chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
-    at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`). on_tokens(batch_row, new_token_ids):
+    at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): DEFAULT_CHUNK_STEPS when
+    on_tokens streams, else 0 (the chunked loop's GPU gain is not measured yet, and on XLA:CPU its compile for a
+    sharded model crashed once a process had compiled many programs: the full test suite, 2026-12-01). on_tokens(batch_row, new_token_ids):
     called with each sequence's first token after the prefill, then after every chunk with the tokens it added
     (stop token included, never past max_new_tokens), while the device runs the next chunk; the calls of a row
     concatenate to its `tokens`. on_tokens returning True ends that row (e.g. a stop string the host found in its
@@ -842,6 +844,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices)
 
+    if chunk_steps is None:
+        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None else 0
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 0:
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
