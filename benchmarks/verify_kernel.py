@@ -241,9 +241,8 @@ def xla_op(chunk):
 
 
 def variant_splits(batch, num_queries, heads, length, variant):
-    """(KV splits, query rows a block) of a variant, from the op's own heuristics (every variant: 32 rows a block)."""
-    del variant
-    return int(vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())), vffi.ROWS_PER_BLOCK
+    """(KV splits, query rows a block) of a variant, from the op's own heuristics."""
+    return vffi.splits_for(batch, num_queries, heads, length, variant)
 
 
 def bench_ext():

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                   f"{xla.get('chunked') or 0:.1f} us in-loop (empty loop {empty:.1f}) [{time.perf_counter() - t0:.0f} s]",
                   flush=True)
         for variant in args.variants.split(","):
-            splits = vffi.choose_num_splits(batch, num_queries, heads, length, vffi.sm_count())
+            splits, _ = vffi.splits_for(batch, num_queries, heads, length, variant)
             graph_us, main_us, merge_us = (float(v) for v in bench.bench_verify_attention(
                 batch, num_queries, heads, length, splits, vffi.VARIANTS[variant], True, args.iters)[1:])
             row = dict(B=batch, T=num_queries, H=heads, L=length, variant=variant, splits=splits, us=graph_us,

@@ -102,13 +102,20 @@ def test_cuda_matches_reference(shape, num_splits):
 # Every many-row kernel on every shape, whatever "auto" picks: the pipelined kernel (sm_90-class shared memory) and
 # the wide kernel (what sm_120 runs; forced here). Shapes with at most 16 rows in a block's row tile run the pipelined
 # kernel's one-m16 instance (T*H = 8, 33, 200: the last row tile).
-MANY_ROW_VARIANTS = ["pipelined", "wide"]
+# The Hopper kernel (wgmma) runs on compute capability 9.0 only: elsewhere its cases are skipped.
+MANY_ROW_VARIANTS = ["pipelined", "wide", "hopper"]
+
+
+def skip_unless_runs(variant):
+    if vffi.resolve_variant(variant, 1) is None:
+        pytest.skip(f"the {variant} kernel does not run on this device")
 
 
 @pytest.mark.parametrize("variant", MANY_ROW_VARIANTS)
 @pytest.mark.parametrize("num_splits", [0, 5])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_each_many_row_kernel_matches_reference(shape, num_splits, variant):
+    skip_unless_runs(variant)
     check_two_draws(shape, num_splits, seed_step=31, seed_offset=7, variant=variant)
 
 
@@ -120,6 +127,7 @@ SMALL_ROW_SHAPES = [(1, 1, 8, 4099), (2, 4, 2, 1111), (1, 1, 3, 37)]
 @pytest.mark.parametrize("num_splits", [0, 1])
 @pytest.mark.parametrize("shape", SMALL_ROW_SHAPES, ids=lambda s: "B{}T{}H{}L{}".format(*s))
 def test_small_row_shapes_match_reference(shape, num_splits, variant):
+    skip_unless_runs(variant)
     check_two_draws(shape, num_splits, seed_step=53, seed_offset=3, variant=variant)
 
 
@@ -169,7 +177,11 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     from test_verify_attention import make_case
     # T*H = 40 runs both row-tile instances of the kernels (32 rows, then 8: one m16 tile), T*H = 8 the one-m16 one:
     # every pipeline, with and without the merge.
-    for num_queries, variant in ((5, "pipelined"), (5, "wide"), (1, "pipelined"), (1, "wide")):
+    # The Hopper kernel pads both to one 64-row block.
+    for num_queries, variant in ((5, "pipelined"), (5, "wide"), (1, "pipelined"), (1, "wide"), (5, "hopper"),
+                                 (1, "hopper"), (9, "hopper")):
+        if vffi.resolve_variant(variant, num_queries * 8) is None:
+            continue
         for splits in (1, 3):
             case = make_case(1, 2, num_queries, 8, 301, latent=512, rope=64, dtype=jnp.bfloat16)
             fn = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.07, rope_dim=64,

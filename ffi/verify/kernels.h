@@ -15,6 +15,9 @@ void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t pipelined_kernel_setup();  // pipelined_kernel.cu: T*H > 16 with 213 KB of shared memory (sm_90-class)
 void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 int pipelined_kernel_smem_bytes();
+cudaError_t hopper_kernel_setup();     // hopper_kernel.cu: wgmma, 64 rows a block (sm_90a; KDTREE_WITH_HOPPER)
+void launch_hopper_kernel(const Params& p, int64_t batch, cudaStream_t stream);
+int hopper_kernel_smem_bytes();
 cudaError_t merge_setup();             // merge.cu
 void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
 

@@ -74,11 +74,22 @@ def sm_count(device: int = 0) -> int:
 
 
 # Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
-# from the device, for every T: "pipelined" (213 KB of shared memory: sm_90-class parts) or "wide" (within sm_120's
-# 99 KB). Benchmarks and tests name one explicitly. (The T*H <= 16 "stream" kernel lost its A/B to the pipelined kernel
-# on an H200 and was deleted: benchmarks/README_verify_kernel.md.)
-VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2}
-ROWS_PER_BLOCK = 2 * CUDA_ROWS_PER_GROUP  # query rows a block holds (two m16 tiles), one block per SM
+# from the device, for every T: "hopper" (wgmma, sm_90a machine code: compute capability 9.0), else "pipelined" (213 KB
+# of shared memory: sm_90-class parts), else "wide" (within sm_120's 99 KB). Benchmarks and tests name one explicitly.
+VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3}
+_VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
+# Query rows a block holds (one block per SM): two m16 tiles in the portable kernels, one wgmma M in the Hopper one.
+ROWS_PER_BLOCK = {"wide": 32, "pipelined": 32, "hopper": 64}
+
+
+def resolve_variant(variant: str, rows: int, device: int = 0) -> str | None:
+    """The kernel `variant` runs as on CUDA device `device` for T*H = `rows` query rows ("auto" resolved), or None
+    where it cannot run there (or no GPU answers)."""
+    _check_variant(variant)
+    if not cuda_built():
+        return None
+    resolved = int(_ext.resolve_variant(VARIANTS[variant], rows, device))
+    return _VARIANT_NAMES.get(resolved) if resolved > 0 else None
 
 
 def _check_variant(variant: str) -> None:
@@ -86,14 +97,15 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
 
 
-def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
+                      rows_per_block: int = 32) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
     of 132), the fewest splits whose waves fill at least 90% (5 there: 360 blocks in three waves of 132), or
     the best filling count the four-tile minimum allows, since a block's time shrinks with its split's length."""
     slots = num_sms  # one block per SM
-    per_split = math.ceil(num_queries * num_heads / ROWS_PER_BLOCK) * batch
+    per_split = math.ceil(num_queries * num_heads / rows_per_block) * batch
     cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
     splits = min(max(1, slots // per_split), cap)
 
@@ -104,6 +116,15 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
         more = range(splits, cap + 1)
         splits = next((n for n in more if fill(n) >= 0.9), max(more, key=lambda n: (fill(n), -n)))
     return int(splits)
+
+
+def splits_for(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto") -> tuple[int, int]:
+    """(KV splits, query rows a block) the op uses for these shapes with `variant`: the kernel the handler will run
+    decides the rows a block holds ("auto" is resolved on device 0 while tracing; without a GPU, the portable
+    kernels' 32)."""
+    kernel = resolve_variant(variant, num_queries * num_heads) or "pipelined"
+    rows_per_block = ROWS_PER_BLOCK[kernel]
+    return choose_num_splits(batch, num_queries, num_heads, max_len, sm_count(), rows_per_block), rows_per_block
 
 
 def _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits):
@@ -140,9 +161,9 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
 
 def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
     batch, num_queries, num_heads, width = q.shape
-    if num_splits == 0:
-        num_splits = choose_num_splits(batch, num_queries, num_heads, kv_slots.shape[1], sm_count())
     rows = num_queries * num_heads
+    if num_splits == 0:
+        num_splits, _ = splits_for(batch, num_queries, num_heads, kv_slots.shape[1], variant)
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
     out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
@@ -204,4 +225,5 @@ def bench_module():
 
 
 __all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
+           "resolve_variant", "splits_for",
            "sm_count", "cuda_fast_path", "bench_module"]
