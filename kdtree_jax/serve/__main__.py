@@ -1,0 +1,170 @@
+"""`python -m kdtree_jax.serve`: an OpenAI-compatible completions server with continuous batching.
+
+    python -m kdtree_jax.serve                                   # the embedded default pair on 127.0.0.1:8000
+    python -m kdtree_jax.serve --checkpoint DIR --port 8080 --max-batch 16 --budget 32
+    python -m kdtree_jax.serve --no-speculative                  # autoregressive, for comparison
+
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "default", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+
+Start-up: load the checkpoint, compile the greedy batch's programs on a short request (a minute or less on a CPU),
+then serve. SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (up to
+--drain-timeout seconds), then stop the decode thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kdtree_jax.serve",
+        description="Serve /v1/completions (OpenAI-compatible; streamed as server-sent events or whole), /v1/models, "
+                    "/health and /metrics (Prometheus) with DDTree speculative decoding and continuous batching: "
+                    "one background thread runs the decode loop in chunks of steps and admits waiting requests "
+                    "into free batch rows between chunks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", default=None,
+                   help="model directory (a kdtree_jax checkpoint: target, drafter, tokenizer; or an HF checkpoint, "
+                        "served autoregressively). Default: the embedded pair in checkpoints/default, as "
+                        "`python -m kdtree_jax.generate` uses")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="batch rows decoded together (per sampling setting); more rows: more throughput, more memory")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="KV pool positions per row: a request's prompt + max_tokens + one verify tree must fit "
+                        "(larger requests get a 400); the pool holds max-batch x max-len positions")
+    p.add_argument("--budget", type=int, default=16,
+                   help="DDTree nodes a step verifies besides the root (0: autoregressive, as --no-speculative)")
+    p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
+    p.add_argument("--tree-temperature", type=float, default=None,
+                   help="DDTree ranks prefixes by the drafter's probabilities at this temperature (default: the "
+                        "checkpoint's recommendation, 0.6 for the embedded pair, else 1.0)")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="decode autoregressively (one target pass a token; the drafter is not run): the baseline")
+    p.add_argument("--chunk-steps", type=int, default=4,
+                   help="decode steps per chunk: tokens reach clients and new requests join the batch between chunks "
+                        "(smaller: sooner; larger: less host work per token)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait for a free row; beyond it requests get 429")
+    p.add_argument("--max-buckets", type=int, default=4,
+                   help="sampling settings (greedy, each temperature/top_p pair) with a live batch at once; each has "
+                        "its own pool and compiled program (a new setting compiles once; the least recently used idle "
+                        "one is dropped to make room)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter dtype (auto: float32 on a CPU, as saved on a GPU)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGINT/SIGTERM waits for requests in flight before stopping")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling before serving (the first request pays the compile instead)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    return p
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_flags(args) -> None:
+    if not 0 < args.port < 65536:
+        _fail(f"--port must be in [1, 65535]; got {args.port}")
+    for name in ("max_batch", "max_len", "chunk_steps", "max_queue", "max_buckets"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.budget < 0:
+        _fail(f"--budget must be >= 0; got {args.budget}")
+    if args.topk < 1:
+        _fail(f"--topk must be >= 1; got {args.topk}")
+    if args.tree_temperature is not None and not args.tree_temperature > 0:
+        _fail(f"--tree-temperature must be > 0; got {args.tree_temperature}")
+    if args.drain_timeout < 0:
+        _fail(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM once it has shut down (the process then dies of the signal, status 130 or
+        143); a server that drained its requests exits 0 instead."""
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_flags(args)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        _fail(f"the server needs the 'serve' extra ({e.name} is missing): pip install -e \".[serve]\"")
+
+    from kdtree_jax import runtime
+    from kdtree_jax.generate import load_models, notice
+
+    runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    from kdtree_jax.serve.api import create_app
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.serve.scheduler import Scheduler, Settings, compile_count
+    from kdtree_jax.speculative import engine
+
+    t0 = time.perf_counter()
+    print("[loading the model ...]", file=sys.stderr, flush=True)
+    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
+    budget = 0 if args.no_speculative else args.budget
+    if drafter is not None and budget > 0:
+        limit = min(engine.trees.max_ddtree_budget(drafter.cfg.depth, args.topk), engine.MAX_TREE_NODES - 1)
+        if budget > limit:
+            _fail(f"--budget must be <= {limit} for this drafter and --topk {args.topk}; got {budget}")
+    elif budget > 0:
+        notice("the checkpoint has no drafter: serving autoregressively")
+    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, topk=args.topk,
+                        tree_temperature=args.tree_temperature or recommended, chunk_steps=args.chunk_steps,
+                        max_queue=args.max_queue, max_buckets=args.max_buckets)
+    metrics = Metrics()
+    scheduler = Scheduler(target, drafter, settings, metrics)
+    if scheduler.max_tokens_for(1) < 1:
+        _fail(f"--max-len {args.max_len} leaves no room for a token after a 1-token prompt and a "
+              f"{scheduler.num_nodes}-node verify tree")
+    name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
+                               else "default" if drafter is not None and "random" not in description else "tiny-random")
+    info = {"decoding": "speculative" if scheduler.speculative else "autoregressive",
+            "budget": budget if scheduler.speculative else 0, "topk": args.topk,
+            "tree_temperature": settings.tree_temperature, "max_batch": args.max_batch, "max_len": args.max_len}
+    if not args.no_warmup:
+        print(f"[{description}; loaded in {time.perf_counter() - t0:.1f} s; compiling ...]", file=sys.stderr,
+              flush=True)
+        scheduler.warmup()
+    scheduler.start()
+    app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info)
+
+    print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
+          + (f", DDTree budget {budget}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
+             if scheduler.speculative else "")
+          + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
+            f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
+    _Server = _server_class()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout)
+    _Server(config).run()  # returns after SIGINT/SIGTERM and the drain of the requests in flight
+    scheduler.stop(drain=False, timeout=10)  # whatever is left after --drain-timeout is cancelled
+    print("[stopped]", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

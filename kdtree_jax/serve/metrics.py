@@ -1,0 +1,129 @@
+"""The server's counters and gauges, rendered as Prometheus text at /metrics.
+
+Written by hand (a dozen lines of the text format) rather than with prometheus_client: one dependency fewer, and
+every number here is set by the one scheduler thread or the request handlers under one lock."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+# name -> (type, help). The order here is the order on the page.
+_DOC = {
+    "requests_total": ("counter", "Completion requests by outcome: ok (length or stop), cancelled (client gone), "
+                                  "error (the decode failed), rejected (400/404/429/503 before decoding)"),
+    "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests"),
+    "generated_tokens_total": ("counter", "Tokens generated and handed to requests"),
+    "decode_steps_total": ("counter", "Sequence steps of the decode loop (one verify pass for one row)"),
+    "tau": ("gauge", "Mean tokens a sequence step emits (accepted drafted tokens + 1; autoregressive: 1), since start"),
+    "time_to_first_token_seconds": ("summary", "From submit to the first token (queue wait + prefill)"),
+    "batch_rows": ("gauge", "Batch rows of the live buckets (max_batch per bucket)"),
+    "batch_rows_busy": ("gauge", "Batch rows holding a request"),
+    "batch_occupancy": ("gauge", "batch_rows_busy / batch_rows"),
+    "pool_slots": ("gauge", "KV pool slots (positions) of the live buckets"),
+    "pool_slots_free": ("gauge", "KV pool slots free"),
+    "pool_usage": ("gauge", "1 - pool_slots_free / pool_slots"),
+    "queue_length": ("gauge", "Requests waiting for a batch row"),
+    "buckets": ("gauge", "Live buckets (one per sampling setting: greedy, each temperature/top_p)"),
+    "compiles_total": ("counter", "XLA compiles in this process (constant under a steady load)"),
+}
+PREFIX = "kdtree_serve_"
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counts = {"requests_ok": 0, "requests_cancelled": 0, "requests_error": 0, "requests_rejected": 0,
+                       "prompt_tokens": 0, "generated_tokens": 0}
+        self.hist = np.zeros(0, np.int64)  # sequence steps that emitted d + 1 tokens, summed over buckets
+        self.ttft_sum, self.ttft_count = 0.0, 0
+        self.pools: dict = {}  # bucket key -> (free, total)
+        self.gauges = {"queue_length": 0, "busy_rows": 0, "rows": 0, "buckets": 0, "compiles": 0}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def add_steps(self, hist_delta) -> None:
+        with self._lock:
+            if self.hist.size < len(hist_delta):
+                self.hist = np.pad(self.hist, (0, len(hist_delta) - self.hist.size))
+            self.hist[:len(hist_delta)] += hist_delta
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+
+    def set_pool(self, key, free: int, total: int) -> None:
+        with self._lock:
+            self.pools[key] = (free, total)
+
+    def drop_pool(self, key) -> None:
+        with self._lock:
+            self.pools.pop(key, None)
+
+    def set_gauges(self, **values) -> None:
+        with self._lock:
+            self.gauges.update(values)
+
+    def reset_counts(self) -> None:
+        """Forget the warm-up request (compiles are not reset: they are the process's)."""
+        with self._lock:
+            for k in self.counts:
+                self.counts[k] = 0
+            self.hist[:] = 0
+            self.ttft_sum, self.ttft_count = 0.0, 0
+
+    def snapshot(self) -> dict:
+        """Every value by its metric name (without the prefix); the tests and the load benchmark read this too."""
+        with self._lock:
+            steps = int(self.hist.sum())
+            tokens = int((self.hist * (np.arange(self.hist.size) + 1)).sum())
+            free = sum(f for f, _ in self.pools.values())
+            slots = sum(t for _, t in self.pools.values())
+            g = self.gauges
+            return {
+                "requests_total": {k[len("requests_"):]: v for k, v in self.counts.items() if k.startswith("requests_")},
+                "prompt_tokens_total": self.counts["prompt_tokens"],
+                "generated_tokens_total": self.counts["generated_tokens"],
+                "decode_steps_total": steps,
+                "tau": tokens / steps if steps else 0.0,
+                "time_to_first_token_seconds": (self.ttft_sum, self.ttft_count),
+                "batch_rows": g["rows"],
+                "batch_rows_busy": g["busy_rows"],
+                "batch_occupancy": g["busy_rows"] / g["rows"] if g["rows"] else 0.0,
+                "pool_slots": slots,
+                "pool_slots_free": free,
+                "pool_usage": 1 - free / slots if slots else 0.0,
+                "queue_length": g["queue_length"],
+                "buckets": g["buckets"],
+                "compiles_total": g["compiles"],
+            }
+
+    def render(self) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        snap = self.snapshot()
+        lines = []
+        for name, (kind, help_text) in _DOC.items():
+            full = PREFIX + name
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+            value = snap[name]
+            if name == "requests_total":
+                lines += [f'{full}{{outcome="{k}"}} {v}' for k, v in value.items()]
+            elif kind == "summary":
+                lines += [f"{full}_sum {value[0]:.6f}", f"{full}_count {value[1]}"]
+            else:
+                lines.append(f"{full} {value:.6g}" if isinstance(value, float) else f"{full} {value}")
+        return "\n".join(lines) + "\n"
+
+
+def parse(text: str) -> dict:
+    """Prometheus text back into {name (without the prefix, labels kept): float}: for tests and the benchmark."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name[len(PREFIX):] if name.startswith(PREFIX) else name] = float(value)
+    return out

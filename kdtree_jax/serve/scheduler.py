@@ -1,0 +1,474 @@
+"""Continuous batching: one background thread owns every JAX call and runs the decode loop chunk after chunk,
+admitting waiting requests into free batch rows between chunks and retiring finished ones.
+
+Why one thread: JAX dispatch from several threads at once would interleave programs that donate the same state, and
+the server's asyncio loop must never block on the device. The web side talks to this thread through `submit`
+(a locked deque), `cancel` (a flag the thread reads) and, back, each request's `emit` callback (the server passes
+one that hands events to its asyncio loop with call_soon_threadsafe).
+
+A *bucket* is one batch of `max_batch` rows with its own pool, state and compiled chunk program; requests with the
+same sampling settings share one (greedy is one bucket; each (temperature, top_p) another, since the engine compiles
+them into the program). The shapes of everything a bucket runs are fixed when it is made — the pool, the chunk
+program, row admission (a prefill padded to a power-of-two length bucket), row reset — so a steady load compiles
+nothing: `compile_count()` counts XLA compiles (the /metrics line `kdtree_serve_compiles_total`).
+
+One bucket's cycle, one chunk in flight (the host reads chunk i while the device runs chunk i + 1):
+
+    admit waiting requests into free rows: prefill them together (a fresh pool of the bucket's shapes, each admitted
+        row holding its prompt), copy each row in (engine._adopt_row), stream its first token;
+    launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
+    read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
+        (client gone, stop string), is reset (engine.reset_row: its KV slots back to the pool) and its row is free.
+
+Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
+output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
+max_tokens tokens (`_limit_row`), with no extra steps and no per-request compile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax import kv_pool
+from kdtree_jax.decode import prefill
+from kdtree_jax.ops.argmax import argmax_last
+from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import engine
+
+# --- compile counting ---------------------------------------------------------------------------------------------
+# Every XLA compile (a jit cache miss, an eager op on a new shape) reports this event; counting it is how /metrics and
+# the tests see that a steady load compiles nothing.
+_COMPILES = [0]
+_LISTENING = [False]
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+def compile_count() -> int:
+    """XLA compiles in this process since the scheduler module started listening."""
+    if not _LISTENING[0]:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _LISTENING[0] = True
+    return _COMPILES[0]
+
+
+compile_count()  # listen from import on
+
+PREFILL_CHUNK = 64  # prefill tokens per pass (engine.generate's default chunk_size)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-queue: the server answers 429."""
+
+
+class NotAccepting(Exception):
+    """The scheduler is draining or stopped: the server answers 503."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion as the scheduler sees it: token ids in, token ids out through `emit`.
+
+    emit(kind, value) is called from the scheduler thread: ("tokens", [ids]) as they arrive (the first call holds the
+    first token), then once ("done", "length" | "cancelled") or ("error", message)."""
+
+    prompt: list
+    max_tokens: int
+    emit: Callable[[str, object], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    id: int = dataclasses.field(default_factory=itertools.count().__next__)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set by any thread; the scheduler frees the row at its next iteration
+    cancel_reason: str = "cancelled"  # what the "done" event says then: "cancelled" (client gone) or "stop"
+    delivered: int = 0  # tokens handed to emit
+    finished: bool = False
+
+    @property
+    def sampling(self) -> tuple:
+        """The bucket key: requests with equal keys run in one compiled program."""
+        return (0.0, 1.0) if self.temperature == 0 else (float(self.temperature), float(self.top_p))
+
+
+def prompt_bucket(n: int, max_len: int) -> int:
+    """The padded prefill length for an n-token prompt: a power of two from 16, so that a handful of prefill programs
+    serve every prompt (a prompt's padding costs compute only, not pool positions)."""
+    length = 16
+    while length < n:
+        length *= 2
+    return min(length, engine._round_up(max_len, PREFILL_CHUNK))
+
+
+@jax.jit
+def _first_tokens_greedy(last_logits):
+    return argmax_last(last_logits)
+
+
+@jax.jit
+def _first_tokens_sampled(last_logits, seeds, temperature, top_p):
+    # One key per row from the request's own seed: a row's first token does not depend on its batch neighbours.
+    filtered = acceptance.filter_logits(last_logits, temperature, 0, top_p)
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 1 << 30))(seeds)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+@jax.jit
+def _limit_row(state: engine.LoopState, row, max_tokens) -> engine.LoopState:
+    """Row `row` (just adopted: its first token at output 0) stops after max_tokens tokens: its output is moved to
+    start at (width - max_tokens), where the loop's own end-of-output test stops it. `row` and `max_tokens` are
+    device scalars: one program for every row and length."""
+    width = state.accepted_hist.shape[0]
+    max_new = state.out.shape[1] - width
+    offset = max_new - max_tokens
+    first = state.out[row, 0]
+    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(first)
+    num_out = offset + 1
+    return state._replace(out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
+                          active=state.active.at[row].set(state.active[row] & (num_out < max_new)))
+
+
+@jax.jit
+def _counters(state: engine.LoopState):
+    """Copies of what /metrics reads after a chunk (the chunk's state itself is donated to the next chunk)."""
+    return state.accepted_hist + 0, state.cache.num_free + 0
+
+
+@jax.jit
+def _with_key(state: engine.LoopState, seed) -> engine.LoopState:
+    """A fresh random stream for a bucket that had no live row: a lone seeded request is reproducible."""
+    return state._replace(key=jax.random.key(seed), step=jnp.zeros_like(state.step))
+
+
+class Bucket:
+    """`max_batch` rows decoding with one sampling setting: the pool, the loop state, who owns which row."""
+
+    def __init__(self, sched: "Scheduler", sampling: tuple):
+        self.sched, self.sampling = sched, sampling
+        target, drafter = sched.target, sched.drafter
+        temperature, top_p = sampling
+        s = sched.settings
+        self.spec = engine.SpecConfig(tree="ddtree", budget=s.budget if drafter is not None else 0, topk=s.topk,
+                                      tree_temperature=s.tree_temperature, temperature=temperature, top_p=top_p,
+                                      max_new_tokens=sched.max_new_tokens)
+        self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
+        self.batch, self.max_len = s.max_batch, s.max_len
+        depth = self.drafter.cfg.depth if self.drafter is not None else 0
+        cfg = target.cfg
+        dtype = target.dtype
+        cache = kv_pool.init_cache(cfg, self.batch, self.max_len, dtype=dtype)
+        dcache = self.drafter.init_cache(self.batch, self.max_len) if self.drafter is not None else None
+        moe = [layer.mlp for layer in target.layers if layer.is_moe]
+        self.state = engine.initial_state(
+            cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
+            width=depth + 1, stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
+            expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
+            active=np.zeros((self.batch,), bool))
+        # Committed to the device like every state a jitted call returns: a program's cache key includes that, so an
+        # uncommitted first state would compile row admission and the chunk a second time on the next request.
+        self.state = jax.device_put(self.state, jax.devices()[0])
+        self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
+        self.owner: list[Optional[Request]] = [None] * self.batch
+        self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
+        self.hist_seen = np.zeros(depth + 1, np.int64)  # accepted_hist already counted into the metrics
+        self.last_used = time.perf_counter()
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+    def free_rows(self) -> list[int]:
+        return [r for r, req in enumerate(self.owner) if req is None]
+
+    def busy(self) -> int:
+        return self.batch - len(self.free_rows())
+
+    def idle(self) -> bool:
+        return self.busy() == 0 and not self.inflight
+
+    def admit(self, reqs: list[Request]) -> None:
+        """Prefill these requests together and give each a free row (the caller checked there are enough)."""
+        sched, target = self.sched, self.sched.target
+        rows = self.free_rows()[:len(reqs)]
+        if self.busy() == 0 and self.spec.temperature > 0 and reqs[0].seed is not None:
+            self.state = _with_key(self.state, jnp.int32(reqs[0].seed))
+        length = prompt_bucket(max(len(r.prompt) for r in reqs), self.max_len)
+        ids = np.zeros((self.batch, length), np.int32)
+        lens = np.ones((self.batch,), np.int32)  # rows not admitted prefill a 1-token dummy (the shapes are fixed)
+        seeds = np.zeros((self.batch,), np.int32)
+        for req, row in zip(reqs, rows):
+            ids[row, :len(req.prompt)] = req.prompt
+            lens[row] = len(req.prompt)
+            seeds[row] = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
+        fresh = kv_pool.init_cache(target.cfg, self.batch, self.max_len, num_slots=self.state.cache.num_slots,
+                                   dtype=self.state.cache.pages.dtype)
+        hidden_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        last_logits, hidden, fresh = prefill(target, fresh, ids, lens, chunk_size=min(PREFILL_CHUNK, length),
+                                             hidden_layers=hidden_layers, impl=self.spec.impl)
+        fresh_dcache = None
+        if self.drafter is not None:
+            fresh_dcache = engine._extend_drafter(self.drafter, self.drafter.init_cache(self.batch, self.max_len),
+                                                  hidden, jnp.asarray(lens))
+        if self.spec.temperature == 0:
+            first = _first_tokens_greedy(last_logits)
+        else:
+            first = _first_tokens_sampled(last_logits, jnp.asarray(seeds), jnp.float32(self.spec.temperature),
+                                          jnp.float32(self.spec.top_p))
+        for req, row in zip(reqs, rows):
+            self.state = engine._adopt_row(self.state, fresh, fresh_dcache, jnp.int32(row), first)
+            self.state = _limit_row(self.state, jnp.int32(row), jnp.int32(req.max_tokens))
+            self.owner[row] = req
+        first_np = np.asarray(first)  # waits for the prefill: the first token is the time to first token
+        for req, row in zip(reqs, rows):
+            sched.metrics.first_token(time.perf_counter() - req.submitted)
+            self._deliver(row, req, [int(first_np[row])])
+        self.last_used = time.perf_counter()
+
+    def _deliver(self, row: int, req: Request, ids: list) -> None:
+        ids = ids[:req.max_tokens - req.delivered]
+        if ids:
+            req.delivered += len(ids)
+            self.sched.metrics.add("generated_tokens", len(ids))
+            req.emit("tokens", ids)
+        if req.delivered >= req.max_tokens:
+            self._retire(row, "length")
+
+    def _retire(self, row: int, reason: str) -> None:
+        """The row's request is over: tell it, free its KV slots (after the chunk in flight), free the row."""
+        req = self.owner[row]
+        self.owner[row] = None
+        self.state = engine.reset_row(self.state, jnp.int32(row))
+        if not req.finished:
+            req.finished = True
+            self.sched.metrics.add("requests_cancelled" if reason == "cancelled" else "requests_ok")
+            req.emit("done", reason)
+
+    def sweep_cancelled(self) -> None:
+        for row, req in enumerate(self.owner):
+            if req is not None and req.cancelled:
+                self._retire(row, req.cancel_reason)
+
+    # -- chunks --------------------------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Enqueue one chunk (asynchronous: the device runs it while the host reads the previous one)."""
+        out = self.loop(self.state)
+        self.state = out.state
+        self.inflight.append((out, _counters(out.state), list(self.owner)))
+        self.last_used = time.perf_counter()
+
+    def collect(self) -> None:
+        """Read the oldest chunk in flight and hand each row's new tokens to the request that owned the row then
+        (a row retired meanwhile, or already given to another request, drops them)."""
+        out, counters, owners = self.inflight.popleft()
+        tokens, start, num_out, (hist, num_free) = jax.device_get((out.tokens, out.start, out.num_out, counters))
+        self.sched.metrics.add_steps(np.asarray(hist, np.int64) - self.hist_seen)
+        self.hist_seen = np.asarray(hist, np.int64)
+        self.sched.metrics.set_pool(self.sampling, int(num_free), self.state.cache.num_slots)
+        for row, req in enumerate(owners):
+            if req is None or self.owner[row] is not req or req.finished:
+                continue
+            n = int(num_out[row]) - int(start[row])
+            if n > 0:
+                self._deliver(row, req, tokens[row, :n].tolist())
+
+    def refresh_pool(self) -> None:
+        """Publish the pool's free slots when no chunk is in flight to do it (after the last row retired)."""
+        if not self.inflight:
+            self.sched.metrics.set_pool(self.sampling, int(self.state.cache.num_free), self.state.cache.num_slots)
+
+
+@dataclasses.dataclass
+class Settings:
+    """The scheduler's static settings (the server's flags)."""
+
+    max_batch: int = 8  # rows per bucket
+    max_len: int = 1024  # pool positions per row: prompt + max_tokens + one verify tree must fit
+    budget: int = 16  # DDTree nodes per step besides the root; 0: autoregressive
+    topk: int = 4
+    tree_temperature: float = 1.0
+    chunk_steps: int = 4  # decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host
+    max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
+    max_buckets: int = 4  # distinct sampling settings with a live pool at once
+
+
+class Scheduler:
+    """The decode thread. start() runs it; submit() / cancel() from any thread; stop() drains and joins."""
+
+    def __init__(self, target, drafter, settings: Settings, metrics):
+        self.target, self.drafter, self.settings, self.metrics = target, drafter, settings, metrics
+        self.speculative = drafter is not None and settings.budget > 0
+        self.depth = drafter.cfg.depth if self.speculative else 0
+        self.num_nodes = settings.budget + 1 if self.speculative else 1
+        # The out buffer's width bounds any request's max_tokens; the pool (max_len) is the real limit.
+        self.max_new_tokens = settings.max_len
+        self.buckets: dict[tuple, Bucket] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[str] = None
+
+    # -- limits the API checks before submit ------------------------------------------------------------------------
+    def max_tokens_for(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length may ask for: the pool row holds the prompt, the output and one
+        verify tree past it; the model's context holds prompt + output."""
+        pool = self.settings.max_len - prompt_len - self.num_nodes - self.depth - 1
+        context = self.target.cfg.max_position_embeddings - prompt_len
+        return min(pool, context)
+
+    # -- the web side ---------------------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise NotAccepting("the server is shutting down")
+            if len(self._waiting) >= self.settings.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue {self.settings.max_queue})")
+            self._waiting.append(req)
+            self.metrics.add("prompt_tokens", len(req.prompt))
+            self._lock.notify()
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Free the request's row (or drop it from the queue) at the scheduler's next iteration; idempotent.
+        reason: "cancelled" (the client went away) or "stop" (the server found a stop string in its text)."""
+        with self._lock:
+            if not req.cancelled:
+                req.cancel_reason = reason
+            req.cancelled = True
+            self._lock.notify()
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def busy_rows(self) -> int:
+        return sum(sum(r is not None for r in b.owner) for b in self.buckets.values())
+
+    # -- the thread -----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kdtree-serve-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop accepting; with drain, finish what was accepted first; then end the thread."""
+        with self._lock:
+            self._accepting = False
+            if not drain:
+                for req in self._waiting:
+                    req.cancelled = True
+                for b in self.buckets.values():
+                    for req in b.owner:
+                        if req is not None:
+                            req.cancelled = True
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def warmup(self) -> None:
+        """Compile the greedy bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
+        reset) before serving, by running one short request on this thread."""
+        done = threading.Event()
+        req = Request(prompt=[0] * 8, max_tokens=min(3, self.max_tokens_for(8)), emit=lambda kind, v: (
+            done.set() if kind != "tokens" else None))
+        self._admit_waiting([req])
+        bucket = self.buckets[req.sampling]
+        while not done.is_set():
+            bucket.launch()
+            bucket.collect()
+        while bucket.inflight:
+            bucket.collect()
+        self.metrics.reset_counts()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
+                    self._lock.wait(0.5)
+                if self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
+                    return
+                waiting = [r for r in self._waiting if not r.cancelled]
+                for r in self._waiting:
+                    if r.cancelled and not r.finished:
+                        r.finished = True
+                        self.metrics.add("requests_cancelled")
+                        r.emit("done", r.cancel_reason)
+                self._waiting.clear()
+            try:
+                left = self._admit_waiting(waiting)
+                with self._lock:
+                    self._waiting.extendleft(reversed(left))  # still first in line
+                self._step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+                self._fail_all(e)
+            self._update_gauges()
+
+    def _admit_waiting(self, waiting: list[Request]) -> list[Request]:
+        """Admit what fits, bucket by bucket, oldest first: -> the requests left waiting."""
+        left, by_bucket = [], collections.OrderedDict()
+        for req in waiting:
+            by_bucket.setdefault(req.sampling, []).append(req)
+        for key, reqs in by_bucket.items():
+            bucket = self.buckets.get(key) or self._new_bucket(key)
+            if bucket is None:
+                left.extend(reqs)
+                continue
+            bucket.sweep_cancelled()
+            free = len(bucket.free_rows())
+            if free:
+                bucket.admit(reqs[:free])
+            left.extend(reqs[free:])
+        left.sort(key=lambda r: r.id)
+        return left
+
+    def _new_bucket(self, key: tuple) -> Optional[Bucket]:
+        """A bucket for new sampling settings; at --max-buckets the least recently used idle one is dropped first
+        (None when every bucket is busy: the request waits)."""
+        if len(self.buckets) >= self.settings.max_buckets:
+            idle = [k for k, b in self.buckets.items() if b.idle()]
+            if not idle:
+                return None
+            oldest = min(idle, key=lambda k: self.buckets[k].last_used)
+            del self.buckets[oldest]
+            self.metrics.drop_pool(oldest)
+        bucket = self.buckets[key] = Bucket(self, key)
+        return bucket
+
+    def _step(self) -> None:
+        """One chunk for every bucket with live rows, keeping one chunk in flight per bucket."""
+        for bucket in list(self.buckets.values()):
+            bucket.sweep_cancelled()
+            if bucket.busy():
+                bucket.launch()
+            while len(bucket.inflight) > (1 if bucket.busy() else 0):
+                bucket.collect()
+
+    def _fail_all(self, e: Exception) -> None:
+        message = f"decode failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        traceback.print_exc()
+        self.error = message
+        for key, bucket in list(self.buckets.items()):
+            for req in bucket.owner:
+                if req is not None and not req.finished:
+                    req.finished = True
+                    self.metrics.add("requests_error")
+                    req.emit("error", message)
+            del self.buckets[key]  # its state may be half-donated: start it afresh
+            self.metrics.drop_pool(key)
+
+    def _update_gauges(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.refresh_pool()
+        busy = self.busy_rows()
+        self.metrics.set_gauges(queue_length=len(self._waiting), busy_rows=busy,
+                                rows=self.settings.max_batch * max(len(self.buckets), 1),
+                                buckets=len(self.buckets), compiles=compile_count())
