@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per chunk: tokens reach clients and new requests join the batch between chunks "
                         "(smaller: sooner; larger: less host work per token)")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests allowed to wait for a free row; beyond it requests get 429")
+                   help="requests allowed to wait beyond those the free batch rows will take; more get 429")
     p.add_argument("--max-buckets", type=int, default=4,
                    help="sampling settings (greedy, each temperature/top_p pair) with a live batch at once; each has "
                         "its own pool and compiled program (a new setting compiles once; the least recently used idle "

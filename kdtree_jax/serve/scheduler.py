@@ -317,6 +317,7 @@ class Scheduler:
         self._accepting = True
         self._stop = False
         self._thread: Optional[threading.Thread] = None
+        self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
 
     # -- limits the API checks before submit ------------------------------------------------------------------------
@@ -332,8 +333,11 @@ class Scheduler:
         with self._lock:
             if not self._accepting:
                 raise NotAccepting("the server is shutting down")
-            if len(self._waiting) >= self.settings.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue {self.settings.max_queue})")
+            # Requests the free rows will take at the next admission do not count against the queue (a burst
+            # arrives faster than one admission takes in).
+            if len(self._waiting) >= self.settings.max_queue + self._free_rows:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting for a batch row "
+                                f"(--max-queue {self.settings.max_queue})")
             self._waiting.append(req)
             self.metrics.add("prompt_tokens", len(req.prompt))
             self._lock.notify()
@@ -469,6 +473,8 @@ class Scheduler:
         for bucket in self.buckets.values():
             bucket.refresh_pool()
         busy = self.busy_rows()
+        self._free_rows = sum(len(b.free_rows()) for b in self.buckets.values()) if self.buckets else \
+            self.settings.max_batch
         self.metrics.set_gauges(queue_length=len(self._waiting), busy_rows=busy,
                                 rows=self.settings.max_batch * max(len(self.buckets), 1),
                                 buckets=len(self.buckets), compiles=compile_count())
