@@ -106,7 +106,8 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
                   reinterpret_cast<const char*>(layer_rows + clamp_slot(raw_b, p.num_slots) * kWidth), bytes_b);
     };
 
-    // Prologue: Q and the first tile in one group; the slots of the second tile read ahead.
+    // Prologue: Q and the first tile in one group, the second tile in another (its stage is free until the first
+    // tile's P·V is done); the slots of the third tile read ahead.
     {
       const int qa = row0 + copy_row, qb = qa + 32;
       const char* q_rows = reinterpret_cast<const char*>(p.q + static_cast<int64_t>(b) * p.rows * kWidth);
@@ -119,6 +120,10 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
     cp_async_commit();
     raw_a = kv_row(range.tile_begin + 1, copy_row, bytes_a);
     raw_b = kv_row(range.tile_begin + 1, copy_row + 32, bytes_b);
+    if (range.tile_begin + 1 < range.tile_end) issue_tile(1, raw_a, bytes_a, raw_b, bytes_b);
+    cp_async_commit();
+    raw_a = kv_row(range.tile_begin + 2, copy_row, bytes_a);
+    raw_b = kv_row(range.tile_begin + 2, copy_row + 32, bytes_b);
 
     // Tree-mask rows of this thread's two query rows (padding rows read the last real row's).
     const uint32_t* mask_a = p.tree_mask +
@@ -133,15 +138,17 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
     for (int tile = range.tile_begin; tile < range.tile_end; ++tile) {
       const int stage = (tile - range.tile_begin) & 1;
       const uint32_t kv = base + W::kKvOff + stage * W::kMatrixBytes;
-      cp_async_wait<0>();
+      // The first iteration has the second tile's group in flight too; later ones only their own tile's.
+      if (tile == range.tile_begin) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
       fence_proxy_async();
       __syncthreads();  // tile landed for everybody; both warpgroups are done with the other stage and with P
-      if (tile + 1 < range.tile_end) issue_tile(stage ^ 1, raw_a, bytes_a, raw_b, bytes_b);
-      cp_async_commit();
-      raw_a = kv_row(tile + 2, copy_row, bytes_a);
-      raw_b = kv_row(tile + 2, copy_row + 32, bytes_b);
 
       // S = Q · K[32 wg .. 32 wg + 31]ᵀ over the 576 dims: column block k / 4, 32-byte step k % 4 inside its rows.
+      // The next tile's copies are issued while the MMAs run (into the other stage, which they do not read).
       float s[16];
       {
         const uint64_t k_desc = smem_descriptor(kv + wg * 32 * 128, 16, 1024);
@@ -152,6 +159,12 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
           wgmma_m64n32k16(s, advance(q_desc, off), advance(k_desc, off), k > 0);
         }, std::make_integer_sequence<int, kWidth / 16>{});
         wgmma_commit();
+        if (tile > range.tile_begin) {
+          if (tile + 1 < range.tile_end) issue_tile(stage ^ 1, raw_a, bytes_a, raw_b, bytes_b);
+          cp_async_commit();
+          raw_a = kv_row(tile + 2, copy_row, bytes_a);
+          raw_b = kv_row(tile + 2, copy_row + 32, bytes_b);
+        }
         wgmma_wait_all();
         fence_registers(s);
       }
@@ -220,12 +233,14 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       }
       l_a = l_a * sc_a + sum_a;
       l_b = l_b * sc_b + sum_b;
+      if (sc_a != 1.f || sc_b != 1.f) {  // once the maxima settle, most tiles move none
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        acc[4 * j] *= sc_a;
-        acc[4 * j + 1] *= sc_a;
-        acc[4 * j + 2] *= sc_b;
-        acc[4 * j + 3] *= sc_b;
+        for (int j = 0; j < 32; ++j) {
+          acc[4 * j] *= sc_a;
+          acc[4 * j + 1] *= sc_a;
+          acc[4 * j + 2] *= sc_b;
+          acc[4 * j + 3] *= sc_b;
+        }
       }
       fence_proxy_async();
       named_barrier(2, W::kThreads);  // both halves of P written
