@@ -4,7 +4,7 @@
 //
 //   * Q (64 rows x 576) stays in shared memory for the whole split; the KV rows of a 64-position tile are gathered
 //     from the page-size-1 pool by cp.async (all 256 threads, 8 per row, each 16-byte chunk stored at its swizzled
-//     place), double-buffered: tile c + 1 is in flight while tile c is computed, and tile c + 2 is prefetched into L2.
+//     place), double-buffered: tile c + 1 is in flight while tile c is computed.
 //   * Warpgroup w owns half of everything that can be halved: the scores of positions 32w .. 32w + 31 of the tile
 //     (S = Q·Kᵀ, m64n32, 36 k-steps) and output columns 256w .. 256w + 255 (O += P·V, m64n256, 4 k-steps, V read
 //     MN-major from the same tile). The softmax needs both halves of a row: the warpgroups trade row maxima through
@@ -66,18 +66,6 @@ __device__ __forceinline__ void copy_matrix(uint32_t base, const char* row_a, in
   }, std::make_integer_sequence<int, W::kColBlocks>{});
 }
 
-// This thread's share of prefetching the same two rows into L2: 128-byte line (thread % 8) of each, and line 8 (the
-// last 128 bytes of the 1152) by the threads of chunk 0.
-__device__ __forceinline__ void prefetch_rows(const char* row_a, bool ok_a, const char* row_b, bool ok_b) {
-  const int line = threadIdx.x % 8;
-  if (ok_a) prefetch_l2(row_a + line * 128);
-  if (ok_b) prefetch_l2(row_b + line * 128);
-  if (line == 0) {
-    if (ok_a) prefetch_l2(row_a + 8 * 128);
-    if (ok_b) prefetch_l2(row_b + 8 * 128);
-  }
-}
-
 template <bool kDirect>
 __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem_raw) {
   using namespace sm90;
@@ -112,11 +100,10 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       bytes = ok ? 16 : 0;
       return ok ? __ldg(slots + pos) : 0;
     };
-    auto row_of = [&](int32_t raw) {
-      return reinterpret_cast<const char*>(layer_rows + clamp_slot(raw, p.num_slots) * kWidth);
-    };
     auto issue_tile = [&](int stage, int32_t raw_a, int bytes_a, int32_t raw_b, int bytes_b) {
-      copy_matrix(base + W::kKvOff + stage * W::kMatrixBytes, row_of(raw_a), bytes_a, row_of(raw_b), bytes_b);
+      copy_matrix(base + W::kKvOff + stage * W::kMatrixBytes,
+                  reinterpret_cast<const char*>(layer_rows + clamp_slot(raw_a, p.num_slots) * kWidth), bytes_a,
+                  reinterpret_cast<const char*>(layer_rows + clamp_slot(raw_b, p.num_slots) * kWidth), bytes_b);
     };
 
     // Prologue: Q and the first tile in one group, the second tile in another (its stage is free until the first
@@ -137,9 +124,6 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
     cp_async_commit();
     raw_a = kv_row(range.tile_begin + 2, copy_row, bytes_a);
     raw_b = kv_row(range.tile_begin + 2, copy_row + 32, bytes_b);
-    // With two stages one tile is in flight; the tile after it is prefetched into L2 (its slots read a tile ahead).
-    int pf_bytes_a, pf_bytes_b;
-    int32_t pf_a = kv_row(range.tile_begin + 3, copy_row, pf_bytes_a), pf_b = kv_row(range.tile_begin + 3, copy_row + 32, pf_bytes_b);
 
     // Tree-mask rows of this thread's two query rows (padding rows read the last real row's).
     const uint32_t* mask_a = p.tree_mask +
@@ -175,15 +159,11 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
           wgmma_m64n32k16(s, advance(q_desc, off), advance(k_desc, off), k > 0);
         }, std::make_integer_sequence<int, kWidth / 16>{});
         wgmma_commit();
-        if (tile == range.tile_begin) {
-          prefetch_rows(row_of(raw_a), bytes_a > 0, row_of(raw_b), bytes_b > 0);  // tile + 2
-        } else {
+        if (tile > range.tile_begin) {
           if (tile + 1 < range.tile_end) issue_tile(stage ^ 1, raw_a, bytes_a, raw_b, bytes_b);
           cp_async_commit();
-          prefetch_rows(row_of(pf_a), pf_bytes_a > 0, row_of(pf_b), pf_bytes_b > 0);  // tile + 2
-          raw_a = pf_a, bytes_a = pf_bytes_a, raw_b = pf_b, bytes_b = pf_bytes_b;
-          pf_a = kv_row(tile + 3, copy_row, pf_bytes_a);
-          pf_b = kv_row(tile + 3, copy_row + 32, pf_bytes_b);
+          raw_a = kv_row(tile + 2, copy_row, bytes_a);
+          raw_b = kv_row(tile + 2, copy_row + 32, bytes_b);
         }
         wgmma_wait_all();
         fence_registers(s);
