@@ -218,9 +218,15 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind, value):  # on the decode thread: hand the event to this request's handler
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
+                pass
+
         job = sched.Request(prompt=ids, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            seed=req.seed, emit=lambda kind, value: loop.call_soon_threadsafe(
-                                events.put_nowait, (kind, value)))
+                            seed=req.seed, emit=emit)
         try:
             scheduler.submit(job)
         except sched.QueueFull as e:

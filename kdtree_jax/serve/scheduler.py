@@ -14,21 +14,22 @@ nothing: `compile_count()` counts XLA compiles (the /metrics line `kdtree_serve_
 
 One bucket's cycle, one chunk in flight (the host reads chunk i while the device runs chunk i + 1):
 
-    admit waiting requests into free rows: prefill them together (a fresh pool of the bucket's shapes, each admitted
-        row holding its prompt), copy each row in (engine._adopt_row), stream its first token;
+    admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket), copy
+        it into its row (`_adopt`), stream its first token;
     launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
         (client gone, stop string), is reset (engine.reset_row: its KV slots back to the pool) and its row is free.
 
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
-max_tokens tokens (`_limit_row`), with no extra steps and no per-request compile.
+max_tokens tokens (`_adopt`), with no extra steps and no per-request compile.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -114,31 +115,60 @@ def prompt_bucket(n: int, max_len: int) -> int:
 
 
 @jax.jit
-def _first_tokens_greedy(last_logits):
+def _first_token_greedy(last_logits):
     return argmax_last(last_logits)
 
 
 @jax.jit
-def _first_tokens_sampled(last_logits, seeds, temperature, top_p):
-    # One key per row from the request's own seed: a row's first token does not depend on its batch neighbours.
+def _first_token_sampled(last_logits, seed, temperature, top_p):
+    # The request's own seed: its first token does not depend on the batch it joins.
     filtered = acceptance.filter_logits(last_logits, temperature, 0, top_p)
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 1 << 30))(seeds)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
+    return jax.random.categorical(key, filtered).astype(jnp.int32)
 
 
-@jax.jit
-def _limit_row(state: engine.LoopState, row, max_tokens) -> engine.LoopState:
-    """Row `row` (just adopted: its first token at output 0) stops after max_tokens tokens: its output is moved to
-    start at (width - max_tokens), where the loop's own end-of-output test stops it. `row` and `max_tokens` are
-    device scalars: one program for every row and length."""
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _adopt(state: engine.LoopState, fresh: kv_pool.KVCache, fresh_dcache, row, first, max_tokens) -> engine.LoopState:
+    """Batch row `row` takes over a prompt prefilled alone (`fresh`: a one-row pool as long as the prompt's bucket;
+    `fresh_dcache`: its drafter context or None; `first` [1]: its first token), and stops after `max_tokens` tokens.
+
+    engine._adopt_row does the same from a pool of the batch's own shape (prefilling every row); prefilling one row is
+    max_batch times cheaper, and admission stalls every running row for as long as it takes. The prompt's latent rows
+    are copied into slots popped from the batch's pool; its slot table row points at them.
+
+    max_tokens: the loop ends a row once its output count reaches the out buffer's width (max_new); this row's
+    output starts at offset max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step.
+    `row` and `max_tokens` are device scalars: one program per prompt bucket, whatever the row and the length."""
+    state = engine._reset_row_state(state, row)
+    cache = state.cache
+    count = fresh.seq_lens[0]
+    j = jnp.arange(fresh.max_len, dtype=jnp.int32)
+    valid = j < count
+    short = cache.num_free < count
+    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
+    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
+    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0]], mode="drop")
+    table = jnp.zeros((cache.max_len,), jnp.int32).at[:fresh.max_len].set(slots)
+    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
+                           seq_lens=cache.seq_lens.at[row].set(count),
+                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
+                           overflow=cache.overflow | short)
+    dcache = state.dcache
+    if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
+        n = fresh_dcache.k.shape[2]
+        dcache = engine.DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0]),
+                                     dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0]),
+                                     dcache.lens.at[row].set(fresh_dcache.lens[0]))
+    token = first[0]
     width = state.accepted_hist.shape[0]
     max_new = state.out.shape[1] - width
     offset = max_new - max_tokens
-    first = state.out[row, 0]
-    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(first)
     num_out = offset + 1
-    return state._replace(out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
-                          active=state.active.at[row].set(state.active[row] & (num_out < max_new)))
+    live = ~(token == state.stop_ids).any() & (num_out < max_new)
+    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
+    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
+                          out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
+                          active=state.active.at[row].set(live))
 
 
 @jax.jit
@@ -197,41 +227,39 @@ class Bucket:
         return self.busy() == 0 and not self.inflight
 
     def admit(self, reqs: list[Request]) -> None:
-        """Prefill these requests together and give each a free row (the caller checked there are enough)."""
+        """Give each request a free row (the caller checked there are enough): prefill it alone, copy it in, stream
+        its first token. The other rows wait meanwhile (the state is theirs too), so this is kept to one row's work."""
         sched, target = self.sched, self.sched.target
-        rows = self.free_rows()[:len(reqs)]
         if self.busy() == 0 and self.spec.temperature > 0 and reqs[0].seed is not None:
-            self.state = _with_key(self.state, jnp.int32(reqs[0].seed))
-        length = prompt_bucket(max(len(r.prompt) for r in reqs), self.max_len)
-        ids = np.zeros((self.batch, length), np.int32)
-        lens = np.ones((self.batch,), np.int32)  # rows not admitted prefill a 1-token dummy (the shapes are fixed)
-        seeds = np.zeros((self.batch,), np.int32)
-        for req, row in zip(reqs, rows):
-            ids[row, :len(req.prompt)] = req.prompt
-            lens[row] = len(req.prompt)
-            seeds[row] = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
-        fresh = kv_pool.init_cache(target.cfg, self.batch, self.max_len, num_slots=self.state.cache.num_slots,
-                                   dtype=self.state.cache.pages.dtype)
+            self.state = _with_key(self.state, jnp.int32(reqs[0].seed & 0x7FFFFFFF))
         hidden_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        last_logits, hidden, fresh = prefill(target, fresh, ids, lens, chunk_size=min(PREFILL_CHUNK, length),
-                                             hidden_layers=hidden_layers, impl=self.spec.impl)
-        fresh_dcache = None
-        if self.drafter is not None:
-            fresh_dcache = engine._extend_drafter(self.drafter, self.drafter.init_cache(self.batch, self.max_len),
-                                                  hidden, jnp.asarray(lens))
-        if self.spec.temperature == 0:
-            first = _first_tokens_greedy(last_logits)
-        else:
-            first = _first_tokens_sampled(last_logits, jnp.asarray(seeds), jnp.float32(self.spec.temperature),
-                                          jnp.float32(self.spec.top_p))
-        for req, row in zip(reqs, rows):
-            self.state = engine._adopt_row(self.state, fresh, fresh_dcache, jnp.int32(row), first)
-            self.state = _limit_row(self.state, jnp.int32(row), jnp.int32(req.max_tokens))
+        firsts = []
+        for req, row in zip(reqs, self.free_rows()):
+            n = len(req.prompt)
+            length = prompt_bucket(n, self.max_len)
+            ids = np.zeros((1, length), np.int32)
+            ids[0, :n] = req.prompt
+            fresh = kv_pool.init_cache(target.cfg, 1, length, dtype=self.state.cache.pages.dtype)
+            last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32),
+                                                 chunk_size=min(PREFILL_CHUNK, length), hidden_layers=hidden_layers,
+                                                 impl=self.spec.impl)
+            fresh_dcache = None
+            if self.drafter is not None:
+                fresh_dcache = engine._extend_drafter(self.drafter, self.drafter.init_cache(1, length), hidden,
+                                                      jnp.asarray([n], jnp.int32))
+            if self.spec.temperature == 0:
+                first = _first_token_greedy(last_logits)
+            else:
+                seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
+                first = _first_token_sampled(last_logits, jnp.int32(seed), jnp.float32(self.spec.temperature),
+                                             jnp.float32(self.spec.top_p))
+            self.state = _adopt(self.state, fresh, fresh_dcache, jnp.int32(row), first, jnp.int32(req.max_tokens))
             self.owner[row] = req
-        first_np = np.asarray(first)  # waits for the prefill: the first token is the time to first token
-        for req, row in zip(reqs, rows):
+            firsts.append((req, row, first))
+        for req, row, first in firsts:
+            token = int(np.asarray(first)[0])  # waits for its prefill: the first token is the time to first token
             sched.metrics.first_token(time.perf_counter() - req.submitted)
-            self._deliver(row, req, [int(first_np[row])])
+            self._deliver(row, req, [token])
         self.last_used = time.perf_counter()
 
     def _deliver(self, row: int, req: Request, ids: list) -> None:
