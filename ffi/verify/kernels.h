@@ -18,8 +18,6 @@ int pipelined_kernel_smem_bytes();
 cudaError_t hopper_kernel_setup();     // hopper_kernel.cu: wgmma, 64 rows a block (sm_90a; KDTREE_WITH_HOPPER)
 void launch_hopper_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 int hopper_kernel_smem_bytes();
-cudaError_t hopper_symmetric_kernel_setup();  // hopper_symmetric_kernel.cu: the A/B twin (warpgroups halve S and O)
-void launch_hopper_symmetric_kernel(const Params& p, int64_t batch, cudaStream_t stream);
 cudaError_t merge_setup();             // merge.cu
 void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
 

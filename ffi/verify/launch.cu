@@ -34,7 +34,6 @@ cudaError_t ensure_setup(int device) {
     // sm_90a machine code runs on compute capability 9.0 exactly.
     hopper_ok[device] = major == 9 && minor == 0 && smem >= hopper_kernel_smem_bytes();
     if (err == cudaSuccess && hopper_ok[device]) err = hopper_kernel_setup();
-    if (err == cudaSuccess && hopper_ok[device]) err = hopper_symmetric_kernel_setup();
 #endif
     if (err == cudaSuccess) err = merge_setup();
     setup_status[device] = err;
@@ -50,11 +49,11 @@ int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
   const bool hopper = kHopperBuilt && hopper_ok[device];
   if (requested == kAuto) return hopper ? kHopper : (pipelined_fits ? kPipelined : kWide);
   if (requested == kPipelined && !pipelined_fits) return -1;
-  if ((requested == kHopper || requested == kHopperSymmetric) && !hopper) return -1;
+  if (requested == kHopper && !hopper) return -1;
   return requested > kAuto && requested < kNumVariants ? requested : -1;
 }
 
-int rows_per_block(int64_t variant) { return variant == kHopper || variant == kHopperSymmetric ? 64 : 2 * kRows; }
+int rows_per_block(int64_t variant) { return variant == kHopper ? 64 : 2 * kRows; }
 
 cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream, bool main,
                           bool merge) {
@@ -65,7 +64,6 @@ cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int d
       case kPipelined: launch_pipelined_kernel(p, batch, stream); break;
 #if defined(KDTREE_WITH_HOPPER)
       case kHopper: launch_hopper_kernel(p, batch, stream); break;
-      case kHopperSymmetric: launch_hopper_symmetric_kernel(p, batch, stream); break;
 #endif
       default: return cudaErrorInvalidValue;
     }

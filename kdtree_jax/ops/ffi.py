@@ -76,10 +76,10 @@ def sm_count(device: int = 0) -> int:
 # Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
 # from the device, for every T: "hopper" (wgmma, sm_90a machine code: compute capability 9.0), else "pipelined" (213 KB
 # of shared memory: sm_90-class parts), else "wide" (within sm_120's 99 KB). Benchmarks and tests name one explicitly.
-VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3, "hopper_symmetric": 4}
+VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3}
 _VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
 # Query rows a block holds (one block per SM): two m16 tiles in the portable kernels, one wgmma M in the Hopper one.
-ROWS_PER_BLOCK = {"wide": 32, "pipelined": 32, "hopper": 64, "hopper_symmetric": 64}
+ROWS_PER_BLOCK = {"wide": 32, "pipelined": 32, "hopper": 64}
 
 
 def resolve_variant(variant: str, rows: int, device: int = 0) -> str | None:
