@@ -111,7 +111,7 @@ def prompt_bucket(n: int, max_len: int) -> int:
     length = 16
     while length < n:
         length *= 2
-    return min(length, engine._round_up(max_len, PREFILL_CHUNK))
+    return min(length, max_len)
 
 
 @jax.jit
@@ -142,22 +142,23 @@ def _adopt(state: engine.LoopState, fresh: kv_pool.KVCache, fresh_dcache, row, f
     state = engine._reset_row_state(state, row)
     cache = state.cache
     count = fresh.seq_lens[0]
-    j = jnp.arange(fresh.max_len, dtype=jnp.int32)
+    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (the API checked it against max_len)
+    j = jnp.arange(n, dtype=jnp.int32)
     valid = j < count
     short = cache.num_free < count
     slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
     dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
-    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0]], mode="drop")
-    table = jnp.zeros((cache.max_len,), jnp.int32).at[:fresh.max_len].set(slots)
+    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0, :n]], mode="drop")
+    table = jnp.zeros((cache.max_len,), jnp.int32).at[:n].set(slots)
     cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
                            seq_lens=cache.seq_lens.at[row].set(count),
                            num_free=jnp.where(short, cache.num_free, cache.num_free - count),
                            overflow=cache.overflow | short)
     dcache = state.dcache
     if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
-        n = fresh_dcache.k.shape[2]
-        dcache = engine.DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0]),
-                                     dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0]),
+        n = min(fresh_dcache.k.shape[2], dcache.k.shape[2])
+        dcache = engine.DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0, :n]),
+                                     dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0, :n]),
                                      dcache.lens.at[row].set(fresh_dcache.lens[0]))
     token = first[0]
     width = state.accepted_hist.shape[0]
@@ -239,10 +240,12 @@ class Bucket:
             length = prompt_bucket(n, self.max_len)
             ids = np.zeros((1, length), np.int32)
             ids[0, :n] = req.prompt
-            fresh = kv_pool.init_cache(target.cfg, 1, length, dtype=self.state.cache.pages.dtype)
-            last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32),
-                                                 chunk_size=min(PREFILL_CHUNK, length), hidden_layers=hidden_layers,
-                                                 impl=self.spec.impl)
+            chunk = min(PREFILL_CHUNK, length)
+            # room for whole prefill chunks (a chunk takes its slots before the padding's are given back)
+            fresh = kv_pool.init_cache(target.cfg, 1, engine._round_up(length, chunk),
+                                       dtype=self.state.cache.pages.dtype)
+            last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32), chunk_size=chunk,
+                                                 hidden_layers=hidden_layers, impl=self.spec.impl)
             fresh_dcache = None
             if self.drafter is not None:
                 fresh_dcache = engine._extend_drafter(self.drafter, self.drafter.init_cache(1, length), hidden,
@@ -441,7 +444,7 @@ class Scheduler:
                     self._waiting.extendleft(reversed(left))  # still first in line
                 self._step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-                self._fail_all(e)
+                self._fail_all(e, waiting)
             self._update_gauges()
 
     def _admit_waiting(self, waiting: list[Request]) -> list[Request]:
@@ -455,6 +458,11 @@ class Scheduler:
                 left.extend(reqs)
                 continue
             bucket.sweep_cancelled()
+            if bucket.free_rows() or bucket.inflight:
+                # Read the chunk in flight first (it may free rows too): the new rows' prefills then run at once
+                # instead of queueing behind it, which is most of a request's time to first token.
+                while bucket.inflight:
+                    bucket.collect()
             free = len(bucket.free_rows())
             if free:
                 bucket.admit(reqs[:free])
@@ -484,10 +492,18 @@ class Scheduler:
             while len(bucket.inflight) > (1 if bucket.busy() else 0):
                 bucket.collect()
 
-    def _fail_all(self, e: Exception) -> None:
+    def _fail_all(self, e: Exception, admitting: list[Request]) -> None:
+        """Fail every request in a row and those being admitted (the others still wait in the queue)."""
         message = f"decode failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         traceback.print_exc()
         self.error = message
+        with self._lock:
+            queued = set(self._waiting)
+        for req in admitting:
+            if not req.finished and req not in queued:
+                req.finished = True
+                self.metrics.add("requests_error")
+                req.emit("error", message)
         for key, bucket in list(self.buckets.items()):
             for req in bucket.owner:
                 if req is not None and not req.finished:
