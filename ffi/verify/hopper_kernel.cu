@@ -13,15 +13,11 @@
 //     tile's scores and softmax, so the tensor cores are not idle during the softmax.
 // The two hand work over with named barriers (bar.arrive by the producer, bar.sync by the consumer):
 //   FULL        tile c landed (output -> scores),
-//   P_READY     P(c) and the rescale factors written (scores -> output; both sides wait, so that the factors, which
-//               the output warpgroup reads with ordinary loads, are ordered by a full barrier both ways: the
-//               scores warpgroup writes tile c's into buffer c % 2 only after the output warpgroup has passed
-//               P_READY(c - 1), that is after it read tile c - 2's; compute-sanitizer's racecheck does not take
-//               bar.arrive as ordering),
+//   P_READY     P(c) and the rescale factors written (scores -> output),
 //   P_FREE      the output warpgroup's P·V of c is done with P (output -> scores, before P(c + 1) is written),
 //   STAGE_FREE  the scores warpgroup's Q·Kᵀ and P·V of c are done with c's stage (scores -> output, before tile c + 2
 //               is copied into it).
-// Each other barrier is arrived at once per use by one side and waited at once by the other, and no side can arrive twice
+// Each barrier is arrived at once per use by one side and waited at once by the other, and no side can arrive twice
 // before the other has waited (each arrival follows a wait on the other side's previous step), so counts never mix.
 // The tree mask, the split-KV schedule and the partial outputs are the portable kernels' (device.cuh, merge.cu).
 //
@@ -48,8 +44,8 @@ struct HopperConfig {
   static constexpr int kQOff = 0;
   static constexpr int kKvOff = kQOff + kMatrixBytes;            // two stages
   static constexpr int kPOff = kKvOff + 2 * kMatrixBytes;        // P: 64 rows x 64 positions, bf16, one column block
-  static constexpr int kScaleOff = kPOff + kBlockBytes;          // [tile % 2][row] rescale factor of the tile
-  static constexpr int kStatOff = kScaleOff + 2 * kRowsBlock * 4;  // [row] final max (base 2), [row] final sum
+  static constexpr int kScaleOff = kPOff + kBlockBytes;          // [row] rescale factor of the tile
+  static constexpr int kStatOff = kScaleOff + kRowsBlock * 4;    // [row] final max (base 2), [row] final sum
   static constexpr int kUsedBytes = kStatOff + 2 * kRowsBlock * 4;
   static constexpr int kSmemBytes = kUsedBytes + 1024;           // + room to align the base to a swizzle atom
   static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
@@ -189,8 +185,7 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       const int stage = (tile - t0) & 1;
       const uint32_t kv = base + W::kKvOff + stage * W::kMatrixBytes;
       wait(kPReady);
-      const float* sc = scale_s + (tile & 1) * W::kRowsBlock;
-      rescale(acc, sc[row_a], sc[row_b]);
+      rescale(acc, scale_s[row_a], scale_s[row_b]);
       wgmma_fence();
       output_mma(acc, p_desc, kv, 1);
       wgmma_commit();
@@ -307,11 +302,11 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_row_b + chunk), "r"(packed[2 * j + 1]));
       }
       if (qd == 0) {
-        scale_s[(tile & 1) * W::kRowsBlock + row_a] = sc_a;
-        scale_s[(tile & 1) * W::kRowsBlock + row_b] = sc_b;
+        scale_s[row_a] = sc_a;
+        scale_s[row_b] = sc_b;
       }
       fence_proxy_async();
-      wait(kPReady);  // a full barrier (the output warpgroup is usually there first): see P_READY above
+      arrive(kPReady);
 
       rescale(acc, sc_a, sc_b);
       wgmma_fence();
