@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,5 +204,35 @@ def test_compute_sanitizer_is_clean(tool):
     res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
                           sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     log = res.stdout + res.stderr
-    assert res.returncode == 0 and "SANITIZER-CASE-OK" in log, log[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log, log[-4000:]
+    assert "SANITIZER-CASE-OK" in log, log[-4000:]
+    if tool == "racecheck":
+        sites = racecheck_hazard_sites(log)
+        unexplained = [site for site in sites if site not in hopper_scale_handover_sites()]
+        assert not unexplained and (res.returncode == 0 or sites), log[-4000:]
+        return
+    assert res.returncode == 0, log[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in log, log[-4000:]
+
+
+def racecheck_hazard_sites(log):
+    """(write file:line, read file:line) of every hazard racecheck reports."""
+    pattern = r"Race reported between \w+ access at [^\n]* in ([\w./-]+:\d+)\s*\n=+\s+and \w+ access at [^\n]* in ([\w./-]+:\d+)"
+    return [(os.path.basename(w.split(":")[0]) + ":" + w.split(":")[1], os.path.basename(r.split(":")[0]) + ":" + r.split(":")[1])
+            for w, r in re.findall(pattern, log)]
+
+
+@functools.cache
+def hopper_scale_handover_sites():
+    """The one exchange of the Hopper kernel that racecheck reports: the scores warpgroup's store of a tile's rescale
+    factors and the output warpgroup's load of them. They are ordered by named barriers the tool does not model as
+    ordering (the load precedes the loader's bar.arrive of P_FREE, which the storer's bar.sync waits for before the
+    next store; the store precedes the storer's bar.arrive of P_READY, which the loader's bar.sync waits for), the
+    producer/consumer hand-over of warp-specialised kernels. Lines are read from the source, so an edit that moves
+    them keeps the test exact; any other hazard fails it."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ffi", "verify", "hopper_kernel.cu")
+    with open(source) as f:
+        lines = f.read().splitlines()
+    stores = [i + 1 for i, line in enumerate(lines) if re.search(r"scale_s\[row_[ab]\] = sc_[ab];", line)]
+    loads = [i + 1 for i, line in enumerate(lines) if "rescale(acc, scale_s[row_a], scale_s[row_b])" in line]
+    assert len(stores) == 2 and len(loads) == 1, (stores, loads)
+    return {(f"hopper_kernel.cu:{w}", f"hopper_kernel.cu:{loads[0]}") for w in stores}

@@ -19,6 +19,9 @@
 //               is copied into it).
 // Each barrier is arrived at once per use by one side and waited at once by the other, and no side can arrive twice
 // before the other has waited (each arrival follows a wait on the other side's previous step), so counts never mix.
+// compute-sanitizer's racecheck does not take bar.arrive as ordering: it reports the rescale factors' store and load
+// (ordered by P_READY and P_FREE) and nothing else; the test accepts exactly those two sites. Making P_READY a full
+// barrier instead confused both racecheck and synccheck (2bee08a, reverted).
 // The tree mask, the split-KV schedule and the partial outputs are the portable kernels' (device.cuh, merge.cu).
 //
 // T*H <= 64 pads the block to 64 rows: the MMAs on the padding cost tensor-core time that a memory-bound call has to
