@@ -305,13 +305,13 @@ def plot(path: str, data: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode in data["modes"]:
+    for mode, color in zip(data["modes"], ["tab:blue", "tab:orange"]):
         c = [r["concurrency"] for r in mode["rows"]]
-        axes[0].plot(c, [r["tokens_per_s"] for r in mode["rows"]], "o-", label=mode["mode"])
-        axes[1].plot(c, [r["ttft_p50_ms"] for r in mode["rows"]], "o-", label=f"{mode['mode']} p50")
-        axes[1].plot(c, [r["ttft_p90_ms"] for r in mode["rows"]], "o--", label=f"{mode['mode']} p90")
-        axes[2].plot(c, [r["tpot_p50_ms"] for r in mode["rows"]], "o-", label=f"{mode['mode']} p50")
-        axes[2].plot(c, [r["tpot_p90_ms"] for r in mode["rows"]], "o--", label=f"{mode['mode']} p90")
+        axes[0].plot(c, [r["tokens_per_s"] for r in mode["rows"]], "o-", color=color, label=mode["mode"])
+        for ax, key in ((axes[1], "ttft"), (axes[2], "tpot")):
+            ax.plot(c, [r[f"{key}_p50_ms"] for r in mode["rows"]], "o-", color=color, label=f"{mode['mode']} p50")
+            ax.plot(c, [r[f"{key}_p90_ms"] for r in mode["rows"]], "o--", color=color, alpha=0.6,
+                    label=f"{mode['mode']} p90")
     for ax, title in zip(axes, ["throughput (tok/s)", "time to first token (ms)", "per-token latency (ms)"]):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")

@@ -458,9 +458,10 @@ class Scheduler:
                 left.extend(reqs)
                 continue
             bucket.sweep_cancelled()
-            if bucket.free_rows() or bucket.inflight:
-                # Read the chunk in flight first (it may free rows too): the new rows' prefills then run at once
-                # instead of queueing behind it, which is most of a request's time to first token.
+            if bucket.free_rows():
+                # Read the chunk in flight first (it may free more rows): the new rows' prefills then run at once
+                # instead of queueing behind it, which would be most of a request's time to first token. (With no
+                # free row the bucket keeps its chunk in flight: a full batch stays pipelined.)
                 while bucket.inflight:
                     bucket.collect()
             free = len(bucket.free_rows())
