@@ -12,7 +12,8 @@ them into the program). The shapes of everything a bucket runs are fixed when it
 program, row admission (a prefill padded to a power-of-two length bucket), row reset — so a steady load compiles
 nothing: `compile_count()` counts XLA compiles (the /metrics line `kdtree_serve_compiles_total`).
 
-One bucket's cycle, one chunk in flight (the host reads chunk i while the device runs chunk i + 1):
+One bucket's cycle (when its batch is full, with one chunk in flight: the host reads chunk i while the device runs
+chunk i + 1; with a free row, chunk by chunk, so that a new request waits for one chunk at most):
 
     admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket), copy
         it into its row (`_adopt`), stream its first token;
@@ -485,12 +486,15 @@ class Scheduler:
         return bucket
 
     def _step(self) -> None:
-        """One chunk for every bucket with live rows, keeping one chunk in flight per bucket."""
+        """One chunk for every bucket with live rows. A full bucket keeps one chunk in flight (the device never waits
+        for the host); one with a free row reads each chunk before the next, so that a request arriving meanwhile
+        is admitted after the chunk running now rather than after the one behind it (half the wait for its first
+        token, for a little device idle time a chunk while the batch has room)."""
         for bucket in list(self.buckets.values()):
             bucket.sweep_cancelled()
             if bucket.busy():
                 bucket.launch()
-            while len(bucket.inflight) > (1 if bucket.busy() else 0):
+            while len(bucket.inflight) > (1 if bucket.busy() == bucket.batch else 0):
                 bucket.collect()
 
     def _fail_all(self, e: Exception, admitting: list[Request]) -> None:
