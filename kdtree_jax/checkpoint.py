@@ -206,19 +206,26 @@ def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None
 
 
 # Reading ---------------------------------------------------------------------------------------------
+def read_json_object(file, note: str = "") -> dict:
+    """The JSON object in `file` (a checkpoint's metadata, an HF config.json). A file that cannot be read or
+    parsed, or holds something other than an object, is a one-line ValueError naming it (`note` appended)."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be read as JSON ({e}){note}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is not a JSON object{note}")
+    return data
+
+
 def read_metadata(path) -> dict:
     """The checkpoint directory's metadata (configs, dtypes, tokenizer, pieces), validated."""
     file = os.path.join(os.fspath(path), METADATA_FILE)
     if not os.path.exists(file):
         raise ValueError(f"{path} is not a kdtree-jax checkpoint (no {METADATA_FILE}; an interrupted save or "
                          "conversion leaves none)")
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} cannot be read as JSON ({e}): a corrupt checkpoint") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{file} is not a JSON object: a corrupt checkpoint")
+    meta = read_json_object(file, ": a corrupt checkpoint")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{file}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
                          f"this code reads {FORMAT!r} version {FORMAT_VERSION}")

@@ -401,17 +401,12 @@ def convert_param(weights: HFWeights, path: tuple, shape: tuple, dtype, cfg: Mod
 
 # Whole-checkpoint helpers --------------------------------------------------------------------------
 def read_hf_config(path: str) -> dict:
+    from kdtree_jax.checkpoint import read_json_object
+
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"no config.json in {path}")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_path} is not a JSON object")
-    return raw
+    return read_json_object(cfg_path)
 
 
 def model_config(raw: dict, num_layers: Optional[int] = None) -> ModelConfig:

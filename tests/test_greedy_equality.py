@@ -277,19 +277,15 @@ def test_gpu_dense_product_row_is_independent_of_the_row_count(k, n, rows):
 @pytest.mark.gpu
 @pytest.mark.xfail(reason=GPU_WHOLE_TARGET, strict=False)
 @needs_default
-@pytest.mark.parametrize("batch,num_nodes", [(1, 17), (1, 33), (4, 33), (16, 17)])
-def test_gpu_verify_root_row_is_the_one_token_step(pair_bf16, batch, num_nodes):
+@pytest.mark.parametrize("check,batch,num_nodes", [
+    pytest.param(check_root_row, 1, 17, id="root-1x17"), pytest.param(check_root_row, 1, 33, id="root-1x33"),
+    pytest.param(check_root_row, 4, 33, id="root-4x33"), pytest.param(check_root_row, 16, 17, id="root-16x17"),
+    pytest.param(check_chain_rows, 1, 16, id="chain-1x16"), pytest.param(check_chain_rows, 4, 16, id="chain-4x16")])
+def test_gpu_verify_rows_are_the_one_token_steps(pair_bf16, check, batch, num_nodes):
+    """The whole bfloat16 target: a tree verify pass's root row (check_root_row) and every row of a chain verify
+    pass (check_chain_rows) against the one-token steps, bit for bit."""
     target, _, tokenizer = pair_bf16
-    check_root_row(target, tokenizer, batch=batch, num_nodes=num_nodes)
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(reason=GPU_WHOLE_TARGET, strict=False)
-@needs_default
-@pytest.mark.parametrize("batch", [1, 4])
-def test_gpu_chain_rows_are_the_one_token_steps(pair_bf16, batch):
-    target, _, tokenizer = pair_bf16
-    check_chain_rows(target, tokenizer, batch=batch, num_nodes=16)
+    check(target, tokenizer, batch=batch, num_nodes=num_nodes)
 
 
 @pytest.mark.gpu
