@@ -218,12 +218,13 @@ def test_disconnect_mid_stream_frees_the_sequence(server):
     cancelled = _metrics(url)['requests_total{outcome="cancelled"}']
     body = {"model": "default", "prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # held: dropping a half-read iterator closes the connection already
         events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events == 2:
-                break
-        busy = _metrics(url)
+        while events < 2:
+            events += next(lines).startswith("data: ")
+        deadline = time.time() + 10
+        while (busy := _metrics(url))["batch_rows_busy"] != 1 and time.time() < deadline:
+            time.sleep(0.05)  # the gauges follow the decode thread's iterations
         assert busy["batch_rows_busy"] == 1 and busy["pool_slots_free"] < free
     # The connection is closed: the row retires and its slots go back.
     m = _settle(url, free)

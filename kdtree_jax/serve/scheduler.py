@@ -468,6 +468,7 @@ class Scheduler:
             free = len(bucket.free_rows())
             if free:
                 bucket.admit(reqs[:free])
+                self._update_gauges()  # /metrics shows the new rows before their first chunk
             left.extend(reqs[free:])
         left.sort(key=lambda r: r.id)
         return left
