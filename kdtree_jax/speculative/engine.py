@@ -794,6 +794,12 @@ def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, 
     return stats
 
 
+def _loop_on_device() -> bool:
+    """Whether this process decodes on a GPU whose while loops XLA captures in command buffers (the chunked loop
+    then runs its steps without the host)."""
+    return jax.default_backend() == "gpu" and runtime.command_buffers_configured()
+
+
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
              budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0,
@@ -816,8 +822,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     idle time of the timed run (its step time less the union of the profiled step's kernels).
     chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
     at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): DEFAULT_CHUNK_STEPS when
-    on_tokens streams, else 0 (the chunked loop's GPU gain is not measured yet, and on XLA:CPU its compile for a
-    sharded model crashed once a process had compiled many programs: the full test suite, 2026-12-01). on_tokens(batch_row, new_token_ids):
+    on_tokens streams or on a GPU whose XLA_FLAGS capture while loops in command buffers (kdtree_jax.runtime: H200,
+    bfloat16, greedy, 108a241, results/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
+    call, B = 1: autoregressive 4,191 vs 3,796 tok/s, DDTree 16 10,503 vs 7,985; B = 16: 59,691 vs 54,265 and
+    54,756 vs 46,702; without command buffers the chunks cost more than they save: B = 1 autoregressive 2,302 vs
+    3,712), else 0 (on XLA:CPU the chunked loop's compile for a sharded model crashed once a process had compiled
+    many programs: the full test suite, 2026-12-01). on_tokens(batch_row, new_token_ids):
     called with each sequence's first token after the prefill, then after every chunk with the tokens it added
     (stop token included, never past max_new_tokens), while the device runs the next chunk; the calls of a row
     concatenate to its `tokens`. on_tokens returning True ends that row (e.g. a stop string the host found in its
@@ -845,7 +855,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices)
 
     if chunk_steps is None:
-        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None else 0
+        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None or _loop_on_device() else 0
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 0:
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
