@@ -515,13 +515,15 @@ def render(result: dict) -> str:
             lines += [f"Where a step goes ({label}; ms of kernels per step by part, from one profiled warm-up call; "
                       + ("on a CPU thunks overlap and the profiler slows them, so the parts need not add up to the step"
                          if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels") + "):", "",
-                      "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle "
+                      "| kernels / step |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in profiled:
                 prof = r["step_profile"]
                 lines.append(f"| {r['decoder']} | {prof['step_ms']:.3f} | "
                              + " | ".join(f"{prof['components_ms'][k]:.3f}" for k in parts)
-                             + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |"))
+                             + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |")
+                             + f" {prof['kernels_per_step']:.0f} |")
             lines.append("")
     return "\n".join(lines)
 
