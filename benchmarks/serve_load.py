@@ -5,10 +5,10 @@
     python benchmarks/serve_load.py --smoke                          # 4 requests at 1 and 2; a temp dir
 
 For each mode (speculative: the checkpoint's DDTree settings; autoregressive: `--no-speculative`) the script starts
-a local server on a free loopback port, warms it up (one request per prompt-length bucket, so that the measurement
-compiles nothing: the server's compile counter is read before and after), then, for each concurrency c, sends the
-same fixed, seeded list of requests with c of them in flight at a time (a new one as soon as one ends), greedy and
-streamed. Requests: prompts are windows of the held-out corpus files (kdtree_jax/corpus.py, split "eval") sent as
+a local server on a free loopback port and warms it up (one request per prompt-length bucket, so that the measurement
+compiles nothing: the server's compile counter is read before and after); then, for each concurrency c, each server
+in turn gets the same fixed, seeded list of requests with c of them in flight at a time (a new one as soon as one
+ends), greedy and streamed. Requests: prompts are windows of the held-out corpus files (kdtree_jax/corpus.py, split "eval") sent as
 token ids, their lengths uniform in --prompt-len, output lengths uniform in --max-new-tokens (max_tokens; greedy
 decoding has no end-of-text token here, so each request generates exactly that many).
 
@@ -202,58 +202,73 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def measure_mode(mode: str, args, requests: list[dict], levels: list[int], out_dir: str) -> dict:
+def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int) -> dict:
+    """One concurrency level against one server: the row of the table."""
+    before = metrics(url)
+    results, wall, occupancy = asyncio.run(run_level(url, requests, c, model))
+    after = metrics(url)
+    steps = after["decode_steps_total"] - before["decode_steps_total"]
+    emitted = after["tau"] * after["decode_steps_total"] - before["tau"] * before["decode_steps_total"]
+    tokens = sum(r["tokens"] for r in results)
+    row = {
+        "mode": mode, "concurrency": c, "requests": len(results), "wall_s": wall, "tokens": tokens,
+        "tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
+        "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 50),
+        "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in results], 90),
+        "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 99),
+        "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in results], 50),
+        "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in results], 90),
+        "tpot_p99_ms": 1e3 * pct([r["tpot"] for r in results], 99),
+        "latency_p50_s": pct([r["end"] for r in results], 50),
+        "mean_occupancy": float(np.mean(occupancy)) if occupancy else float("nan"),
+        "tau": emitted / steps if steps else float("nan"),
+        "compiles_during": int(after["compiles_total"] - before["compiles_total"]),
+        "texts": [r["text"] for r in results],
+    }
+    print(f"  {mode:>14} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms  "
+          f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  occupancy {row['mean_occupancy']:.2f}  tau "
+          f"{row['tau']:.2f}  compiles {row['compiles_during']}", file=sys.stderr, flush=True)
+    return row
+
+
+def measure(modes: list[str], args, requests: list[dict], levels: list[int], out_dir: str) -> list[dict]:
+    """Every server started and warmed up first, then each concurrency level on each server in turn: on a shared
+    machine whose load drifts, the modes of one level are measured minutes apart at most, not a whole run apart.
+    (An idle server's decode thread sleeps: it takes nothing from the one measured.)"""
     import httpx
 
-    log_path = os.path.join(out_dir, f"serve_load_{mode}_server.log")
-    print(f"[{mode}: starting the server ...]", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    proc, url = start_server(mode, args, log_path)
-    try:
-        startup = time.perf_counter() - t0
-        model = httpx.get(url + "/v1/models").json()["data"][0]
-        # Warm-up: one request per prompt-length bucket of the list (the prefill compiles per bucket).
-        from kdtree_jax.serve.scheduler import prompt_bucket
+    from kdtree_jax.serve.scheduler import prompt_bucket
 
-        seen = {}
-        for req in requests:
-            seen.setdefault(prompt_bucket(len(req["prompt"]), args.max_len), req)
-        for req in seen.values():
-            asyncio.run(run_level(url, [{**req, "max_tokens": 4}], 1, model["id"]))
-        rows = []
+    servers = {}
+    try:
+        for mode in modes:
+            print(f"[{mode}: starting the server ...]", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            proc, url = start_server(mode, args, os.path.join(out_dir, f"serve_load_{mode}_server.log"))
+            servers[mode] = (proc, url)
+            model = httpx.get(url + "/v1/models").json()["data"][0]
+            # Warm-up: one request per prompt-length bucket of the list (the prefill compiles per bucket).
+            seen = {}
+            for req in requests:
+                seen.setdefault(prompt_bucket(len(req["prompt"]), args.max_len), req)
+            for req in seen.values():
+                asyncio.run(run_level(url, [{**req, "max_tokens": 4}], 1, model["id"]))
+            servers[mode] = (proc, url, model, time.perf_counter() - t0)
+        out = {mode: {"mode": mode, "startup_s": servers[mode][3], "server": servers[mode][2], "rows": []}
+               for mode in modes}
         for c in levels:
-            before = metrics(url)
-            results, wall, occupancy = asyncio.run(run_level(url, requests, c, model["id"]))
-            after = metrics(url)
-            steps = after["decode_steps_total"] - before["decode_steps_total"]
-            emitted = after["tau"] * after["decode_steps_total"] - before["tau"] * before["decode_steps_total"]
-            tokens = sum(r["tokens"] for r in results)
-            row = {
-                "mode": mode, "concurrency": c, "requests": len(results), "wall_s": wall, "tokens": tokens,
-                "tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
-                "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 50),
-                "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in results], 90),
-                "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 99),
-                "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in results], 50),
-                "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in results], 90),
-                "tpot_p99_ms": 1e3 * pct([r["tpot"] for r in results], 99),
-                "latency_p50_s": pct([r["end"] for r in results], 50),
-                "mean_occupancy": float(np.mean(occupancy)) if occupancy else float("nan"),
-                "tau": emitted / steps if steps else float("nan"),
-                "compiles_during": int(after["compiles_total"] - before["compiles_total"]),
-                "texts": [r["text"] for r in results],
-            }
-            rows.append(row)
-            print(f"  {mode:>14} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms  "
-                  f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  occupancy {row['mean_occupancy']:.2f}  tau "
-                  f"{row['tau']:.2f}  compiles {row['compiles_during']}", file=sys.stderr, flush=True)
-        return {"mode": mode, "startup_s": startup, "server": model, "rows": rows}
+            for mode in modes:
+                _, url, model, _ = servers[mode]
+                out[mode]["rows"].append(measure_level(mode, url, model["id"], requests, c))
+        return [out[mode] for mode in modes]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for server in servers.values():
+            server[0].terminate()
+        for server in servers.values():
+            try:
+                server[0].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server[0].kill()
 
 
 def write_markdown(path: str, data: dict) -> None:
@@ -267,7 +282,7 @@ def write_markdown(path: str, data: dict) -> None:
         f"{m['requests']} greedy streamed requests per concurrency level (the same seeded list each time: prompts of "
         f"{m['prompt_len'][0]}-{m['prompt_len'][1]} tokens from the held-out corpus, max_tokens "
         f"{m['max_new_tokens'][0]}-{m['max_new_tokens'][1]}), server `--max-batch {m['max_batch']} --max-len "
-        f"{m['max_len']}`, the client in the same machine. Throughput = completion tokens / wall time; TTFT from "
+        f"{m['max_len']}`, the client in the same machine; the modes take turns at each level. Throughput = completion tokens / wall time; TTFT from "
         "sending to the first streamed event; TPOT = a request's (last event - first event) / (tokens - 1); "
         "occupancy = busy batch rows / rows, sampled every 0.25 s; tau = tokens per sequence step on the server.",
         "",
@@ -356,7 +371,7 @@ def main(argv=None) -> int:
     slug = "smoke" if args.smoke else ("cpu" if device.startswith("CPU") else
                                        device.lower().replace("nvidia", "").strip().replace(" ", "_"))
     load_before = os.getloadavg()
-    results = [measure_mode(mode, args, requests, levels, out_dir) for mode in modes]
+    results = measure(modes, args, requests, levels, out_dir)
     load_after = os.getloadavg()
     data = {
         "meta": {"date": datetime.date.today().isoformat(), "device": device, "commit": provenance.git_commit(),

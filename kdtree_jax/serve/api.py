@@ -167,15 +167,12 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
                            "model", "model_not_found")
         if req.n != 1:
             raise ApiError(400, f"n must be 1 (one completion per request); got {req.n}", "n", "unsupported_value")
-        for name, neutral in (("logprobs", None), ("best_of", None), ("suffix", None)):
-            value = getattr(req, name)
-            if value is not None and not (name == "best_of" and value == 1) and not (name == "logprobs" and value == 0):
+        # OpenAI parameters this server does not implement: accepted at their neutral values only
+        neutral = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0,),
+                   "frequency_penalty": (0,), "logit_bias": (None, {})}
+        for name, values in neutral.items():
+            if getattr(req, name) not in values:
                 raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) != 0:
-                raise ApiError(400, f"'{name}' is not supported by this server (0 only)", name, "unsupported_parameter")
-        if req.logit_bias:
-            raise ApiError(400, "'logit_bias' is not supported by this server", "logit_bias", "unsupported_parameter")
         return req
 
     def prompt_ids(req: CompletionRequest) -> tuple[list[int], str]:
