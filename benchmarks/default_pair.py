@@ -176,6 +176,9 @@ def main(argv=None) -> int:
                    help="sampling temperatures, comma-separated, reported side by side (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p filter of the sampled (temperature > 0) runs")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the temperature > 0 runs")
+    p.add_argument("--prompt-seed", type=int, default=0,
+                   help="offsets of the held-out prompts (0: the evaluation's; choose tree temperatures on others, e.g. 7 "
+                        "as benchmarks/tree_temperature.py does)")
     p.add_argument("--corpus", default=None,
                    help="take the held-out files from this corpus pack (e.g. checkpoints/corpus_v2.jsonl.xz: this "
                         "repository's frozen held-out split) instead of this interpreter's standard library")
@@ -213,8 +216,8 @@ def main(argv=None) -> int:
                       else tree_temperature_for(args.checkpoint, t)) for t in temps}
     with open(os.path.join(args.checkpoint, "kdtree_checkpoint.json")) as f:
         meta = json.load(f)
-    prompts, refs = heldout_prompts(tokenizer, args.prompts, args.prompt_len, reference_len=args.max_new,
-                                    pack=args.corpus)
+    prompts, refs = heldout_prompts(tokenizer, args.prompts, args.prompt_len, seed=args.prompt_seed,
+                                    reference_len=args.max_new, pack=args.corpus)
     budgets = [int(b) for b in args.budgets.split(",") if b]
 
     def configs_at(t):
@@ -234,7 +237,7 @@ def main(argv=None) -> int:
         "dtype": str(target.dtype), "prompts": len(prompts), "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new, "topk": args.topk, "tree_temperature": tree_temps.get(0.0, tree_temps[temps[0]]),
         "tree_temperatures": {str(t): tree_temps[t] for t in temps}, "temperatures": temps, "top_p": args.top_p,
-        "seed": args.seed, "corpus": args.corpus or "stdlib", "block_size": drafter.cfg.block_size,
+        "seed": args.seed, "prompt_seed": args.prompt_seed, "corpus": args.corpus or "stdlib", "block_size": drafter.cfg.block_size,
         "configs": [], "latency": [], "repetition": {},
     }
     if not args.skip_loss:

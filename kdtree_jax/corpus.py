@@ -348,7 +348,12 @@ def encode_texts(tokenizer_file: str, texts: list, workers: Optional[int] = None
     processes (default: the CPUs, at most 32): the tokenizers library's own batch encoding barely runs in
     parallel for this tokenizer, and the v2 pack takes about a minute on one core."""
     total = sum(len(t) for t in texts)
-    workers = workers if workers is not None else min(os.cpu_count() or 1, 32)
+    if workers is None:
+        try:
+            workers = len(os.sched_getaffinity(0))  # the CPUs this process may use (a container's share)
+        except AttributeError:  # pragma: no cover - not on Linux
+            workers = os.cpu_count() or 1
+        workers = min(workers, 32)
     if workers <= 1 or total < 4_000_000:
         return _encode_chunk(tokenizer_file, texts)
     import concurrent.futures

@@ -551,16 +551,20 @@ def train_drafter(args) -> dict:
     t_gen = time.time()
     new = s // 2
     n_gen = args.greedy_sequences
-    gen_parts, gen_counts = [], {}
+    gen_parts, gen_counts = [], {str(t): 0 for t in temps}
     if n_gen:
         prompts = sampler(rng, n_gen, s - new)
-        share = -(-n_gen // len(temps))
-        for k, temp in enumerate(temps):
-            deadline = t_gen + args.gen_fraction * budget * (k + 1) / len(temps)
-            part = sampled_sequences(target, prompts[k * share:(k + 1) * share], new, args.gen_batch, deadline,
-                                     temp, args.gen_top_p, seed=args.seed + 1000 * k)
+        # Batches round robin over the temperatures until the generation deadline, so that a deadline cuts every
+        # temperature's share alike.
+        deadline = t_gen + args.gen_fraction * budget
+        for n, i in enumerate(range(0, len(prompts) - args.gen_batch + 1, args.gen_batch)):
+            temp = temps[n % len(temps)]
+            part = sampled_sequences(target, prompts[i:i + args.gen_batch], new, args.gen_batch, deadline, temp,
+                                     args.gen_top_p, seed=args.seed + 1000 * n)
+            if not len(part):
+                break
             gen_parts.append(part)
-            gen_counts[str(temp)] = int(len(part))
+            gen_counts[str(temp)] += int(len(part))
     gen_train = np.concatenate(gen_parts) if gen_parts else np.zeros((0, s), np.int32)
     gen_seconds = time.time() - t_gen
     ev_n = max(args.eval_sequences, 1)
@@ -734,8 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the cross-entropy on the target's argmax (the greedy label)")
     d.add_argument("--depth-decay", type=float, default=7.0, help="loss weight of block index i is exp(-(i-1)/this)")
     d.add_argument("--greedy-sequences", type=int, default=512,
-                   help="training sequences whose second half is the target's own continuation (split evenly over "
-                        "--gen-temperatures)")
+                   help="training sequences whose second half is the target's own continuation (batches of --gen-batch "
+                        "round robin over --gen-temperatures)")
     d.add_argument("--gen-temperatures", default="0",
                    help="temperatures of those continuations: 0 greedy, > 0 sampled with --gen-top-p (v2: 0,0.7,1.0)")
     d.add_argument("--gen-top-p", type=float, default=0.95, help="top-p of the sampled continuations (and the eval's)")

@@ -52,7 +52,7 @@ def test_checkpoint_loads_and_fits(pair):
     assert cfg.n_routed_experts > 1 and cfg.n_shared_experts >= 1
     assert tokenizer.vocab_size == cfg.vocab_size
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(DEFAULT) for f in fs)
-    assert size <= 48 * 2 ** 20
+    assert size <= 30 * 10 ** 6  # issue 26: the pair stays within 30 MB (the tree that travels to a GPU: 64 MiB)
 
 
 @needs_default
