@@ -240,11 +240,12 @@ def measure(modes: list[str], args, requests: list[dict], levels: list[int], out
     from kdtree_jax.serve.scheduler import prompt_bucket
 
     servers = {}
+    log_dir = tempfile.mkdtemp(prefix="serve_load_logs_")  # server logs are not results: never in --out
     try:
         for mode in modes:
             print(f"[{mode}: starting the server ...]", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            proc, url = start_server(mode, args, os.path.join(out_dir, f"serve_load_{mode}_server.log"))
+            proc, url = start_server(mode, args, os.path.join(log_dir, f"serve_load_{mode}_server.log"))
             servers[mode] = (proc, url)
             model = httpx.get(url + "/v1/models").json()["data"][0]
             # Warm-up: one request per prompt-length bucket of the list (the prefill compiles per bucket).
@@ -392,10 +393,6 @@ def main(argv=None) -> int:
         json.dump(data, f, indent=1)
     write_markdown(base + ".md", data)
     plot(base + ".png", data)
-    for mode in modes:
-        log = os.path.join(out_dir, f"serve_load_{mode}_server.log")
-        if not args.smoke and os.path.exists(log):
-            os.unlink(log)  # the server logs of a real run are not results
     print(f"wrote {base}.json, .md, .png", file=sys.stderr)
     return 0
 
