@@ -232,6 +232,33 @@ def test_disconnect_mid_stream_frees_the_sequence(server):
     assert m['requests_total{outcome="cancelled"}'] == cancelled + 1
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_sequence_too(server):
+    import httpx
+
+    url = server["url"]
+    free = _settle(url, MAX_BATCH * MAX_LEN)["pool_slots_free"]
+    body = {"model": "default", "prompt": "def h(z):", "max_tokens": 150, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=0.5)  # closes the connection when it times out
+    m = _settle(url, free)
+    assert m["pool_slots_free"] == free and m["batch_rows_busy"] == 0
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    """The streamed text never shows half a UTF-8 character or the start of a stop string that may complete."""
+    from kdtree_jax.serve.api import TextStream
+    from kdtree_jax.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = list("héllo END tail".encode())
+    s = TextStream(tok, ["END"])
+    pieces = [s.feed(ids[:2]), s.feed(ids[2:3]), s.feed(ids[3:8]), s.feed(ids[8:9]), s.feed(ids[9:])]
+    assert pieces[0] == "h" and pieces[1] == "é"  # the second byte of 'é' completes it
+    assert "".join(pieces) == "héllo " and s.stopped and s.finish() == ""
+    s = TextStream(tok, ["END"])
+    assert s.feed(list(b"abc EN")) == "abc " and s.finish() == "EN"  # a stop's start that never completed is text
+
+
 def test_help_explains_every_flag():
     from kdtree_jax.serve.__main__ import build_parser
 
