@@ -51,10 +51,13 @@ def server():
 
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="serve_test_", suffix=".log", delete=False)
+    # The server runs as a user runs it: without conftest's eight forced host devices (for the sharding tests).
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                              if "xla_force_host_platform_device_count" not in f))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kdtree_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
          "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE), "--chunk-steps", "2", "--drain-timeout", "20"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while True:
