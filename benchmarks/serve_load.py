@@ -305,7 +305,7 @@ def write_markdown(path: str, data: dict) -> None:
         lines += [f"Speculative / autoregressive throughput by concurrency: {ratios}.", "",
                   f"Greedy outputs identical across the two modes: {data['identical_outputs']} of "
                   f"{data['compared_outputs']} requests.", ""]
-    lines += [f"Server start (load + warm-up compile): " + ", ".join(
+    lines += ["Server start (load + warm-up compile): " + ", ".join(
         f"{mode['mode']} {mode['startup_s']:.1f} s" for mode in data["modes"]) + ".", ""]
     if data.get("notes"):
         lines += data["notes"] + [""]
