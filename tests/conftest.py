@@ -1,14 +1,68 @@
+import atexit
+import gc
 import os
+import shutil
+import tempfile
 
 # Eight CPU devices for the sharding tests; must be set before jax is imported anywhere.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+# One persistent compilation cache per test session, in a fresh temporary directory (removed at exit; never a
+# directory from an earlier run, so a fresh CI clone and a local run behave alike). Identical programs compiled
+# again by another jit object, another test or a child process (the CLI tests run `python -m kdtree_jax.generate`;
+# the children inherit the variables) are read back instead of compiled. A child pytest reuses its parent's.
+SESSION_CACHE = "KDTREE_JAX_TEST_COMPILATION_CACHE"
+if not os.environ.get(SESSION_CACHE):
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="kdtree_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SESSION_CACHE]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# XLA:CPU maps each executable it loads into a few memory mappings of its own (code, read-only and writable
+# data: ~900 for one tiny-model decode loop), held for as long as JAX's caches hold the executable. A full-suite
+# process compiles thousands of programs; once it reaches vm.max_map_count (65530 by default) an mmap inside the
+# next compile fails and XLA:CPU segfaults (seen compiling tests/test_sharding.py's sharded decode loop, ~55% into
+# the suite; reproduced alone by filling the map table first). After each test module, a process past half the
+# limit drops JAX's caches: the executables and their mappings are freed, and what runs again is read back from
+# the session's compilation cache above.
+def memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+def max_memory_maps() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+def release_executables_if_many_maps(limit=None) -> bool:
+    """Clear JAX's caches when the process holds more than `limit` (default: half of vm.max_map_count) memory
+    mappings; True if it did."""
+    if memory_maps() <= (max_memory_maps() // 2 if limit is None else limit):
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+    yield
+    release_executables_if_many_maps()
 
 
 # Tests marked `slow` are deselected in a local run; CI runs them (.ci/run sets KDTREE_JAX_SLOW=1, as does any

@@ -1,7 +1,6 @@
 """Tensor- and expert-parallel layouts on 8 forced CPU devices: same logits, same greedy output, the
 requested parameter shardings, and no all-gather of parameters or of the pool in the compiled HLO."""
 
-import os
 import re
 
 import numpy as np
@@ -21,12 +20,9 @@ from kdtree_jax.speculative.engine import generate
 CFG = kdtree_jax.ModelConfig.preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=4, topk_group=2)
 LAYOUTS = [("tp", 2), ("ep", 2), ("tp", 8), ("ep", 8)]
 
-# This file runs in a fresh process (tests/test_sharding_process.py): late in a full-suite process XLA:CPU segfaulted
-# three times while compiling its sharded decode loop (2026-12-01, jax 0.10.2), never when the file ran alone.
-FRESH_PROCESS = "KDTREE_JAX_SHARDING_PROCESS"
-pytestmark = [pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (forced CPU) devices"),
-              pytest.mark.skipif(os.environ.get(FRESH_PROCESS) != "1",
-                                 reason="runs in a fresh process: tests/test_sharding_process.py")]
+# Late in a full-suite process XLA:CPU segfaulted compiling this file's sharded decode loop: the process had run out
+# of memory mappings (vm.max_map_count); tests/conftest.py now releases JAX's executables before that.
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (forced CPU) devices")
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +52,21 @@ def test_sharded_logits_equal_unsharded(model, tokens, unsharded_logits, layout,
     assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
 
 
+# Ragged prompts and settings as benchmarks/multi_gpu.py's correctness check (tests/test_benchmark_smoke.py runs it
+# on these 8 devices): the same programs, compiled once in the session.
+PROMPTS = [np.random.default_rng(1).integers(0, CFG.vocab_size, 9).tolist(), [5, 6, 7]]
+GENERATE = dict(max_new_tokens=12, budget=6)
+
+
+@pytest.fixture(scope="module")
+def unsharded_output(model, drafter):
+    return generate(model, drafter, PROMPTS, **GENERATE).tokens
+
+
 @pytest.mark.parametrize("layout,n", LAYOUTS)
-def test_sharded_greedy_speculative_output_equals_unsharded(model, drafter, layout, n):
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, CFG.vocab_size, 9).tolist(), rng.integers(0, CFG.vocab_size, 4).tolist()]
-    expected = generate(model, drafter, prompts, max_new_tokens=10, budget=6).tokens
+def test_sharded_greedy_speculative_output_equals_unsharded(model, drafter, unsharded_output, layout, n):
     sharded = shard_model(model, make_mesh(n), layout)
-    assert generate(sharded, drafter, prompts, max_new_tokens=10, budget=6).tokens == expected
+    assert generate(sharded, drafter, PROMPTS, **GENERATE).tokens == unsharded_output
 
 
 @pytest.mark.skipif(not ffi.available(), reason="the compiled extension is not built")
@@ -101,10 +105,29 @@ def _collectives(hlo_text: str):
             if re.search(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(", line)]
 
 
+class _CompiledText:
+    """Stands in for engine.decode_loop and keeps (HLO text, the pool's shape) of every program compiled through it."""
+
+    def __init__(self, jitted):
+        self.jitted, self.compiled = jitted, []
+
+    def lower(self, target, drafter, state, **kwargs):
+        lowered, out = self.jitted.lower(target, drafter, state, **kwargs), self.compiled
+
+        class Lowered:
+            def compile(self):
+                compiled = lowered.compile()
+                out.append((compiled.as_text(), tuple(state.cache.pages.shape)))
+                return compiled
+
+        return Lowered()
+
+
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
+def test_no_all_gather_of_parameters_or_pool(model, drafter, layout, monkeypatch):
     """The verify step (prefill chunk) and the whole speculative loop compile to all-reduces of
-    activations only: nothing gathers a parameter or the latent pool."""
+    activations only: nothing gathers a parameter or the latent pool. The loop is the one `generate` compiles and
+    runs (the 8-device greedy test's, compiled already)."""
     from kdtree_jax.speculative import engine
 
     mesh = make_mesh(8)
@@ -115,17 +138,17 @@ def test_no_all_gather_of_parameters_or_pool(model, drafter, layout):
     assert _collectives(chunk) == []
     assert "all-reduce" in chunk  # the tensor-parallel sums are there
 
-    spec = engine.SpecConfig(budget=6, max_new_tokens=8, expert_devices=8)
-    dcache = replicate(drafter.init_cache(2, 64), mesh)
-    state = engine.initial_state(cache, dcache, jnp.zeros((2,), jnp.int32), max_new_tokens=8, width=4,
-                                 stop_ids=jnp.array([-1], jnp.int32), key=jax.random.key(0),
-                                 expert_load=engine.ExpertLoad.zeros(CFG.num_moe_layers, CFG.n_routed_experts, 8))
-    loop = engine.decode_loop.lower(sm, replicate(drafter, mesh), state, spec=spec).compile().as_text()
+    spy = _CompiledText(engine.decode_loop)
+    monkeypatch.setattr(engine, "decode_loop", spy)
+    generate(sm, drafter, PROMPTS, **GENERATE)
+    assert len(spy.compiled) == 1
+    loop, pool_shape = spy.compiled[0]
+    assert "while" in loop and "all-reduce" in loop
     param_shapes = {tuple(v.shape) for v in jax.tree.leaves(jax.tree.map(lambda x: x, sm)) if hasattr(v, "shape")}
     gathered = _collectives(loop)
     for line in gathered:  # whatever is gathered must be neither a parameter nor the pool
         shape = tuple(int(d) for d in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if d)
-        assert shape not in param_shapes and shape != tuple(cache.pages.shape), line
+        assert shape not in param_shapes and shape != pool_shape, line
 
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
