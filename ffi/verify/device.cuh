@@ -62,14 +62,14 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
-// 16-byte async copies of one row chunk; the chunk offsets are immediates of the instruction, so a thread
-// computes its two row addresses once per tile instead of one 64-bit address per copy.  src_bytes = 0 writes
-// zeros (positions past the end never hold stale data: a zero row times a zero probability stays zero,
-// whereas garbage could be NaN).
-template <int kOffset>
+// 16-byte async copies of one row chunk; the chunk offsets (into shared memory, and into global memory when the two
+// layouts differ) are immediates of the instruction, so a thread computes its two row addresses once per tile instead
+// of one 64-bit address per copy.  src_bytes = 0 writes zeros (positions past the end never hold stale data: a zero
+// row times a zero probability stays zero, whereas garbage could be NaN).
+template <int kDstOffset, int kSrcOffset = kDstOffset>
 __device__ __forceinline__ void cp_async_16_at(uint32_t dst, const char* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes),
-               "n"(kOffset));
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes),
+               "n"(kDstOffset), "n"(kSrcOffset));
 }
 template <int kThreadsPerRow, int... kChunk>
 __device__ __forceinline__ void copy_row_chunks(uint32_t dst, const char* src, int src_bytes,

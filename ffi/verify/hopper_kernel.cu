@@ -64,13 +64,6 @@ __device__ __forceinline__ void arrive(Barrier id) {
 }
 __device__ __forceinline__ void wait(Barrier id) { sm90::named_barrier(id, W::kThreads); }
 
-// 16-byte async copy with separate immediate offsets into shared and global memory (zeros when src_bytes = 0).
-template <int kDst, int kSrc>
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const char* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes), "n"(kDst),
-               "n"(kSrc));
-}
-
 // The output warpgroup's share of copying a 64-row, 576-wide matrix into the swizzled layout: thread t copies rows
 // t / 8 + 16 i (i < 4), 16-byte chunk t % 8 of each 128-byte column block. The four rows share a swizzle (16 i % 8 = 0).
 struct MatrixRows {
@@ -85,7 +78,7 @@ __device__ __forceinline__ void copy_matrix(uint32_t base, const MatrixRows& m, 
     const char* src = m.row[i] + chunk * 16;
     for_each_index([&](auto cb) {
       constexpr int k = decltype(cb)::value;
-      cp_async_16<k * W::kBlockBytes + i * 16 * 128, k * 128>(dst, src, m.bytes[i]);
+      cp_async_16_at<k * W::kBlockBytes + i * 16 * 128, k * 128>(dst, src, m.bytes[i]);
     }, std::make_integer_sequence<int, W::kColBlocks>{});
   }, std::make_integer_sequence<int, 4>{});
 }
@@ -192,7 +185,7 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       wgmma_fence();
       output_mma(acc, p_desc, kv, 1);
       wgmma_commit();
-      wgmma_wait_all();
+      wgmma_wait();
       fence_registers(acc);
       if (tile + 1 < t_end) {
         arrive(kPFree);
@@ -231,10 +224,10 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
         }, std::make_integer_sequence<int, kWidth / 16>{});
         wgmma_commit();
         if (tile > t0) {
-          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // P·V of tile - 1 done
+          wgmma_wait<1>();  // P·V of tile - 1 done
           arrive(kStageFree);
         }
-        wgmma_wait_all();
+        wgmma_wait();
         fence_registers(s);
         fence_registers(acc);
       }
@@ -316,7 +309,7 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       output_mma(acc, p_desc, kv, 0);
       wgmma_commit();  // waited for behind the next tile's scores
     }
-    wgmma_wait_all();
+    wgmma_wait();
     fence_registers(acc);
   }
   cp_async_wait<0>();

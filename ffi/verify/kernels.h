@@ -24,8 +24,6 @@ void launch_merge(const Params& p, int64_t batch, cudaStream_t stream);
 // launch.cu: the variant `requested` resolves to on `device` for `rows` = T*H query rows (kAuto: from the shapes and
 // the device's opt-in shared memory); -1 when the variant cannot run there.
 int64_t resolve_variant(int64_t requested, int64_t rows, int device);
-// Query rows per block of a variant (what the split count's arithmetic on the Python side assumes).
-int rows_per_block(int64_t variant);
 // The main kernel (main) and the merge (merge, when p.num_splits > 1) of a resolved variant, after the one-time setup
 // for `device`.
 cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream,

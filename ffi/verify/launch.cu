@@ -53,8 +53,6 @@ int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
   return requested > kAuto && requested < kNumVariants ? requested : -1;
 }
 
-int rows_per_block(int64_t variant) { return variant == kHopper ? 64 : 2 * kRows; }
-
 cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream, bool main,
                           bool merge) {
   if (cudaError_t err = ensure_setup(device); err != cudaSuccess) return err;

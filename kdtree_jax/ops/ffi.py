@@ -79,7 +79,7 @@ def sm_count(device: int = 0) -> int:
 VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3}
 _VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
 # Query rows a block holds (one block per SM): two m16 tiles in the portable kernels, one wgmma M in the Hopper one.
-ROWS_PER_BLOCK = {"wide": 32, "pipelined": 32, "hopper": 64}
+ROWS_PER_BLOCK = {"wide": 2 * CUDA_ROWS_PER_GROUP, "pipelined": 2 * CUDA_ROWS_PER_GROUP, "hopper": 64}
 
 
 def resolve_variant(variant: str, rows: int, device: int = 0) -> str | None:
@@ -98,7 +98,7 @@ def _check_variant(variant: str) -> None:
 
 
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
-                      rows_per_block: int = 32) -> int:
+                      rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
