@@ -1,15 +1,24 @@
-"""Routed MoE of one K2-width layer slice: XLA's ragged_dot against the CUDA grouped GEMV (ops/moe.py).
+"""Routed MoE at decode sizes: XLA's ragged_dot against the CUDA grouped GEMV (ops/moe.py), per geometry.
 
-Two per-device slices of one K2 layer (hidden 7168, moe_intermediate 2048, 384 experts, top-8):
+--geometry k2 (default): two per-device slices of one K2 layer (hidden 7168, moe_intermediate 2048, 384
+experts, top-8):
   ep: 96 whole experts (4-way expert parallelism; pairs routed to the other 288 experts contribute 0 here)
   tp: all 384 experts, a quarter (512) of each one's intermediate dim (4-way tensor parallelism)
-for T tokens (batch-1 verify steps) with uniformly random top-8 routing.  Each impl runs routed_experts
-(sort, gather, grouped MLP, weighted sum back into tokens) `--iters` times inside a jitted fori_loop whose input
-depends on the carry; the time per call is the median over --reps of loop time / iters.  The floor is the
-bytes of the weights of the experts active on this device (3 matrices each) at 4.3 TB/s: reading each
-used expert once and nothing else.
+--geometry default_pair: the embedded default pair's target MoE layer (hidden 256, moe_intermediate 256,
+8 experts, top-2), layout "full" (one device); tokens 16 = an autoregressive step at batch 16, 272 = a DDTree 16
+step at batch 16 (16 x 17 tokens, 544 rows).
+T tokens with uniformly random top-k routing.  --scope routed (default) times routed_experts (sort, gather,
+grouped MLP, weighted sum back into tokens); --scope op the grouped MLP alone (grouped_expert_mlp on the
+rows already sorted).  Each impl runs `--iters` calls inside a jitted fori_loop whose input depends on the
+carry; the time per call is the median over --reps of loop time / iters (device time: the loop is one XLA
+program, nothing returns to the host in between).  Impls: xla (ragged_dot), cuda_bps4 / cuda_bps1 (the CUDA op
+at 128 / ~200 registers), dense (all_experts_mlp: every expert on every row, masked; skipped above 64 local
+experts), auto (the dispatch as the model runs it).  The floor is the bytes of the weights of the experts
+active on this device (3 matrices each) at 4.3 TB/s: reading each used expert once and nothing else.
 
   python benchmarks/moe_experts.py                 # H200: writes results/moe_experts_h200.{md,json}
+  python benchmarks/moe_experts.py --geometry default_pair,k2 --tokens-k2 1,9,33 --impls xla,cuda_bps4,dense,auto \
+      --out $OUT --name moe_experts_items_h200     # the work-item grid: both geometries, one process
   python benchmarks/moe_experts.py --smoke  # CPU, tiny widths, checks the script runs (writes to a temp dir)
 """
 
@@ -32,10 +41,22 @@ from kdtree_jax.ops import moe as moe_ops  # noqa: E402
 from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
 FLOOR_BYTES_PER_S = 4.3e12
-K2 = dict(hidden=7168, inter=2048, experts=384, top_k=8)
-SMOKE = dict(hidden=64, inter=32, experts=16, top_k=4)
-# (impl, blocks_per_sm) variants; "cuda" is the CUDA op at either register budget.
-IMPLS = [("xla", None), ("cuda", "4"), ("cuda", "1")]
+GEOMETRIES = {
+    "k2": dict(hidden=7168, inter=2048, experts=384, top_k=8, layouts=("ep", "tp"), tokens="1,9,33,64,256",
+               impls="xla,cuda_bps4,cuda_bps1"),
+    "default_pair": dict(hidden=256, inter=256, experts=8, top_k=2, layouts=("full",), tokens="8,16,136,272,520,1040",
+                         impls="xla,cuda_bps4,dense,auto"),
+}
+SMOKE = {"k2": dict(GEOMETRIES["k2"], hidden=64, inter=32, experts=16, top_k=4),
+         "default_pair": dict(GEOMETRIES["default_pair"], hidden=32, inter=32)}
+K2 = GEOMETRIES["k2"]
+IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "dense", "auto")
+DENSE_MAX_EXPERTS = 64  # dense does E x the grouped FLOPs: pointless (and huge) at K2's 96-384 local experts
+
+
+def impl_of(name):
+    """(impl passed to routed_experts, KDTREE_MOE_BLOCKS_PER_SM or None)."""
+    return ("cuda", name[-1]) if name.startswith("cuda_bps") else (name, None)
 
 
 def median_per_call(run, args, iters, reps):
@@ -49,21 +70,25 @@ def median_per_call(run, args, iters, reps):
     return float(np.median(times)), out
 
 
-def make_loop(impl, iters):
-    """jit(x, routing, weights): `iters` routed_experts calls, each input depending on the last output
-    (nothing is hoisted); the weights are arguments, never closed-over constants."""
+def make_loop(impl, iters, scope):
+    """jit(x, routing, weights): `iters` calls, each input depending on the last output (nothing is hoisted);
+    the weights are arguments, never closed-over constants.  scope "op": x are the sorted rows and `indices`
+    the group sizes (the grouped MLP alone)."""
     @jax.jit
     def run(x, indices, weights, gate, up, down):
         def body(i, x):
-            out = routed_experts(x, indices, weights, gate, up, down, impl=impl)
+            if scope == "op":
+                out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl)
+            else:
+                out = routed_experts(x, indices, weights, gate, up, down, impl=impl)
             return x + out * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, iters, body, x)
     return run
 
 
-def bench_layout(layout, widths, n_dev, tokens_list, iters, reps, log):
+def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, iters, reps, log):
     h, i_full, e_all, k = widths["hidden"], widths["inter"], widths["experts"], widths["top_k"]
-    e_local, inter = (e_all // n_dev, i_full) if layout == "ep" else (e_all, i_full // n_dev)
+    e_local, inter = {"ep": (e_all // n_dev, i_full), "tp": (e_all, i_full // n_dev), "full": (e_all, i_full)}[layout]
     key = jax.random.key(0)
     kg, ku, kd = jax.random.split(key, 3)
     gate = (jax.random.normal(kg, (e_local, h, inter), jnp.bfloat16) * h ** -0.5).astype(jnp.bfloat16)
@@ -78,19 +103,34 @@ def bench_layout(layout, widths, n_dev, tokens_list, iters, reps, log):
         local = indices[(indices >= 0) & (indices < e_local)]  # ep: this device holds experts [0, e_local)
         active = len(np.unique(local))
         local_pairs = int(local.size)
+        sizes = np.bincount(local, minlength=e_local).astype(np.int32)
         floor = active * expert_bytes / FLOOR_BYTES_PER_S
         x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
-        args = (x, jnp.asarray(indices), jnp.asarray(weights), gate, up, down)
-        row = dict(layout=layout, tokens=tokens, top_k=k, experts_local=e_local, inter_local=inter, hidden=h,
-                   local_pairs=local_pairs, active_experts=active, active_bytes=active * expert_bytes,
-                   floor_us=floor * 1e6)
+        if scope == "op":  # the rows as routed_experts hands them over: sorted by expert, others last
+            flat = np.where(indices < e_local, indices, e_local).reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            args = (x[jnp.asarray(order // k)], jnp.asarray(sizes), None, gate, up, down)
+        else:
+            args = (x, jnp.asarray(indices), jnp.asarray(weights), gate, up, down)
+        num_rows = tokens * k
+        per_item = moe_ops.rows_per_item(num_rows, e_local)
+        items = int((-(-sizes // per_item)).sum())
+        row = dict(geometry=geometry, layout=layout, scope=scope, tokens=tokens, top_k=k, experts_local=e_local,
+                   inter_local=inter, hidden=h, rows=num_rows, local_pairs=local_pairs, active_experts=active,
+                   max_rows_per_expert=int(sizes.max()), rows_per_item=per_item, items=items,
+                   item_slots=moe_ops.item_slots(num_rows, e_local, per_item),
+                   auto_uses_cuda=bool(moe_ops.cuda_built() and num_rows <= moe_ops.CUDA_MAX_ROWS),
+                   active_bytes=active * expert_bytes, floor_us=floor * 1e6)
         ref = None  # ragged_dot's final x
-        for impl, bps in IMPLS:
-            name = impl if bps is None else f"{impl}_bps{bps}"
+        for name in impls:
+            impl, bps = impl_of(name)
+            if impl == "dense" and e_local > DENSE_MAX_EXPERTS:
+                continue
             if bps is not None:
                 os.environ["KDTREE_MOE_BLOCKS_PER_SM"] = bps
-            run = make_loop(impl, iters)
+            run = make_loop(impl, iters, scope)
             seconds, final = median_per_call(run, args, iters, reps)
+            os.environ.pop("KDTREE_MOE_BLOCKS_PER_SM", None)
             # The loop's final x, against ragged_dot's: a cheap end-to-end agreement check (tests check more).
             final = final.astype(jnp.float32)
             if ref is None:
@@ -99,7 +139,6 @@ def bench_layout(layout, widths, n_dev, tokens_list, iters, reps, log):
             row[f"{name}_gbps"] = active * expert_bytes / seconds / 1e9
             row[f"{name}_of_floor"] = floor / seconds
             row[f"{name}_max_diff_vs_xla"] = float(jnp.max(jnp.abs(final - ref)))
-        os.environ.pop("KDTREE_MOE_BLOCKS_PER_SM", None)
         log(json.dumps(row))
         rows.append(row)
     del gate, up, down
@@ -107,63 +146,95 @@ def bench_layout(layout, widths, n_dev, tokens_list, iters, reps, log):
 
 
 def markdown(meta, rows):
-    lines = [f"# Routed MoE, one K2 layer slice: ragged_dot vs the CUDA grouped GEMV ({meta['device']})", "",
-             f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. routed_experts (sort, gather, grouped "
-             f"SwiGLU, weighted sum back into tokens) per call, median of {meta['reps']} runs of a jitted fori_loop of "
-             f"{meta['iters']} calls. Floor = bytes of the experts active on this device / 4.3 TB/s. "
-             f"`cuda bps4` / `bps1`: the CUDA op at 128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM); "
-             f"auto dispatch uses the CUDA op up to {meta['cuda_max_rows']} rows (pairs) per device. Last column: "
-             f"largest |difference| of the loop's final x (≈ unit scale) between the CUDA op and ragged_dot.", "",
-             "| layout | T | local pairs | active experts | floor µs | ragged_dot µs | cuda bps4 µs | cuda bps1 µs "
-             "| speed-up | floor / cuda | max diff of x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    impls = [n for n in IMPL_NAMES if any(f"{n}_us" in r for r in rows)]
+    lines = [f"# Routed MoE at decode sizes: ragged_dot vs the CUDA grouped GEMV ({meta['device']})", "",
+             f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. Per call: "
+             f"{'the grouped MLP alone (rows already sorted)' if meta['scope'] == 'op' else 'routed_experts (sort, gather, grouped SwiGLU, weighted sum back into tokens)'}, "
+             f"median of {meta['reps']} runs of a jitted fori_loop of {meta['iters']} calls whose input depends on the "
+             f"carry. Floor = bytes of the experts active on this device / 4.3 TB/s. `cuda bps4` / `bps1`: the CUDA op at "
+             f"128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM), R = {meta['cuda_rows_per_item']} rows of an "
+             f"expert per work item (each its own blocks); `dense`: every expert on every row, masked (≤ "
+             f"{DENSE_MAX_EXPERTS} local experts); `auto`: the dispatch (CUDA op up to {meta['cuda_max_rows']} rows). "
+             f"Last column: largest |difference| of the loop's final x (≈ unit scale) from ragged_dot's, over the impls.",
+             "", "| geometry / layout | T | rows | active experts | max rows / expert | items | floor µs | "
+             + " | ".join(f"{n.replace('_', ' ')} µs" for n in impls) + " | best | best vs xla | floor / best | max diff of x |",
+             "|" + "---|" * (11 + len(impls))]
     for r in rows:
-        best = min(r["cuda_bps4_us"], r["cuda_bps1_us"])
-        lines.append(f"| {r['layout']} ({r['experts_local']}×{r['hidden']}×{r['inter_local']}) | {r['tokens']} "
-                     f"| {r['local_pairs']} | {r['active_experts']} | {r['floor_us']:.0f} | {r['xla_us']:.0f} "
-                     f"| {r['cuda_bps4_us']:.0f} | {r['cuda_bps1_us']:.0f} | {r['xla_us'] / best:.1f}× "
-                     f"| {r['floor_us'] / best:.0%} | {max(r['cuda_bps4_max_diff_vs_xla'], r['cuda_bps1_max_diff_vs_xla']):.1e} |")
+        times = {n: r[f"{n}_us"] for n in impls if f"{n}_us" in r}
+        best = min(times, key=times.get)
+        diff = max((r[f"{n}_max_diff_vs_xla"] for n in times), default=0.0)
+        cells = " | ".join(f"{times[n]:.1f}" if n in times else "–" for n in impls)
+        vs_xla = f"{r['xla_us'] / times[best]:.1f}×" if "xla_us" in r else "–"
+        lines.append(f"| {r['geometry']} {r['layout']} ({r['experts_local']}×{r['hidden']}×{r['inter_local']}) | "
+                     f"{r['tokens']} | {r['rows']} | {r['active_experts']} | {r['max_rows_per_expert']} | {r['items']} | "
+                     f"{r['floor_us']:.1f} | {cells} | {best} | {vs_xla} | {r['floor_us'] / times[best]:.0%} | {diff:.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny widths, 2 iterations (CPU check of the script)")
-    p.add_argument("--tokens", default="1,9,33,64,256", help="tokens per MoE call (tree sizes x batch), comma-separated")
-    p.add_argument("--layouts", default="ep,tp", help="expert layouts to time: ep (experts split), tp (each expert split)")
-    p.add_argument("--devices", type=int, default=4, help="the EP / TP degree the slices stand for")
+    p.add_argument("--geometry", default="k2", help="comma-separated: k2, default_pair")
+    p.add_argument("--tokens", default=None, help="tokens per MoE call of every geometry (default: per geometry)")
+    p.add_argument("--tokens-k2", default=None, help="tokens of the k2 geometry (overrides --tokens)")
+    p.add_argument("--tokens-default-pair", default=None, help="tokens of the default_pair geometry")
+    p.add_argument("--layouts", default=None, help="k2 layouts to time: ep (experts split), tp (each expert split)")
+    p.add_argument("--impls", default=None, help=f"comma-separated of {','.join(IMPL_NAMES)} (default: per geometry)")
+    p.add_argument("--scope", default="routed", choices=("routed", "op"), help="routed_experts or the grouped MLP alone")
+    p.add_argument("--devices", type=int, default=4, help="the EP / TP degree the k2 slices stand for")
     p.add_argument("--iters", type=int, default=10, help="MoE calls per timed loop")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is reported)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--name", default=None, help="results file stem (default moe_experts_h200, or _smoke)")
     args = p.parse_args(argv)
-    widths = SMOKE if args.smoke else K2
-    tokens_list = [1, 9] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    geometries = args.geometry.split(",")
+    for g in geometries:
+        if g not in GEOMETRIES:
+            p.error(f"--geometry: unknown {g!r} (known: {', '.join(GEOMETRIES)})")
+    impls_arg = args.impls.split(",") if args.impls else None
+    for n in impls_arg or []:
+        if n not in IMPL_NAMES:
+            p.error(f"--impls: unknown {n!r} (known: {', '.join(IMPL_NAMES)})")
     iters, reps = (2, 2) if args.smoke else (args.iters, args.reps)
 
     def log(msg):
         print(msg, flush=True)
 
-    commit = git_commit()
-    meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
-                date=datetime.date.today().isoformat(), commit=commit, jax=jax.__version__, iters=iters,
-                reps=reps, ep_tp_degree=args.devices, widths=widths, cuda_max_rows=moe_ops.CUDA_MAX_ROWS,
-                cuda_op_built=moe_ops.cuda_built(), floor_bytes_per_s=FLOOR_BYTES_PER_S)
-    log(json.dumps(meta))
-    rows = []
-    for layout in args.layouts.split(","):
-        rows += bench_layout(layout, widths, args.devices, tokens_list, iters, reps, log)
     name = args.name or ("moe_experts_smoke" if args.smoke else "moe_experts_h200")
     if args.out is None:
         args.out = smoke_dir("moe_experts") if args.smoke else os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(markdown(meta, rows))
+    commit = git_commit()
+    meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
+                jax=jax.__version__, iters=iters, reps=reps, scope=args.scope, ep_tp_degree=args.devices,
+                geometries={g: (SMOKE if args.smoke else GEOMETRIES)[g] for g in geometries},
+                cuda_max_rows=moe_ops.CUDA_MAX_ROWS, cuda_rows_per_item=moe_ops.rows_per_item(1, 1),
+                cuda_op_built=moe_ops.cuda_built(), floor_bytes_per_s=FLOOR_BYTES_PER_S)
+    log(json.dumps(meta))
+    rows = []
+    t0 = time.perf_counter()
+    for geometry in geometries:
+        widths = (SMOKE if args.smoke else GEOMETRIES)[geometry]
+        tokens = {"k2": args.tokens_k2, "default_pair": args.tokens_default_pair}[geometry] or args.tokens
+        tokens_list = ([1, 9] if geometry == "k2" else [8, 16]) if args.smoke else \
+            [int(t) for t in (tokens or widths["tokens"]).split(",")]
+        layouts = args.layouts.split(",") if args.layouts and geometry == "k2" else widths["layouts"]
+        impls = impls_arg or widths["impls"].split(",")
+        if "xla" in impls:  # first: the reference of the max-diff column
+            impls = ["xla"] + [n for n in impls if n != "xla"]
+        for layout in layouts:
+            rows += bench_layout(geometry, layout, widths, args.devices, tokens_list, impls, args.scope, iters, reps,
+                                 log)
+            # Written after every layout, so that a run cut short keeps what it measured.
+            meta["seconds"] = round(time.perf_counter() - t0, 1)
+            with open(os.path.join(args.out, name + ".json"), "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            with open(os.path.join(args.out, name + ".md"), "w") as f:
+                f.write(markdown(meta, rows))
     log(markdown(meta, rows))
-    log(f"wrote {os.path.join(args.out, name)}.{{json,md}}")
+    log(f"wrote {os.path.join(args.out, name)}.{{json,md}} ({meta['seconds']} s)")
     return 0
 
 

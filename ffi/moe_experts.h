@@ -11,9 +11,10 @@
 //   partial, hidden    f32   scratch (per-split gate/up sums, the SwiGLU activations), outputs so that their
 //                            addresses are fixed by XLA's buffer assignment and stay valid when a CUDA graph
 //                            replays the call
-//   groups [3, G]      int32 scratch: the table of active groups the first kernel builds from group_sizes
-//                            (row 0 expert id, row 1 first row, row 2 row count; G = min(M, E) slots, the
-//                            unused ones zero), the same as kdtree_jax.ops.moe.group_table
+//   groups [3, G]      int32 scratch: the table of work items the first kernel builds from group_sizes: each
+//                            expert's rows in chunks of R = attr rows_per_item (row 0 expert id, row 1 first
+//                            row, row 2 row count <= R; G = ops.moe.item_slots(M, E, R) slots, the unused
+//                            ones zero), the same as kdtree_jax.ops.moe.group_table
 //   num_active []      int32 scratch: how many of the G columns of `groups` are used
 // Bad sizes never read or write out of bounds: negative sizes count as 0, and groups are clamped into
 // rows [0, M).

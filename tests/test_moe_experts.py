@@ -49,7 +49,7 @@ def make_case(seed, tokens, top_k, experts, hidden, inter, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("impl", ["auto", "xla", "cuda"])
+@pytest.mark.parametrize("impl", ["auto", "xla", "cuda", "dense"])
 @pytest.mark.parametrize("offset,local", [(0, 12), (4, 5)])
 def test_cpu_dispatch_matches_the_original_formulation(dtype, impl, offset, local):
     if impl == "cuda" and dtype != jnp.bfloat16:
@@ -65,13 +65,13 @@ def test_cpu_dispatch_matches_the_original_formulation(dtype, impl, offset, loca
     np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("form", ["gathered", "dense"])
+@pytest.mark.parametrize("form", ["gathered", "dense", "all_experts"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cpu_forms_match_ragged_dot(dtype, form):
-    """gathered_mlp and dense_mlp (on the weights laid out expert axis second, as a decode loop passes them)
-    against a float64 oracle and ragged_dot: random groups with empty ones and rows past every group (which
+    """gathered_mlp, dense_mlp (on the weights laid out expert axis second, as a decode loop passes them) and
+    all_experts_mlp (impl="dense": every expert on every row, masked) against a float64 oracle and ragged_dot: random groups with empty ones and rows past every group (which
     must give zeros), fresh inputs."""
-    rng = np.random.default_rng(7 if form == "gathered" else 8)
+    rng = np.random.default_rng({"gathered": 7, "dense": 8, "all_experts": 9}[form])
     experts, hidden, inter, num_rows = 6, 40, 24, 19
     sizes = np.zeros(experts, np.int32)
     for e in rng.choice(experts, 13):  # 13 of 19 rows in groups, some experts empty
@@ -83,6 +83,8 @@ def test_cpu_forms_match_ragged_dot(dtype, form):
     args = (rows, jnp.asarray(sizes), gate, up, down)
     if form == "gathered":
         got = np.asarray(jax.jit(moe_ops.gathered_mlp)(*args), np.float64)
+    elif form == "all_experts":
+        got = np.asarray(jax.jit(moe_ops.all_experts_mlp)(*args), np.float64)
     else:
         second = tuple(jnp.swapaxes(a, 0, 1) for a in (gate, up, down))
         got = np.asarray(jax.jit(moe_ops.dense_mlp)(rows, jnp.asarray(sizes), *second), np.float64)
@@ -110,6 +112,30 @@ def test_group_table():
     assert groups.shape == (3, 7)  # min(rows, experts) slots
     groups, num_active = moe_ops.group_table(sizes, 2)  # 2 rows can fill at most 2 groups
     assert groups.shape == (3, 2)
+
+
+def test_group_table_items():
+    """Experts with more than R rows give several work items (chunks of R rows, the last one shorter), in
+    expert order; item slots are the most M rows can fill; R >= M gives one item per expert."""
+    sizes = jnp.asarray([0, 9, 0, 1, 5, 0], jnp.int32)
+    items, num_active = jax.jit(moe_ops.group_table, static_argnums=(1, 2))(sizes, 16, 4)
+    assert int(num_active) == 6 and items.shape == (3, moe_ops.item_slots(16, 6, 4)) == (3, 8)
+    np.testing.assert_array_equal(np.asarray(items)[:, :6], [[1, 1, 1, 3, 4, 4], [0, 4, 8, 9, 10, 14],
+                                                             [4, 4, 1, 1, 4, 1]])
+    np.testing.assert_array_equal(np.asarray(items)[:, 6:], 0)
+    items, num_active = moe_ops.group_table(sizes, 16, 16)
+    np.testing.assert_array_equal(np.asarray(items)[:, :int(num_active)], [[1, 3, 4], [0, 9, 10], [9, 1, 5]])
+    # The slot count bounds the items of any sizes with sum <= M (brute force over small cases).
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        experts, num_rows, per_item = int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        cuts = np.sort(rng.integers(0, num_rows + 1, experts - 1))
+        sizes = np.diff(np.concatenate([[0], cuts, [int(rng.integers(cuts[-1] if len(cuts) else 0, num_rows + 1))]]))
+        assert sizes.sum() <= num_rows
+        assert (-(-sizes // per_item)).sum() <= moe_ops.item_slots(num_rows, experts, per_item)
+    # Past the grid limit, R grows until the slots fit.
+    assert moe_ops.item_slots(10**6, 70000 // 2, moe_ops.rows_per_item(10**6, 70000 // 2)) <= moe_ops.MAX_ITEM_SLOTS
+    assert moe_ops.rows_per_item(544, 8) == moe_ops.CUDA_ROWS_PER_ITEM
 
 
 def test_validation_errors():

@@ -5,6 +5,9 @@ Sizes are random: odd and non-multiple-of-8 widths (the element-wise path), K2-l
 16-byte path), 1..70 tokens × top-k, empty experts, every token on one expert (many 4-row chunks), and
 pairs of experts held elsewhere (rows past every group must come out 0). Before each call the allocator is
 handed NaN-filled blocks of the outputs' sizes, so a row the kernels fail to write shows up as NaN.
+The work-item grid (each expert's rows in chunks of R rows, each chunk its own blocks) is checked against
+the XLA formulation (ragged_dot) and the float64 reference at 1, 5 and 67 rows per expert, one expert holding
+every row, empty experts and rows past every group, for R = 4 (the default), 1, 3 and one item per expert.
 """
 
 from __future__ import annotations
@@ -126,20 +129,24 @@ TABLE_CASES = [(72, 384, 0.15), (9, 8, 0.6), (5, 3000, 0.001), (2048, 1500, 0.5)
 
 
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_table_kernel_matches_group_table(case):
+@pytest.mark.parametrize("per_item", ["4", "1", "3"])
+def test_table_kernel_matches_group_table(case, per_item, monkeypatch):
     """The op's first kernel builds the same table as ops.moe.group_table (jnp), from random sizes whose sum
     is at most M; the op runs on 8-wide toy experts so that only the table matters."""
+    monkeypatch.setenv("KDTREE_MOE_ROWS_PER_ITEM", per_item)  # read at trace time: a fresh jit below
     num_rows, experts, share = case
     rng = np.random.default_rng(num_rows * 7 + experts)
-    sizes = np.where(rng.uniform(size=experts) < share, rng.integers(1, 5, experts), 0)
+    sizes = np.where(rng.uniform(size=experts) < share, rng.integers(1, 12, experts), 0)
     while sizes.sum() > num_rows:  # keep sum <= M
         sizes[rng.choice(np.flatnonzero(sizes))] -= 1
     sizes = jnp.asarray(sizes, jnp.int32)
     gate, up, down = make_weights(rng, experts, 8, 8)
     rows = jnp.asarray(rng.normal(0, 1, (num_rows, 8)).astype(np.float32)).astype(jnp.bfloat16)
-    poison_allocator(((3, min(num_rows, experts)), jnp.int32))
-    out, groups, num_active = jax.jit(moe_ops.call_cuda_op)(rows, sizes, gate, up, down)
-    want_groups, want_active = moe_ops.group_table(sizes, num_rows)
+    slots = moe_ops.item_slots(num_rows, experts, int(per_item))
+    poison_allocator(((3, slots), jnp.int32))
+    out, groups, num_active = jax.jit(lambda *a: moe_ops.call_cuda_op(*a))(rows, sizes, gate, up, down)
+    want_groups, want_active = moe_ops.group_table(sizes, num_rows, int(per_item))
+    assert groups.shape == (3, slots)
     assert int(num_active) == int(want_active)
     np.testing.assert_array_equal(np.asarray(groups), np.asarray(want_groups))
     assert_close(out, reference_grouped(rows, sizes, gate, up, down))
@@ -152,10 +159,53 @@ def test_table_kernel_clamps_bad_sizes():
     rng = np.random.default_rng(11)
     gate, up, down = make_weights(rng, experts, 16, 8)
     rows = jnp.asarray(rng.normal(0, 1, (num_rows, 16)).astype(np.float32)).astype(jnp.bfloat16)
-    out, groups, num_active = jax.jit(moe_ops.call_cuda_op)(rows, sizes, gate, up, down)
+    out, groups, num_active = jax.jit(lambda *a: moe_ops.call_cuda_op(*a))(rows, sizes, gate, up, down)
     assert int(num_active) == 3
     np.testing.assert_array_equal(np.asarray(groups)[:, :3], [[0, 2, 3], [0, 2, 5], [2, 3, 1]])
     assert_close(out, reference_grouped(rows, jnp.asarray([2, 0, 3, 1, 0]), gate, up, down))
+
+
+# (name, experts, hidden, inter, group sizes, rows past every group): the work-item grid at odd sizes.
+ITEM_CASES = [
+    ("one_row_each", 8, 256, 256, [1] * 8, 0),
+    ("five_each", 8, 256, 256, [5] * 8, 3),
+    ("sixty_seven_each", 8, 256, 256, [67] * 8, 0),                 # the default pair at batch-16 DDTree 16
+    ("all_on_one", 8, 256, 256, [0, 0, 0, 544, 0, 0, 0, 0], 0),     # one expert, 136 items
+    ("mixed_empty", 12, 256, 256, [0, 67, 0, 5, 1, 0, 0, 13, 0, 2, 0, 0], 7),
+    ("first_and_last", 6, 128, 64, [67, 0, 0, 0, 0, 5], 1),
+    ("odd_widths", 5, 37, 21, [0, 67, 1, 5, 0], 2),                 # element-wise path
+    ("k2_like", 40, 7168 // 8, 2048 // 8, [1, 2, 0, 3, 1, 0, 5, 1] * 5, 4),  # 16-byte path, few rows each
+    ("split_hidden", 4, 2056, 40, [9, 0, 67, 1], 0),                # 3 hidden-dim splits in kernel 1
+]
+
+
+@pytest.mark.parametrize("case", ITEM_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("per_item", ["4", "1", "3", "100000"])
+def test_item_grid_matches_xla(case, per_item, monkeypatch):
+    """The CUDA op, each expert's rows spread over items of R rows, against ragged_dot (ragged_mlp, same
+    device) and the float64 reference; its table against group_table; rows past every group are 0."""
+    monkeypatch.setenv("KDTREE_MOE_ROWS_PER_ITEM", per_item)
+    _, experts, hidden, inter, sizes, spare = case
+    rng = np.random.default_rng(ITEM_CASES.index(case) * 10 + len(per_item))
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    num_rows = int(sizes.sum()) + spare
+    rows = jnp.asarray(rng.normal(0, 1, (num_rows, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    poison_allocator(((num_rows, hidden), jnp.bfloat16), ((num_rows, inter), jnp.float32))
+    out, items, num_active = jax.jit(lambda *a: moe_ops.call_cuda_op(*a))(rows, sizes, gate, up, down)
+    want_items, want_active = moe_ops.group_table(sizes, num_rows, int(per_item))
+    assert int(num_active) == int(want_active)
+    np.testing.assert_array_equal(np.asarray(items), np.asarray(want_items))
+    ref = reference_grouped(rows, sizes, gate, up, down)
+    assert_close(out, ref)
+    xla = jax.jit(moe_ops.ragged_mlp)(rows, sizes, gate, up, down)
+    assert_close(out, np.asarray(xla.astype(jnp.float32), np.float64))
+    if spare:
+        assert not np.asarray(out[num_rows - spare:].astype(jnp.float32)).any()
+    auto = jax.jit(lambda *a: moe_ops.grouped_expert_mlp(*a, impl="auto"))(rows, sizes, gate, up, down)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(out))  # auto = the CUDA op here (<= 2048 rows)
+    dense = jax.jit(lambda *a: moe_ops.grouped_expert_mlp(*a, impl="dense"))(rows, sizes, gate, up, down)
+    assert_close(dense, ref)
 
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])

@@ -10,15 +10,15 @@ which is what `routed_experts` (model/moe.py) runs after sorting its (token, exp
 Why two implementations.  In a decode / verify step (T = 1..64 tokens × top-8) almost every active expert
 gets one or two rows, so the op is a grouped GEMV whose cost is reading the active experts' weights once.
 XLA's ragged_dot is several times off that floor there; the CUDA op (ffi/moe_experts.cu) reads each
-active expert's weights once per chunk of 4 rows and never touches inactive experts.  It runs four
-kernels: the table of active groups (expert id, first row, row count; `group_table` in jnp) from
-group_sizes, gate/up partial sums over splits of the hidden dim, their sum + SwiGLU, and the down
-projection.  With many rows per expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above
+active expert's weights once and never touches inactive experts.  It runs four kernels: the table of work
+items (expert id, first row, row count <= `CUDA_ROWS_PER_ITEM`: each expert's rows in chunks, each chunk
+its own blocks; `group_table` in jnp) from group_sizes, gate/up partial sums over splits of the hidden
+dim, their sum + SwiGLU, and the down projection.  With many rows per expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above
 `CUDA_MAX_ROWS` rows.
 
 The table and the count of active groups are device data, so nothing syncs with the host and the call
-can sit inside `lax.while_loop` / CUDA graphs.  Its grid has min(M, E) static group slots (the most groups
-M rows can fill); slots past the active count exit at once.  `jax.lax.platform_dependent` picks the CUDA
+can sit inside `lax.while_loop` / CUDA graphs.  Its grid has a static number of item slots (`item_slots`:
+the most items M rows can fill); slots past the active count exit at once.  `jax.lax.platform_dependent` picks the CUDA
 branch when the program is lowered for a GPU.
 
 On a CPU, XLA lowers ragged_dot to one dense product over every expert after transposing all expert
@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised only without a build
     _ext = None
 
 TARGET = "kdtree_moe_experts"
-IMPLS = ("auto", "xla", "cuda")
+IMPLS = ("auto", "xla", "cuda", "dense")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
 # wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
@@ -61,6 +61,13 @@ CUDA_MAX_ROWS = 2048
 # partial sums (scratch) under PARTIAL_BYTES.
 CUDA_SPLIT_ROWS = 1024
 PARTIAL_BYTES = 64 << 20
+# Rows of one expert per work item of the CUDA op: an expert with n rows runs as ceil(n / R) items in
+# separate blocks, side by side.  With one item per expert (the op before), the default pair's 8 experts at
+# a batch-16 DDTree 16 step (544 rows, ~68 per expert) gave 32 blocks on 132 SMs, each walking 17 chunks of 4
+# rows in sequence.  4 = the kernels' accumulator rows: one chunk per block.  KDTREE_MOE_ROWS_PER_ITEM=n
+# overrides (A/B runs; a large n gives back one item per expert).
+CUDA_ROWS_PER_ITEM = 4
+MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 
 
 # "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
@@ -142,6 +149,23 @@ def dense_mlp(rows, group_sizes, gate_t, up_t, down_t):
     return expanded_dot(h, down_t).astype(rows.dtype)
 
 
+def all_experts_mlp(rows, group_sizes, gate, up, down):
+    """The same op as dense products over every expert, on the weights as they are ([E, H, I], [E, I, H]):
+    gate and up of every row under every expert ([M, E, I], E times the FLOPs of the grouped op), the SwiGLU
+    zeroed outside each row's own expert, then one product [M, E * I] @ down viewed as [E * I, H].  Tensor-core
+    GEMMs with no ragged bookkeeping: a candidate where experts are few and rows per expert many (the default
+    pair at batch; impl="dense").  Rounds as the others do (float32 sums, h rounded once)."""
+    num_rows, _ = rows.shape
+    num_experts, _, inter = gate.shape
+    expert = row_experts(group_sizes, num_rows)
+    mine = expert[:, None] == jnp.arange(num_experts)[None, :]  # [M, E]; a row of no group: all False
+    f32 = jnp.float32
+    g = jnp.einsum("mh,ehi->mei", rows, gate, preferred_element_type=f32)
+    u = jnp.einsum("mh,ehi->mei", rows, up, preferred_element_type=f32)
+    h = jnp.where(mine[:, :, None], jax.nn.silu(g) * u, 0).astype(rows.dtype).reshape(num_rows, num_experts * inter)
+    return jnp.dot(h, down.reshape(num_experts * inter, -1), preferred_element_type=f32).astype(rows.dtype)
+
+
 def use_cpu_gather(rows, gate, impl: str) -> bool:
     """Whether the CPU branch of "auto" gathers the rows' experts (else ragged_dot, or dense_mlp in a decode loop)."""
     num_rows = rows.shape[0]
@@ -150,22 +174,46 @@ def use_cpu_gather(rows, gate, impl: str) -> bool:
     return impl == "auto" and num_rows <= CPU_GATHER_ROWS_PER_EXPERT * num_experts and gathered <= CPU_GATHER_MAX_BYTES
 
 
-def group_table(group_sizes, num_rows: int):
-    """(groups [3, G] int32: expert id / first row / row count of each active expert in order,
-    num_active [] int32) with G = min(num_rows, E) static slots; unused slots hold count 0.
+def item_slots(num_rows: int, num_experts: int, rows_per_item: int) -> int:
+    """Static item slots of the CUDA op: the most work items (chunks of <= R rows of one expert) that M rows
+    can fill.  a <= min(M, E) experts with n_e >= 1 rows, sum n_e <= M, give sum ceil(n_e / R) <=
+    (M + a (R - 1)) / R items, and never more than M."""
+    active = min(num_rows, num_experts)
+    return max(1, min(num_rows, (num_rows + active * (rows_per_item - 1)) // rows_per_item))
+
+
+def rows_per_item(num_rows: int, num_experts: int) -> int:
+    """R of the CUDA op (`CUDA_ROWS_PER_ITEM`, or KDTREE_MOE_ROWS_PER_ITEM), doubled while the item slots
+    would exceed the grid limit (only at M > 65535 rows)."""
+    forced = os.environ.get("KDTREE_MOE_ROWS_PER_ITEM", "")
+    r = int(forced) if forced.isdigit() and int(forced) > 0 else CUDA_ROWS_PER_ITEM
+    while item_slots(num_rows, num_experts, r) > MAX_ITEM_SLOTS and r < num_rows:
+        r *= 2
+    return r
+
+
+def group_table(group_sizes, num_rows: int, per_item: int | None = None):
+    """(items [3, W] int32: expert id / first row / row count of each work item in order, num_active []
+    int32): each expert with rows gives its rows in chunks of R = per_item (the last one shorter), in
+    expert order, in W = item_slots(M, E, R) static slots; unused slots are (0, 0, 0).  R defaults to the
+    CUDA op's (`rows_per_item`); R >= M gives one item per active expert in min(M, E) slots.
     The CUDA op builds this table itself, in one kernel (it was ~8 small XLA kernels); this is its
-    statement in jnp, which the GPU tests compare it with."""
+    statement in jnp, which the GPU tests compare it with (sizes with sum <= M; the op also clamps bad ones)."""
     num_experts = group_sizes.shape[0]
-    slots = max(1, min(num_rows, num_experts))
+    r = per_item if per_item is not None else rows_per_item(num_rows, num_experts)
+    slots = item_slots(num_rows, num_experts, r)
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    active = sizes > 0
-    (ids,) = jnp.nonzero(active, size=slots, fill_value=0)
-    ids = ids.astype(jnp.int32)
-    num_active = jnp.minimum(active.sum(), slots).astype(jnp.int32)
-    used = jnp.arange(slots) < num_active
-    groups = jnp.stack([ids, jnp.where(used, starts[ids], 0), jnp.where(used, sizes[ids], 0)])
-    return groups, num_active
+    chunks = (sizes + r - 1) // r  # items of each expert
+    ends = jnp.cumsum(chunks)
+    w = jnp.arange(slots, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_experts - 1).astype(jnp.int32)
+    chunk = w - (ends[expert] - chunks[expert])
+    num_active = jnp.minimum(ends[-1], slots).astype(jnp.int32)
+    used = w < num_active
+    items = jnp.stack([jnp.where(used, expert, 0), jnp.where(used, starts[expert] + chunk * r, 0),
+                       jnp.where(used, jnp.minimum(sizes[expert] - chunk * r, r), 0)]).astype(jnp.int32)
+    return items, num_active
 
 
 def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
@@ -175,14 +223,15 @@ def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
 
 
 def call_cuda_op(rows, group_sizes, gate, up, down):
-    """The CUDA op's outputs: (out, groups, num_active), the last two the group table its first kernel built
-    (what `group_table` computes; exposed for tests)."""
+    """The CUDA op's outputs: (out, groups, num_active), the last two the work-item table its first kernel
+    built (what `group_table` computes; exposed for tests)."""
     num_rows, hidden = rows.shape
     num_experts, _, inter = gate.shape
     splits = choose_splits(num_rows, hidden, inter)
-    slots = max(1, min(num_rows, num_experts))
+    per_item = rows_per_item(num_rows, num_experts)
+    slots = item_slots(num_rows, num_experts, per_item)
     # Scratch as outputs (fixed addresses under CUDA graphs, as in ops/ffi.py): per-split gate/up partial
-    # sums, the SwiGLU activations, the group table.
+    # sums, the SwiGLU activations, the work-item table.
     out_types = (jax.ShapeDtypeStruct((num_rows, hidden), rows.dtype),
                  jax.ShapeDtypeStruct((splits * num_rows * 2, inter), jnp.float32),
                  jax.ShapeDtypeStruct((num_rows, inter), jnp.float32),
@@ -190,7 +239,8 @@ def call_cuda_op(rows, group_sizes, gate, up, down):
                  jax.ShapeDtypeStruct((), jnp.int32))
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, _, _, groups, num_active = call(rows, gate, up, down, group_sizes.astype(jnp.int32),
-                                         blocks_per_sm=np.int64(blocks_per_sm()), splits=np.int64(splits))
+                                         blocks_per_sm=np.int64(blocks_per_sm()), splits=np.int64(splits),
+                                         rows_per_item=np.int64(per_item))
     return out, groups, num_active
 
 
@@ -223,7 +273,7 @@ def validate_args(rows, group_sizes, gate, up, down, impl: str) -> None:
 
 def use_cuda(rows, gate, up, down, impl: str) -> bool:
     """Whether the GPU branch runs the CUDA op (else ragged_dot on every platform)."""
-    if impl == "xla" or not cuda_built():
+    if impl in ("xla", "dense") or not cuda_built():
         return False
     if not all(a.dtype == jnp.bfloat16 for a in (rows, gate, up, down)):
         return False
@@ -235,12 +285,14 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
 
     rows [M, H]; group_sizes [E] (group e = the next group_sizes[e] rows, sum <= M); gate, up [E, H, I];
     down [E, I, H].  impl: "xla" = ragged_dot everywhere; "cuda" = the CUDA op on GPU (bf16 only), ragged_dot
-    elsewhere; "auto" = "cuda" on GPU for bf16 with M <= CUDA_MAX_ROWS, `gathered_mlp` on CPU for a few rows
+    elsewhere; "dense" = `all_experts_mlp` everywhere (every expert on every row, masked: for few experts); "auto" = "cuda" on GPU for bf16 with M <= CUDA_MAX_ROWS, `gathered_mlp` on CPU for a few rows
     (`use_cpu_gather`), else "xla", except that on a CPU, given `expert_second` (the same weights laid out
     expert axis second, see `dense_mlp`: what a decode loop computes once), "auto" runs `dense_mlp` on them.
     """
     validate_args(rows, group_sizes, gate, up, down, impl)
     args = (rows, group_sizes, gate, up, down)
+    if impl == "dense":
+        return all_experts_mlp(*args)
     branches = {}
     if use_cuda(rows, gate, up, down, impl):
         branches["cuda"] = _call_cuda
@@ -253,4 +305,5 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "ragged_mlp", "gathered_mlp", "dense_mlp", "group_table", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]
+__all__ = ["grouped_expert_mlp", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+           "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]
