@@ -64,8 +64,8 @@ PARTIAL_BYTES = 64 << 20
 # Rows of one expert per work item of the CUDA op: an expert with n rows runs as ceil(n / R) items in
 # separate blocks, side by side.  With one item per expert (the op before), the default pair's 8 experts at
 # a batch-16 DDTree 16 step (544 rows, ~68 per expert) gave 32 blocks on 132 SMs, each walking 17 chunks of 4
-# rows in sequence.  4 = the kernels' accumulator rows: one chunk per block.  KDTREE_MOE_ROWS_PER_ITEM=n
-# overrides (A/B runs; a large n gives back one item per expert).
+# rows in sequence.  4 = the kernels' accumulator rows: one chunk per block.  Tests pass other R to
+# call_cuda_op (a large R gives back one item per expert).
 CUDA_ROWS_PER_ITEM = 4
 MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 
@@ -182,11 +182,12 @@ def item_slots(num_rows: int, num_experts: int, rows_per_item: int) -> int:
     return max(1, min(num_rows, (num_rows + active * (rows_per_item - 1)) // rows_per_item))
 
 
-def rows_per_item(num_rows: int, num_experts: int) -> int:
-    """R of the CUDA op (`CUDA_ROWS_PER_ITEM`, or KDTREE_MOE_ROWS_PER_ITEM), doubled while the item slots
-    would exceed the grid limit (only at M > 65535 rows)."""
-    forced = os.environ.get("KDTREE_MOE_ROWS_PER_ITEM", "")
-    r = int(forced) if forced.isdigit() and int(forced) > 0 else CUDA_ROWS_PER_ITEM
+def rows_per_item(num_rows: int, num_experts: int, requested: int = CUDA_ROWS_PER_ITEM) -> int:
+    """R of the CUDA op (`requested`, by default `CUDA_ROWS_PER_ITEM`), doubled while the item slots would
+    exceed the grid limit (only at M > 65535 rows)."""
+    if requested < 1:
+        raise ValueError(f"rows_per_item must be >= 1; got {requested}")
+    r = requested
     while item_slots(num_rows, num_experts, r) > MAX_ITEM_SLOTS and r < num_rows:
         r *= 2
     return r
@@ -222,13 +223,13 @@ def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
     return int(max(1, min(-(-hidden // CUDA_SPLIT_ROWS), PARTIAL_BYTES // per_split)))
 
 
-def call_cuda_op(rows, group_sizes, gate, up, down):
+def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int = CUDA_ROWS_PER_ITEM):
     """The CUDA op's outputs: (out, groups, num_active), the last two the work-item table its first kernel
-    built (what `group_table` computes; exposed for tests)."""
+    built (what `group_table` computes; exposed for tests, which also vary the rows per work item)."""
     num_rows, hidden = rows.shape
     num_experts, _, inter = gate.shape
     splits = choose_splits(num_rows, hidden, inter)
-    per_item = rows_per_item(num_rows, num_experts)
+    per_item = rows_per_item(num_rows, num_experts, requested_rows_per_item)
     slots = item_slots(num_rows, num_experts, per_item)
     # Scratch as outputs (fixed addresses under CUDA graphs, as in ops/ffi.py): per-split gate/up partial
     # sums, the SwiGLU activations, the work-item table.
