@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import itertools
 import threading
 import time
@@ -70,6 +71,45 @@ def compile_count() -> int:
 compile_count()  # listen from import on
 
 PREFILL_CHUNK = 64  # prefill tokens per pass (engine.generate's default chunk_size)
+
+
+# --- releasing the programs of dropped buckets ----------------------------------------------------------------------
+# Each sampling setting compiles its own chunk program (the temperature and top_p are compiled in), and JAX's
+# tracing and lowering caches keep every executable it ever compiled, whether or not its bucket is still there.
+# XLA:CPU maps each loaded executable into memory mappings of its own (~700 for the default pair's DDTree chunk);
+# a server that sees ~45 distinct settings passes half of vm.max_map_count (65530 by default), and at the limit an
+# mmap inside the next compile fails and the process segfaults (tests/conftest.py, tests/test_memory_maps.py). So
+# when a bucket is dropped and the process holds more than RELEASE_MAPS mappings (None: half of vm.max_map_count),
+# JAX's caches are cleared. Each live bucket keeps its chunk program (compiled ahead of time, owned by its
+# ChunkedLoop); the small shared programs (prefill per prompt bucket, row admission and reset) compile again once.
+RELEASE_MAPS: Optional[int] = None
+
+
+def memory_maps() -> int:
+    """Memory mappings of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def release_executables_if_many_maps(limit: Optional[int] = None) -> bool:
+    """Clear JAX's caches when the process holds more than `limit` memory mappings (default RELEASE_MAPS, else half
+    of vm.max_map_count); True if it did."""
+    if limit is None:
+        limit = RELEASE_MAPS
+    if limit is None:
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = int(f.read()) // 2
+        except (OSError, ValueError):
+            limit = 65530 // 2
+    if memory_maps() <= limit:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
 
 
 class QueueFull(Exception):
@@ -213,6 +253,9 @@ class Bucket:
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
         self.state = jax.device_put(self.state, jax.devices()[0])
         self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
+        # Compiled ahead of time, as engine.generate does: the bucket owns its program, which goes when the bucket is
+        # dropped (once JAX's caches are cleared) and stays through a clear while the bucket lives.
+        self.loop.compile(self.state)
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
         self.hist_seen = np.zeros(depth + 1, np.int64)  # accepted_hist already counted into the metrics
@@ -351,6 +394,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
+        self.releases = 0  # times dropping a bucket cleared JAX's caches (release_executables_if_many_maps)
 
     # -- limits the API checks before submit ------------------------------------------------------------------------
     def max_tokens_for(self, prompt_len: int) -> int:
@@ -483,6 +527,8 @@ class Scheduler:
             oldest = min(idle, key=lambda k: self.buckets[k].last_used)
             del self.buckets[oldest]
             self.metrics.drop_pool(oldest)
+            if release_executables_if_many_maps():
+                self.releases += 1
         bucket = self.buckets[key] = Bucket(self, key)
         return bucket
 
