@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py                                  # CPU defaults: 32 requests at 1, 4, 16, 64
     python benchmarks/serve_load.py --requests 128 --concurrency 1,8,32,128 --max-batch 16
     python benchmarks/serve_load.py --smoke                          # 4 requests at 1 and 2; a temp dir
+    python benchmarks/serve_load.py --leak-requests 1000 --disconnect-fraction 0.1   # + the slot-leak check
 
 For each mode (speculative: the checkpoint's DDTree settings; autoregressive: `--no-speculative`) the script starts
 a local server on a free loopback port and warms it up (one request per prompt-length bucket, so that the measurement
@@ -18,9 +19,22 @@ token (TTFT: from sending to the first streamed event) and per-token latency (TP
 (sampled from /metrics) and tau over the run. Greedy outputs of the two modes are compared request by request (on a
 CPU in float32 speculative decoding is lossless token for token).
 
+Leak check (--leak-requests N): after the levels, each server gets N more requests (another seeded list) with a
+fraction of them (--disconnect-fraction) closing the connection after their first few streamed events; once the
+server is idle again, /metrics must show every KV pool slot free and no busy row (leaked slots: free slots before
+the check less free slots after). Compiles are counted from the end of the warm-up to the end of the run (levels and
+leak check): a server that compiles nothing under load has 0.
+
+Bounded: each request has a timeout (--request-timeout; a request that fails or times out is counted as an error,
+not waited for), the servers a start-up limit (--start-timeout), and --deadline-s stops starting levels (keeping
+--leak-reserve-s for the leak check) and leak requests once it has passed; SIGTERM (`timeout`) ends the run early.
+Either way the rows measured so far are written, and the servers are stopped.
+
 The client runs in this process on the same machine: on a 2-core CPU it takes some of the server's CPU time (more
-at high concurrency). Writes <out>/serve_load_<device>.{json,md,png} (--smoke: a temporary directory) with the date,
-device and commit.
+at high concurrency). On a GPU the client keeps JAX from reserving device memory in its own process; the servers,
+which run at once, each reserve XLA's usual share unless XLA_PYTHON_CLIENT_MEM_FRACTION (inherited) is below 0.5.
+Writes <out>/serve_load_<device>.{json,md,png} (--smoke: a temporary directory) with the date, device and commit
+($KDTREE_COMMIT when set), and the servers' logs to --log-dir (default: a temporary directory, never --out).
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -44,11 +59,27 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+class Interrupted(BaseException):
+    """SIGTERM (`timeout` sends it): stop measuring, write what was measured, stop the servers. A BaseException, so
+    that the per-request error handling lets it through."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows is not interrupted again
+    raise Interrupted(f"signal {signum}")
+
+
+# The servers' environment: the caller's, before the client changed its own (main() sets it).
+_SERVER_ENV: dict = {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="the server's --checkpoint (default: the embedded pair)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the server's --dtype")
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (the same list each time)")
-    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated requests in flight at once")
+    p.add_argument("--concurrency", default="1,4,16,64",
+                   help="comma-separated requests in flight at once, measured in this order (reported sorted)")
     p.add_argument("--modes", default="speculative,autoregressive",
                    help="comma-separated: speculative (the server's defaults), autoregressive (--no-speculative)")
     p.add_argument("--prompt-len", default="8,64", help="LO,HI: prompt lengths in tokens, uniform")
@@ -58,8 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None, help="the speculative server's --budget (default: its own)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request list (prompts and lengths)")
+    p.add_argument("--leak-requests", type=int, default=0,
+                   help="after the levels, this many more requests per server with --disconnect-fraction of them "
+                        "dropping the connection mid-stream; then every KV slot must be free again (0: no leak check)")
+    p.add_argument("--disconnect-fraction", type=float, default=0.1,
+                   help="the leak check's share of requests that disconnect after their first 1-3 streamed events")
+    p.add_argument("--leak-concurrency", type=int, default=None,
+                   help="requests in flight during the leak check (default: the highest --concurrency)")
+    p.add_argument("--target-concurrency", type=int, default=16,
+                   help="the level the targets are read at (speculative >= 1.5x autoregressive throughput at equal or "
+                        "better p50 per-token latency)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take, end to end; a slower one is counted as an error")
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds a server may take to load, compile and answer /health")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds from the start after which no level starts (--leak-reserve-s earlier) and the leak "
+                        "check sends no more requests; what was measured is written")
+    p.add_argument("--leak-reserve-s", type=float, default=0.0,
+                   help="seconds before --deadline-s kept for the leak check: levels stop starting then")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
                    help="directory for serve_load_<device>.{json,md,png}")
+    p.add_argument("--log-dir", default=None, help="directory for the servers' logs (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="4 requests at concurrency 1 and 2, short outputs; writes to a "
                                                         "temporary directory")
     return p
@@ -72,22 +123,33 @@ def _pair(text: str, name: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_requests(count: int, prompt_len, new_tokens, seed: int, tokenizer_dir: str) -> list[dict]:
-    """The seeded request list: token-id prompts cut from the held-out corpus files, and max_tokens."""
+def corpus_docs(tokenizer_dir: str, min_len: int) -> list:
+    """The held-out corpus files as token ids, those longer than min_len."""
     from kdtree_jax import corpus
     from kdtree_jax.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     docs = [np.asarray(tokenizer.encode(d.text), np.int32) for d in corpus.documents("eval")]
-    docs = [d for d in docs if len(d) > prompt_len[1] + 1]
+    return [d for d in docs if len(d) > min_len]
+
+
+def make_requests(count: int, prompt_len, new_tokens, seed: int, docs: list, disconnect_fraction: float = 0.0
+                  ) -> list[dict]:
+    """The seeded request list: token-id prompts cut from the held-out corpus files, and max_tokens; with
+    disconnect_fraction, that share of them (their own random stream: the list is the same either way) carry
+    disconnect_after = the streamed events after which the client drops the connection (1-3)."""
     rng = np.random.default_rng(seed)
+    drop = np.random.default_rng([seed, 1])
     out = []
     for i in range(count):
         doc = docs[int(rng.integers(len(docs)))]
         n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         start = int(rng.integers(0, len(doc) - n))
-        out.append({"prompt": doc[start:start + n].tolist(), "max_tokens": int(rng.integers(new_tokens[0],
-                                                                                           new_tokens[1] + 1))})
+        req = {"prompt": doc[start:start + n].tolist(), "max_tokens": int(rng.integers(new_tokens[0],
+                                                                                       new_tokens[1] + 1))}
+        if disconnect_fraction > 0 and drop.random() < disconnect_fraction:
+            req["disconnect_after"] = int(drop.integers(1, 4))
+        out.append(req)
     return out
 
 
@@ -97,13 +159,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(mode: str, args, log_path: str):
-    """A server subprocess for this mode; returns (process, url) once /health answers."""
-    import httpx
-
+def launch_server(mode: str, args, log_path: str):
+    """A server subprocess for this mode on a free loopback port: -> (process, url). wait_ready() waits for it."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kdtree_jax.serve", "--port", str(port), "--max-batch", str(args.max_batch),
-           "--max-len", str(args.max_len), "--max-queue", "100000"]
+           "--max-len", str(args.max_len), "--max-queue", "100000", "--dtype", args.dtype, "--drain-timeout", "5"]
     if args.checkpoint:
         cmd += ["--checkpoint", args.checkpoint]
     if args.chunk_steps is not None:
@@ -113,36 +173,53 @@ def start_server(mode: str, args, log_path: str):
     elif args.budget is not None:
         cmd += ["--budget", str(args.budget)]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_SERVER_ENV or None)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(mode: str, proc, url: str, log_path: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"error: the {mode} server exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"error: the {mode} server did not start within 600 s; see {log_path}")
+    raise SystemExit(f"error: the {mode} server did not start within {timeout:.0f} s; see {log_path}")
 
 
-def metrics(url: str) -> dict:
+def metrics(url: str, timeout: float = 30.0) -> dict:
     import httpx
 
     from kdtree_jax.serve.metrics import parse
 
-    return parse(httpx.get(url + "/metrics", timeout=30).text)
+    return parse(httpx.get(url + "/metrics", timeout=timeout).text)
+
+
+def settle(url: str, timeout: float = 30.0) -> dict:
+    """/metrics once the server is idle (nothing queued, no busy row, every pool slot free), or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = m["queue_length"] == 0 and m["batch_rows_busy"] == 0 and m["pool_slots_free"] == m["pool_slots"]
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
 
 
 async def one_request(client, url: str, req: dict, model: str) -> dict:
+    """One streamed greedy completion; with req["disconnect_after"] = k, the connection is dropped after k events."""
     body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    text, tokens = [], 0
+    text, tokens, events = [], 0, 0
+    drop_after = req.get("disconnect_after", 0)
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -152,17 +229,27 @@ async def one_request(client, url: str, req: dict, model: str) -> dict:
             now = time.perf_counter()
             first = first if first is not None else now
             event = json.loads(line[6:])
+            if event.get("error"):
+                raise RuntimeError(f"stream error: {event['error']}")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
                 continue
             last = now
             text.append(event["choices"][0]["text"])
+            events += 1
+            if drop_after and events >= drop_after:
+                # Leaving the block closes the half-read response, and with it the connection: the server sees the
+                # client go away and frees the row.
+                return {"disconnected": True, "ttft": first - t0, "events": events}
     return {"ttft": first - t0, "end": last - t0, "tokens": tokens, "text": "".join(text),
             "tpot": (last - first) / (tokens - 1) if tokens > 1 else float("nan")}
 
 
-async def run_level(url: str, requests: list[dict], concurrency: int, model: str):
-    """Every request, `concurrency` in flight at a time; a poller samples the batch occupancy meanwhile."""
+async def run_level(url: str, requests: list[dict], concurrency: int, model: str, request_timeout: float = 600.0,
+                    deadline: float | None = None):
+    """Every request, `concurrency` in flight at a time; a poller samples the batch occupancy meanwhile. A request
+    that fails or takes longer than request_timeout gets {"error": ...}; past `deadline` (time.monotonic()) no new
+    request starts (their results stay None)."""
     import httpx
 
     from kdtree_jax.serve.metrics import parse
@@ -171,11 +258,14 @@ async def run_level(url: str, requests: list[dict], concurrency: int, model: str
     occupancy = []
     done = asyncio.Event()
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(min(request_timeout, 600.0)), limits=limits) as client:
         async def poll():
             while not done.is_set():
-                m = parse((await client.get(url + "/metrics")).text)
-                occupancy.append(m["batch_occupancy"])
+                try:
+                    m = parse((await client.get(url + "/metrics")).text)
+                    occupancy.append(m["batch_occupancy"])
+                except httpx.HTTPError:
+                    pass
                 try:
                     await asyncio.wait_for(done.wait(), 0.25)
                 except asyncio.TimeoutError:
@@ -184,9 +274,12 @@ async def run_level(url: str, requests: list[dict], concurrency: int, model: str
         queue = list(enumerate(requests))[::-1]
 
         async def worker():
-            while queue:
+            while queue and (deadline is None or time.monotonic() < deadline):
                 i, req = queue.pop()
-                results[i] = await one_request(client, url, req, model)
+                try:
+                    results[i] = await asyncio.wait_for(one_request(client, url, req, model), request_timeout)
+                except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - counted, not fatal
+                    results[i] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
         poller = asyncio.create_task(poll())
         t0 = time.perf_counter()
@@ -202,74 +295,167 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int) -> dict:
+def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float) -> dict:
     """One concurrency level against one server: the row of the table."""
     before = metrics(url)
-    results, wall, occupancy = asyncio.run(run_level(url, requests, c, model))
+    results, wall, occupancy = asyncio.run(run_level(url, requests, c, model, request_timeout))
     after = metrics(url)
     steps = after["decode_steps_total"] - before["decode_steps_total"]
     emitted = after["tau"] * after["decode_steps_total"] - before["tau"] * before["decode_steps_total"]
-    tokens = sum(r["tokens"] for r in results)
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    tokens = sum(r["tokens"] for r in ok)
     row = {
-        "mode": mode, "concurrency": c, "requests": len(results), "wall_s": wall, "tokens": tokens,
-        "tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
-        "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 50),
-        "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in results], 90),
-        "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 99),
-        "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in results], 50),
-        "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in results], 90),
-        "tpot_p99_ms": 1e3 * pct([r["tpot"] for r in results], 99),
-        "latency_p50_s": pct([r["end"] for r in results], 50),
+        "mode": mode, "concurrency": c, "requests": len(results), "errors": len(errors), "wall_s": wall,
+        "tokens": tokens, "tokens_per_s": tokens / wall, "requests_per_s": len(ok) / wall,
+        "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 50),
+        "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in ok], 90),
+        "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in ok], 50),
+        "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in ok], 90),
+        "tpot_p99_ms": 1e3 * pct([r["tpot"] for r in ok], 99),
+        "latency_p50_s": pct([r["end"] for r in ok], 50),
         "mean_occupancy": float(np.mean(occupancy)) if occupancy else float("nan"),
         "tau": emitted / steps if steps else float("nan"),
         "compiles_during": int(after["compiles_total"] - before["compiles_total"]),
-        "texts": [r["text"] for r in results],
+        "texts": [r.get("text") for r in results],
     }
+    if errors:
+        row["first_errors"] = errors[:3]
     print(f"  {mode:>14} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms  "
           f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  occupancy {row['mean_occupancy']:.2f}  tau "
-          f"{row['tau']:.2f}  compiles {row['compiles_during']}", file=sys.stderr, flush=True)
+          f"{row['tau']:.2f}  compiles {row['compiles_during']}" + (f"  ERRORS {len(errors)}: {errors[0]}"
+                                                                    if errors else ""), file=sys.stderr, flush=True)
     return row
 
 
-def measure(modes: list[str], args, requests: list[dict], levels: list[int], out_dir: str) -> list[dict]:
-    """Every server started and warmed up first, then each concurrency level on each server in turn: on a shared
-    machine whose load drifts, the modes of one level are measured minutes apart at most, not a whole run apart.
-    (An idle server's decode thread sleeps: it takes nothing from the one measured.)"""
+def leak_check(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float,
+               deadline: float | None) -> dict:
+    """The leak check against one server: its requests (some disconnecting mid-stream), then, once it is idle, the
+    KV pool's free slots against before."""
+    before = settle(url)
+    results, wall, _ = asyncio.run(run_level(url, requests, c, model, request_timeout, deadline))
+    after = settle(url)
+    sent = [r for r in results if r is not None]
+    cancelled = 'requests_total{outcome="cancelled"}'
+    row = {
+        "mode": mode, "concurrency": c, "requests": len(requests), "sent": len(sent), "wall_s": wall,
+        "disconnected": sum(bool(r.get("disconnected")) for r in sent),
+        "completed": sum("tokens" in r for r in sent), "errors": sum("error" in r for r in sent),
+        "server_cancelled": int(after.get(cancelled, 0) - before.get(cancelled, 0)),
+        "pool_slots": int(after["pool_slots"]), "pool_slots_free_before": int(before["pool_slots_free"]),
+        "pool_slots_free_after": int(after["pool_slots_free"]),
+        "leaked_slots": int(before["pool_slots_free"] - after["pool_slots_free"]),
+        "busy_rows_after": int(after["batch_rows_busy"]), "queue_after": int(after["queue_length"]),
+        "compiles_during": int(after["compiles_total"] - before["compiles_total"]),
+    }
+    errors = [r["error"] for r in sent if "error" in r]
+    if errors:
+        row["first_errors"] = errors[:3]
+    print(f"  {mode:>14} leak check: {row['sent']} of {row['requests']} requests at c={c} in {wall:.1f} s, "
+          f"{row['disconnected']} disconnected (server: {row['server_cancelled']} cancelled), {row['errors']} errors; "
+          f"free slots {row['pool_slots_free_before']} -> {row['pool_slots_free_after']} of {row['pool_slots']}, "
+          f"busy rows {row['busy_rows_after']}: leaked {row['leaked_slots']}", file=sys.stderr, flush=True)
+    return row
+
+
+def measure(modes: list[str], args, requests: list[dict], leak_requests: list[dict], levels: list[int],
+            deadline: float | None) -> tuple[list[dict], list[str]]:
+    """Every server started at once and warmed up first, then each concurrency level on each server in turn: on a
+    shared machine whose load drifts, the modes of one level are measured minutes apart at most, not a whole run
+    apart. (An idle server's decode thread sleeps: it takes nothing from the one measured.) Then the leak check on
+    each. -> (one dict per mode, notes on what was cut short)."""
     import httpx
 
     from kdtree_jax.serve.scheduler import prompt_bucket
 
+    out = {mode: {"mode": mode, "startup_s": float("nan"), "server": None, "rows": []} for mode in modes}
+    notes = []
     servers = {}
-    log_dir = tempfile.mkdtemp(prefix="serve_load_logs_")  # server logs are not results: never in --out
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="serve_load_logs_")  # server logs are not results
+    os.makedirs(log_dir, exist_ok=True)
+    warm = {}  # compiles_total after the warm-up
     try:
-        for mode in modes:
+        t0 = time.perf_counter()
+        for mode in modes:  # all at once: their loads and compiles overlap
             print(f"[{mode}: starting the server ...]", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            proc, url = start_server(mode, args, os.path.join(log_dir, f"serve_load_{mode}_server.log"))
-            servers[mode] = (proc, url)
-            model = httpx.get(url + "/v1/models").json()["data"][0]
-            # Warm-up: one request per prompt-length bucket of the list (the prefill compiles per bucket).
+            log = os.path.join(log_dir, f"serve_load_{mode}_server.log")
+            servers[mode] = (*launch_server(mode, args, log), log)
+        for mode in modes:
+            proc, url, log = servers[mode]
+            wait_ready(mode, proc, url, log, max(1.0, args.start_timeout - (time.perf_counter() - t0)))
+            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+            # Warm-up: one request per prompt-length bucket of the lists (the prefill compiles per bucket).
             seen = {}
-            for req in requests:
+            for req in requests + leak_requests:
                 seen.setdefault(prompt_bucket(len(req["prompt"]), args.max_len), req)
             for req in seen.values():
-                asyncio.run(run_level(url, [{**req, "max_tokens": 4}], 1, model["id"]))
-            servers[mode] = (proc, url, model, time.perf_counter() - t0)
-        out = {mode: {"mode": mode, "startup_s": servers[mode][3], "server": servers[mode][2], "rows": []}
-               for mode in modes}
+                results, _, _ = asyncio.run(run_level(url, [{"prompt": req["prompt"], "max_tokens": 4}], 1,
+                                                      model["id"], args.request_timeout))
+                if "error" in results[0]:
+                    raise SystemExit(f"error: the {mode} server's warm-up request failed: {results[0]['error']}")
+            warm[mode] = metrics(url)["compiles_total"]
+            out[mode].update(startup_s=time.perf_counter() - t0, server=model)
+            print(f"[{mode}: ready (load, compile, warm-up) {out[mode]['startup_s']:.1f} s after the start]",
+                  file=sys.stderr, flush=True)
+        stop_levels = None if deadline is None else deadline - (args.leak_reserve_s if leak_requests else 0)
         for c in levels:
+            if stop_levels is not None and time.monotonic() > stop_levels:
+                notes.append(f"Deadline: concurrency {c} and after were not measured.")
+                print(f"[deadline: skipping concurrency {c} and after]", file=sys.stderr, flush=True)
+                break
             for mode in modes:
-                _, url, model, _ = servers[mode]
-                out[mode]["rows"].append(measure_level(mode, url, model["id"], requests, c))
-        return [out[mode] for mode in modes]
+                url, model = servers[mode][1], out[mode]["server"]["id"]
+                out[mode]["rows"].append(measure_level(mode, url, model, requests, c, args.request_timeout))
+        if leak_requests:
+            c = args.leak_concurrency or max(levels)
+            for mode in modes:
+                url, model = servers[mode][1], out[mode]["server"]["id"]
+                out[mode]["leak"] = leak_check(mode, url, model, leak_requests, c, args.request_timeout, deadline)
+                if out[mode]["leak"]["sent"] < len(leak_requests):
+                    notes.append(f"Deadline: the {mode} leak check sent {out[mode]['leak']['sent']} of "
+                                 f"{len(leak_requests)} requests.")
+    except Interrupted as e:
+        notes.append(f"Interrupted ({e}): the rows above are what was measured before it.")
+        print(f"[interrupted ({e}): writing what was measured]", file=sys.stderr, flush=True)
     finally:
-        for server in servers.values():
-            server[0].terminate()
-        for server in servers.values():
+        for mode, (proc, url, _) in servers.items():
+            if mode in warm and proc.poll() is None:
+                try:
+                    out[mode]["compiles_after_warmup"] = int(metrics(url, 5)["compiles_total"] - warm[mode])
+                except Exception:  # noqa: BLE001 - a server that no longer answers: unknown
+                    pass
+        for proc, _, _ in servers.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for mode, (proc, _, log) in servers.items():
             try:
-                server[0].wait(timeout=60)
+                proc.wait(timeout=20)  # --drain-timeout 5, then the decode thread's 10 s
             except subprocess.TimeoutExpired:
-                server[0].kill()
+                proc.kill()
+                proc.wait()
+            out[mode]["server_exit"] = proc.returncode
+            out[mode]["server_log"] = log
+    for mode in modes:
+        out[mode]["rows"].sort(key=lambda r: r["concurrency"])
+    return [out[mode] for mode in modes], notes
+
+
+def targets(data: dict, c: int) -> dict:
+    """Issue 27's targets: at concurrency c, speculative >= 1.5x autoregressive throughput at equal or better p50
+    per-token latency; no compiles after the warm-up; no leaked slots after the leak check."""
+    by_mode = {m["mode"]: m for m in data["modes"]}
+    t = {"concurrency": c}
+    spec, ar = (next((r for r in by_mode.get(k, {}).get("rows", []) if r["concurrency"] == c), None)
+                for k in ("speculative", "autoregressive"))
+    if spec and ar:
+        t["throughput_ratio"] = spec["tokens_per_s"] / ar["tokens_per_s"]
+        t["tpot_p50_ms"] = {"speculative": spec["tpot_p50_ms"], "autoregressive": ar["tpot_p50_ms"]}
+        t["throughput_met"] = bool(t["throughput_ratio"] >= 1.5 and spec["tpot_p50_ms"] <= ar["tpot_p50_ms"])
+    t["compiles_after_warmup"] = {m["mode"]: m.get("compiles_after_warmup") for m in data["modes"]}
+    t["leaked_slots"] = {m["mode"]: m["leak"]["leaked_slots"] for m in data["modes"] if "leak" in m}
+    t["busy_rows_after_leak_check"] = {m["mode"]: m["leak"]["busy_rows_after"] for m in data["modes"] if "leak" in m}
+    return t
 
 
 def write_markdown(path: str, data: dict) -> None:
@@ -283,13 +469,14 @@ def write_markdown(path: str, data: dict) -> None:
         f"{m['requests']} greedy streamed requests per concurrency level (the same seeded list each time: prompts of "
         f"{m['prompt_len'][0]}-{m['prompt_len'][1]} tokens from the held-out corpus, max_tokens "
         f"{m['max_new_tokens'][0]}-{m['max_new_tokens'][1]}), server `--max-batch {m['max_batch']} --max-len "
-        f"{m['max_len']}`, the client in the same machine; the modes take turns at each level. Throughput = completion tokens / wall time; TTFT from "
+        f"{m['max_len']} --dtype {m.get('dtype', 'auto')}`, the client in the same machine; the modes take turns at "
+        "each level. Throughput = completion tokens / wall time; TTFT from "
         "sending to the first streamed event; TPOT = a request's (last event - first event) / (tokens - 1); "
         "occupancy = busy batch rows / rows, sampled every 0.25 s; tau = tokens per sequence step on the server.",
         "",
         "| mode | concurrency | tok/s | req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | latency p50 s | "
-        "occupancy | tau | compiles |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "occupancy | tau | compiles | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in data["modes"]:
         for r in mode["rows"]:
@@ -297,7 +484,7 @@ def write_markdown(path: str, data: dict) -> None:
                 f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | "
                 f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                 f"{r['tpot_p50_ms']:.2f} / {r['tpot_p90_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {r['latency_p50_s']:.2f} | "
-                f"{r['mean_occupancy']:.2f} | {r['tau']:.2f} | {r['compiles_during']} |")
+                f"{r['mean_occupancy']:.2f} | {r['tau']:.2f} | {r['compiles_during']} | {r.get('errors', 0)} |")
     lines.append("")
     if len(data["modes"]) == 2:
         spec, ar = ({r["concurrency"]: r for r in mode["rows"]} for mode in data["modes"])
@@ -305,11 +492,47 @@ def write_markdown(path: str, data: dict) -> None:
         lines += [f"Speculative / autoregressive throughput by concurrency: {ratios}.", "",
                   f"Greedy outputs identical across the two modes: {data['identical_outputs']} of "
                   f"{data['compared_outputs']} requests.", ""]
-    lines += ["Server start (load + warm-up compile): " + ", ".join(
+    lines += ["Server start (load + warm-up compile, the servers starting at once): " + ", ".join(
         f"{mode['mode']} {mode['startup_s']:.1f} s" for mode in data["modes"]) + ".", ""]
+    leaks = [mode["leak"] for mode in data["modes"] if "leak" in mode]
+    if leaks:
+        lines += [f"Leak check: {m['leak_requests']} more greedy streamed requests per server (another seeded list), "
+                  f"{m['disconnect_fraction']:.0%} of them dropping the connection after 1-3 streamed events; then, "
+                  "with the server idle, the KV pool's free slots against before.", "",
+                  "| mode | concurrency | sent | disconnected | server cancelled | errors | free slots before -> after "
+                  "(of) | busy rows after | leaked slots | compiles | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k in leaks:
+            lines.append(f"| {k['mode']} | {k['concurrency']} | {k['sent']} of {k['requests']} | {k['disconnected']} | "
+                         f"{k['server_cancelled']} | {k['errors']} | {k['pool_slots_free_before']} -> "
+                         f"{k['pool_slots_free_after']} ({k['pool_slots']}) | {k['busy_rows_after']} | "
+                         f"{k['leaked_slots']} | {k['compiles_during']} | {k['wall_s']:.1f} |")
+        lines.append("")
+    t = data.get("targets", {})
+    if t:
+        lines.append(f"Targets (issue 27; concurrency {t['concurrency']}):")
+        if "throughput_ratio" in t:
+            lines.append(f"- speculative / autoregressive throughput {t['throughput_ratio']:.2f}x (target >= 1.5x) at "
+                         f"TPOT p50 {t['tpot_p50_ms']['speculative']:.2f} vs "
+                         f"{t['tpot_p50_ms']['autoregressive']:.2f} ms (target: equal or better): "
+                         f"{'met' if t['throughput_met'] else 'not met'}.")
+        else:
+            lines.append(f"- throughput: not measured at concurrency {t['concurrency']} in both modes.")
+        lines.append("- compiles after the warm-up (levels and leak check): " + ", ".join(
+            f"{k} {'unknown' if v is None else v}" for k, v in t["compiles_after_warmup"].items()) + " (target 0).")
+        if t.get("leaked_slots"):
+            lines.append("- leaked KV slots after the leak check: " + ", ".join(
+                f"{k} {v} (busy rows {t['busy_rows_after_leak_check'][k]})" for k, v in t["leaked_slots"].items())
+                + " (target 0).")
+        lines.append("")
     if data.get("notes"):
         lines += data["notes"] + [""]
-    lines.append(f"![throughput and latency]({os.path.basename(path)[:-3]}.png)")
+    exits = {mode["mode"]: mode.get("server_exit") for mode in data["modes"]}
+    if any(code not in (0, None) for code in exits.values()):
+        lines += ["Server exit codes (0: stopped cleanly): " + ", ".join(f"{k} {v}" for k, v in exits.items()) + ".",
+                  ""]
+    if any(mode["rows"] for mode in data["modes"]):
+        lines.append(f"![throughput and latency]({os.path.basename(path)[:-3]}.png)")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -351,49 +574,68 @@ def device_name() -> str:
 
 
 def main(argv=None) -> int:
+    t_start = time.monotonic()
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.requests, args.concurrency, args.max_new_tokens, args.prompt_len = 4, "1,2", "4,8", "8,16"
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.requests < 1 or any(c < 1 for c in levels):
         raise SystemExit("error: --requests and every --concurrency must be >= 1")
+    if args.leak_requests < 0 or not 0 <= args.disconnect_fraction <= 1:
+        raise SystemExit("error: --leak-requests must be >= 0 and --disconnect-fraction in [0, 1]")
     modes = args.modes.split(",")
     if not set(modes) <= {"speculative", "autoregressive"}:
         raise SystemExit(f"error: --modes takes speculative and/or autoregressive; got {args.modes}")
     prompt_len, new_tokens = _pair(args.prompt_len, "--prompt-len"), _pair(args.max_new_tokens, "--max-new-tokens")
+    # The servers get the caller's environment; this process (which asks JAX only for the device's name) takes no
+    # device memory: on a GPU, JAX would otherwise reserve 75% of it here, before the servers start.
+    _SERVER_ENV.clear()
+    _SERVER_ENV.update(os.environ)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    deadline = None if args.deadline_s is None else t_start + args.deadline_s
     out_dir = provenance_smoke_dir() if args.smoke else args.out
     os.makedirs(out_dir, exist_ok=True)
     from kdtree_jax import provenance
     from kdtree_jax.generate import DEFAULT_CHECKPOINT
 
     checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
-    requests = make_requests(args.requests, prompt_len, new_tokens, args.seed, os.path.join(checkpoint, "tokenizer"))
+    docs = corpus_docs(os.path.join(checkpoint, "tokenizer"), prompt_len[1] + 1)
+    requests = make_requests(args.requests, prompt_len, new_tokens, args.seed, docs)
+    leak_requests = make_requests(args.leak_requests, prompt_len, new_tokens, args.seed + 1, docs,
+                                  args.disconnect_fraction) if args.leak_requests else []
     device = device_name()
     slug = "smoke" if args.smoke else ("cpu" if device.startswith("CPU") else
                                        device.lower().replace("nvidia", "").strip().replace(" ", "_"))
     load_before = os.getloadavg()
-    results = measure(modes, args, requests, levels, out_dir)
+    results, notes = measure(modes, args, requests, leak_requests, levels, deadline)
     load_after = os.getloadavg()
     data = {
         "meta": {"date": datetime.date.today().isoformat(), "device": device, "commit": provenance.git_commit(),
                  "command": "python benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "python": platform.python_version(), "requests": args.requests, "concurrency": levels,
+                 "python": platform.python_version(), "requests": args.requests, "concurrency": sorted(levels),
                  "prompt_len": prompt_len, "max_new_tokens": new_tokens, "max_batch": args.max_batch,
-                 "max_len": args.max_len, "seed": args.seed, "cpu_count": os.cpu_count(),
+                 "max_len": args.max_len, "dtype": args.dtype, "seed": args.seed, "cpu_count": os.cpu_count(),
+                 "leak_requests": args.leak_requests, "disconnect_fraction": args.disconnect_fraction,
+                 "deadline_s": args.deadline_s, "wall_s": time.monotonic() - t_start,
                  # other work on the machine takes the server's cores: the 1-minute load average around the run
                  "loadavg_before": load_before[0], "loadavg_after": load_after[0]},
         "modes": results,
+        "notes": notes,
     }
     if len(results) == 2:
-        a = [t for r in results[0]["rows"] for t in r["texts"]]
-        b = [t for r in results[1]["rows"] for t in r["texts"]]
-        data["compared_outputs"], data["identical_outputs"] = len(a), sum(x == y for x, y in zip(a, b))
+        rows = [{r["concurrency"]: r for r in mode["rows"]} for mode in results]
+        pairs = [(x, y) for c in rows[0] if c in rows[1]
+                 for x, y in zip(rows[0][c]["texts"], rows[1][c]["texts"]) if x is not None and y is not None]
+        data["compared_outputs"], data["identical_outputs"] = len(pairs), sum(x == y for x, y in pairs)
+    data["targets"] = targets(data, args.target_concurrency)
     base = os.path.join(out_dir, f"serve_load_{slug}")
     with open(base + ".json", "w") as f:
         json.dump(data, f, indent=1)
     write_markdown(base + ".md", data)
-    plot(base + ".png", data)
-    print(f"wrote {base}.json, .md, .png", file=sys.stderr)
+    if any(mode["rows"] for mode in results):  # nothing to plot when no level was measured
+        plot(base + ".png", data)
+    print(f"wrote {base}.json, .md" + (", .png" if any(mode["rows"] for mode in results) else ""), file=sys.stderr)
     return 0
 
 

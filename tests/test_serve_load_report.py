@@ -1,0 +1,86 @@
+"""benchmarks/serve_load.py's bookkeeping, without a server: the seeded request lists (the leak check's disconnects
+do not change the prompts), issue 27's targets read off the rows, and the report of a full and of a cut-short run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _serve_load():
+    spec = importlib.util.spec_from_file_location("serve_load", os.path.join(ROOT, "benchmarks", "serve_load.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(mode, c, tok_s, tpot, compiles=0):
+    return {"mode": mode, "concurrency": c, "requests": 8, "errors": 0, "wall_s": 1.0, "tokens": 100,
+            "tokens_per_s": tok_s, "requests_per_s": 8.0, "ttft_p50_ms": 10, "ttft_p90_ms": 20, "ttft_p99_ms": 30,
+            "tpot_p50_ms": tpot, "tpot_p90_ms": tpot * 2, "tpot_p99_ms": tpot * 3, "latency_p50_s": 0.5,
+            "mean_occupancy": 0.5, "tau": 3.0, "compiles_during": compiles, "texts": ["a"] * 8}
+
+
+def _data(rows_spec, rows_ar, leak=True):
+    meta = {"date": "2026-12-01", "device": "NVIDIA H200", "commit": "abc1234", "command": "x", "requests": 8,
+            "concurrency": [1, 16], "prompt_len": (8, 64), "max_new_tokens": (16, 96), "max_batch": 16, "max_len": 256,
+            "dtype": "bfloat16", "cpu_count": 16, "loadavg_before": 0.1, "loadavg_after": 0.2, "leak_requests": 100,
+            "disconnect_fraction": 0.1}
+    modes = [{"mode": "speculative", "startup_s": 30.0, "rows": rows_spec, "compiles_after_warmup": 0,
+              "server_exit": 0},
+             {"mode": "autoregressive", "startup_s": 20.0, "rows": rows_ar, "compiles_after_warmup": 0,
+              "server_exit": 0}]
+    if leak:
+        for m in modes:
+            m["leak"] = {"mode": m["mode"], "concurrency": 32, "requests": 100, "sent": 100, "wall_s": 3.0,
+                         "disconnected": 10, "completed": 90, "errors": 0, "server_cancelled": 9,
+                         "pool_slots": 4096, "pool_slots_free_before": 4096, "pool_slots_free_after": 4096,
+                         "leaked_slots": 0, "busy_rows_after": 0, "queue_after": 0, "compiles_during": 0}
+    return {"meta": meta, "modes": modes, "notes": [], "compared_outputs": 16, "identical_outputs": 16}
+
+
+def test_request_lists_are_seeded_and_disconnects_leave_the_prompts_alone():
+    sl = _serve_load()
+    docs = [np.arange(i, i + 300, dtype=np.int32) for i in range(5)]
+    plain = sl.make_requests(200, (8, 64), (16, 96), 3, docs)
+    dropping = sl.make_requests(200, (8, 64), (16, 96), 3, docs, disconnect_fraction=0.1)
+    assert plain == sl.make_requests(200, (8, 64), (16, 96), 3, docs)
+    assert [{k: r[k] for k in ("prompt", "max_tokens")} for r in dropping] == plain
+    drops = [r["disconnect_after"] for r in dropping if "disconnect_after" in r]
+    assert 8 <= len(drops) <= 35 and set(drops) <= {1, 2, 3}
+    assert all(8 <= len(r["prompt"]) <= 64 and 16 <= r["max_tokens"] <= 96 for r in plain)
+
+
+def test_targets_and_report(tmp_path):
+    sl = _serve_load()
+    data = _data([_row("speculative", 1, 300, 2.0), _row("speculative", 16, 3000, 3.0)],
+                 [_row("autoregressive", 1, 250, 2.5), _row("autoregressive", 16, 1800, 3.5)])
+    data["targets"] = t = sl.targets(data, 16)
+    assert abs(t["throughput_ratio"] - 3000 / 1800) < 1e-9 and t["throughput_met"]
+    assert t["compiles_after_warmup"] == {"speculative": 0, "autoregressive": 0}
+    assert t["leaked_slots"] == {"speculative": 0, "autoregressive": 0}
+    data["modes"][0]["rows"][1]["tpot_p50_ms"] = 4.0  # faster, but slower per token: not met
+    assert not sl.targets(data, 16)["throughput_met"]
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    text = (tmp_path / "r.md").read_text()
+    assert "Targets (issue 27; concurrency 16)" in text and "1.67x (target >= 1.5x)" in text
+    assert "| speculative | 32 | 100 of 100 | 10 | 9 | 0 | 4096 -> 4096 (4096) | 0 | 0 | 0 | 3.0 |" in text
+    assert "![throughput and latency](r.png)" in text
+
+
+def test_report_of_a_run_cut_short_before_any_level(tmp_path):
+    sl = _serve_load()
+    data = _data([], [], leak=False)
+    data["modes"][0].update(startup_s=float("nan"), compiles_after_warmup=None, server_exit=-6)
+    data["notes"] = ["Interrupted (signal 15): the rows above are what was measured before it."]
+    data["targets"] = sl.targets(data, 16)
+    assert "throughput_ratio" not in data["targets"]
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    text = (tmp_path / "r.md").read_text()
+    assert "not measured at concurrency 16" in text and "speculative unknown" in text
+    assert "Server exit codes (0: stopped cleanly): speculative -6, autoregressive 0." in text
+    assert "Interrupted (signal 15)" in text and ".png" not in text
