@@ -210,14 +210,34 @@ def test_cpu_verify_root_row_is_the_one_token_step(pair_bf16):
     check_root_row(target, tokenizer, batch=1, num_nodes=17)
 
 
+# A near-tie of two logits: a bfloat16 rounding difference between a 1-row step and a T-row pass moves a logit by
+# ~1e-2 (the v2 default pair's second test prompt has 482 / 264 / 265 within 0.025 of each other after its first
+# token); a genuine row-count bug (e.g. bfloat16-rounded logits) parts outputs at gaps of 0.1 and more.
+NEAR_TIE = 0.1
+
+
+def _parting_gap(target, prompt, ar, got):
+    """(first index where `got` leaves the autoregressive `ar`, the target's logit gap there between the two
+    tokens, from one causal pass over prompt + ar[:i]), or None when they are equal."""
+    from kdtree_jax.decode import causal_forward
+
+    i = next((k for k, (a, b) in enumerate(zip(ar, got)) if a != b), None)
+    if i is None:
+        return None
+    logits = np.asarray(causal_forward(target, jnp.asarray([list(prompt) + list(ar[:i])], jnp.int32)).logits[0, -1],
+                        np.float32)
+    return i, abs(float(logits[ar[i]] - logits[got[i]]))
+
+
 @pytest.mark.slow  # 100 s on a 2-core machine (four decode loops compiled)
 @needs_default
 def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
-    """bfloat16 greedy chain / DDTree 16 / DDTree 32 == budget 0 on the CPU, 4 prompts x 32 tokens in one batch.
-    Not guaranteed by construction on XLA:CPU (module docstring): it holds because what still depends on the
-    row count is a float32 last-bit difference (router, lm head) or a rare bfloat16 rounding-boundary crossing
-    of a dense product, and no greedy choice of these prompts is that close. It failed before the lm head
-    returned float32 logits and the expert MLP's forms rounded alike (14 of 15 outputs, 5 prompts x 40)."""
+    """bfloat16 greedy chain / DDTree 16 / DDTree 32 == budget 0 on the CPU, 4 prompts x 32 tokens in one batch,
+    except where the autoregressive output itself sits on a near-tie (NEAR_TIE). Not guaranteed by construction
+    on XLA:CPU (module docstring): it holds because what still depends on the row count is a float32 last-bit
+    difference (router, lm head) or a rare bfloat16 rounding-boundary crossing of a dense product, which can
+    only flip a choice that close. It failed before the lm head returned float32 logits and the expert MLP's
+    forms rounded alike (14 of 15 outputs, 5 prompts x 40, v1 pair)."""
     from kdtree_jax import generate
 
     target, drafter, tokenizer = pair_bf16
@@ -225,8 +245,10 @@ def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
     ar = generate(target, None, prompts, max_new_tokens=32, budget=0).tokens
     for name, kwargs in {"chain": dict(tree="chain"), "DDTree 16": dict(budget=16), "DDTree 32": dict(budget=32)}.items():
         got = generate(target, drafter, prompts, max_new_tokens=32, topk=4, **kwargs).tokens
-        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ar, got)]
-        assert got == ar, f"{name}: first differing token per prompt {firsts}"
+        partings = [_parting_gap(target, p, x, y) for p, x, y in zip(prompts, ar, got)]
+        assert all(pt is None or pt[1] < NEAR_TIE for pt in partings), (
+            f"{name}: (first differing token, logit gap there) per prompt {partings}")
+        assert sum(pt is None for pt in partings) >= len(prompts) - 1, f"{name}: {partings}"
 
 
 # GPU ----------------------------------------------------------------------------------------------------------
