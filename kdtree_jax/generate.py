@@ -62,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
-                        "drafter's top choices deeper (a drafter distilled on greedy text with soft labels can be under-confident "
-                        "for greedy verification); 1.0: its probabilities as they are. Default: the checkpoint's "
-                        "recommendation (kdtree_checkpoint.json extra.decoding; 1.0 for the embedded pair), else 1.0")
+                        "drafter's top choices deeper (a drafter distilled on greedy text with soft labels can be "
+                        "under-confident for greedy verification); 1.0: its probabilities as they are. Default: the "
+                        "checkpoint's recommendation (kdtree_checkpoint.json extra.decoding; 1.0 for the embedded pair), "
+                        "else 1.0")
     p.add_argument("--tree", default="ddtree",
                    help="'ddtree' (best-first, dynamic), 'chain' (DFlash: the drafter's top-1 path) or a static "
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
