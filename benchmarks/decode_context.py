@@ -73,6 +73,7 @@ from kdtree_jax.model.drafter import Drafter, DrafterCache, DrafterConfig
 from kdtree_jax.model.layers import rope_cos_sin
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import DecoderLayer, Transformer
+from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import causal_mask
 from kdtree_jax.profiling import profile_call
 from kdtree_jax.provenance import git_commit, smoke_dir
@@ -480,6 +481,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--tree-only", action="store_true",
                    help="only the tree build and the acceptance alone, old and new formulations (no model)")
+    p.add_argument("--split-policy", choices=vffi.SPLIT_POLICIES, default=vffi.SPLIT_POLICY,
+                   help="how the verify op picks its KV split count (kdtree_jax.ops.ffi.SPLIT_POLICY): 'invariant' "
+                        "(from B and H: a verify pass's root row is the one-token step's, issue 24) or 'occupancy' "
+                        "(from the call's T and width); run both to measure what the invariance costs")
     p.add_argument("--render", default=None, metavar="PATH",
                    help="only recompute PATH.json's derived figures and rewrite PATH.md (no device work)")
     args = p.parse_args(argv)
@@ -490,6 +495,7 @@ def main(argv=None):
         tree_only_main(args)
         return
     t_start = time.perf_counter()
+    vffi.SPLIT_POLICY = args.split_policy  # read when the steps are traced
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
@@ -536,7 +542,7 @@ def main(argv=None):
     out = args.out or (os.path.join(smoke_dir("decode_context"), "decode_context_smoke") if args.smoke
                        else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device, "layers": layers, "commit": git_commit(),
+            "device": device, "layers": layers, "commit": git_commit(), "split_policy": args.split_policy,
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,
             "copy_bandwidth_TBps": bandwidth / 1e12,
             "preset": "tiny (smoke)" if args.smoke else "kimi-k2-tp8-rank",

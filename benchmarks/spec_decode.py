@@ -65,6 +65,7 @@ from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperatu
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
+from kdtree_jax.ops import ffi as vffi  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
@@ -294,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i of a batch run uses seed + i)")
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
+    p.add_argument("--split-policy", choices=vffi.SPLIT_POLICIES, default=vffi.SPLIT_POLICY,
+                   help="how the verify op picks its KV split count on a GPU (kdtree_jax.ops.ffi.SPLIT_POLICY): "
+                        "'invariant' (from B and H: a verify pass's root row is the one-token step's, issue 24) or "
+                        "'occupancy' (from the call's T and width)")
     p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
                    help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
                         "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep")
@@ -328,6 +333,7 @@ def main(argv=None) -> int:
 
         atexit.register(shutil.rmtree, out_dir, True)
     enable_compilation_cache(args.cache_dir)
+    vffi.SPLIT_POLICY = args.split_policy  # read when the decode loops are traced
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = load_pair(args)
@@ -363,6 +369,7 @@ def main(argv=None) -> int:
                  "tree_temperature": args.tree_temperature,
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
                  "seed": args.seed, "impl": args.impl, "depth": depth, "chunk_steps": chunk_list,
+                 "split_policy": args.split_policy,
                  "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
         f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")

@@ -7,11 +7,18 @@
 // out = softmax(scores)·V over the Dc latent dims (V = the first Dc dims of the same rows), with R = T·H
 // query rows against the sequence's L rows. Its speed is how busy the inner loops keep the FMA units,
 // hence this structure:
-//   * Work items are (sequence, chunk of up to kChunkRows query rows), and when that gives too few items
-//     to keep the threads busy (decode), also a split of the positions, merged afterwards by LSE. XLA's
-//     intra-op thread pool runs them and the calling thread takes items too, so nothing waits on a pool
-//     that is busy elsewhere. The cut depends on static shapes only and each row's arithmetic is the same
-//     whichever thread runs it: results are bit-identical from call to call.
+//   * Work items are (sequence, chunk of up to kChunkRows query rows), and when a one-token call would
+//     give too few items to keep the threads busy (decode: B · ceil(H / kChunkRows) < kSplitItems), also
+//     a split of the positions, merged afterwards by LSE. XLA's intra-op thread pool runs them and the
+//     calling thread takes items too, so nothing waits on a pool that is busy elsewhere. The cut depends
+//     on static shapes only and each row's arithmetic is the same whichever thread runs it: results are
+//     bit-identical from call to call.
+//   * A row's arithmetic does not depend on T or the table width either (issue 24: a verify pass's root
+//     row equals the one-token call at its position, bit for bit): the split count comes from B and H,
+//     the splits cut the root row's positions [0, kv_len - T + 1) in whole blocks (the last one also takes
+//     the query tokens after the root, which add exact zeros to the root row), blocks start at position
+//     0 in every call, the merge adds the used splits in order, and query rows are vector lanes that
+//     never mix.
 //   * A chunk walks its sequence in blocks of kBlock positions with an online (flash-attention) softmax.
 //     Each block's rows are gathered from the pool and widened to float32 once for all rows of the
 //     chunk, so scratch is a few hundred KB per thread whatever L is. Masked positions take part with
@@ -105,14 +112,41 @@ struct Problem {
   float scale;
   // Work items: (sequence, chunk of rows, split of the positions), numbered in that order.
   int64_t chunks;  // row chunks per sequence
+  int64_t block;   // positions a block (the kernel's kBlock)
   int64_t blocks;  // position blocks of the table (ceil(Lmax / kBlock))
-  int64_t splits;  // position splits: split s takes blocks [s·blocks/splits, (s+1)·blocks/splits)
+  int64_t parts;   // the partition's split count (from B and H: split_range)
+  int64_t splits;  // work items a (sequence, chunk): at least the splits any sequence uses
   // With more than one split, each item leaves its rows' unnormalised state here ([B·rows, splits] rows of
   // `latent` values, and max / sum each) and merge_splits writes the output.
   float* part_o;
   float* part_max;
   float* part_sum;
 };
+
+// The partition of sequence b's positions (see the top of the file): the root row (query token 0) sees
+// [0, root_len), root_len = kv_len - T + 1; its blocks are cut into runs of at least kMinSplitBlocks blocks,
+// at most pb.parts of them, and the run holding the root's last block also takes the blocks after it.
+// Returns the splits used; split < used covers positions [begin, end).
+constexpr int64_t kSplitItems = 8, kMinSplitBlocks = 4;
+
+int64_t split_range(const Problem& pb, int64_t b, int64_t split, int64_t* begin, int64_t* end) {
+  const int64_t kv_len = pb.lens[b];
+  const int64_t valid = std::clamp<int64_t>(kv_len, 0, pb.max_len);
+  const int64_t all_blocks = (valid + pb.block - 1) / pb.block;
+  const int64_t root_len = std::clamp<int64_t>(kv_len - pb.num_queries + 1, 0, valid);
+  const int64_t root_blocks = std::max((root_len + pb.block - 1) / pb.block, std::min<int64_t>(all_blocks, 1));
+  int64_t per = std::max(kMinSplitBlocks, (root_blocks + pb.parts - 1) / pb.parts);
+  int64_t used = (root_blocks + per - 1) / per;
+  if (used > pb.splits) {  // never: pb.splits covers every length the table holds
+    per = (root_blocks + pb.splits - 1) / pb.splits;
+    used = (root_blocks + per - 1) / per;
+  }
+  if (begin != nullptr) {
+    *begin = std::min(split * per, all_blocks) * pb.block;
+    *end = split >= used ? *begin : (split == used - 1 ? valid : std::min(valid, (split + 1) * per * pb.block));
+  }
+  return used;
+}
 
 // Writes one output row, `values` times `factor`, in the output's dtype.
 void write_output_row(const Problem& pb, int64_t row, const float* values, float factor) {
@@ -129,9 +163,10 @@ void write_output_row(const Problem& pb, int64_t row, const float* values, float
 void merge_splits(const Problem& pb) {
   std::vector<float> acc(pb.latent), weight(pb.splits);
   for (int64_t row = 0; row < pb.batch * pb.rows; ++row) {
+    const int64_t used = split_range(pb, row / pb.rows, 0, nullptr, nullptr);  // splits past it hold nothing
     const float* row_max = pb.part_max + row * pb.splits;
     const float* row_sum = pb.part_sum + row * pb.splits;
-    const float top = *std::max_element(row_max, row_max + pb.splits);
+    const float top = used > 0 ? *std::max_element(row_max, row_max + used) : kNegInf;
     if (top == kNegInf) {  // nothing visible in any split
       std::fill(acc.begin(), acc.end(), 0.0f);
       write_output_row(pb, row, acc.data(), 0.0f);
@@ -139,12 +174,12 @@ void merge_splits(const Problem& pb) {
       continue;
     }
     float total = 0.0f;
-    for (int64_t sp = 0; sp < pb.splits; ++sp) {
+    for (int64_t sp = 0; sp < used; ++sp) {
       weight[sp] = std::exp(row_max[sp] - top);  // 0 for a split that saw nothing
       total += weight[sp] * row_sum[sp];
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t sp = 0; sp < pb.splits; ++sp) {
+    for (int64_t sp = 0; sp < used; ++sp) {
       const float* o = pb.part_o + (row * pb.splits + sp) * pb.latent;
       for (int64_t c = 0; c < pb.latent; ++c) acc[c] += weight[sp] * o[c];
     }
@@ -287,6 +322,9 @@ struct Kernel {
     const int64_t valid = std::clamp<int64_t>(kv_len, 0, pb.max_len);
     const int64_t first = kv_len - pb.num_queries;  // position of query token 0 (may be negative)
     const int64_t kvs = kv_stride(pb), os = o_stride(pb);
+    int64_t begin = 0, end = 0;
+    const int64_t used = split_range(pb, b, split, &begin, &end);
+    if (split >= used && pb.splits > 1) return;  // a split this sequence does not use: the merge skips it
 
     load_queries(pb, b, row0, num_rows, s);
     build_bias(pb, b, row0, num_rows, first, s);
@@ -294,8 +332,6 @@ struct Kernel {
     std::fill(s.m.begin(), s.m.end(), kNegInf);
     std::fill(s.l.begin(), s.l.end(), 0.0f);
 
-    const int64_t begin = split * pb.blocks / pb.splits * kBlock;
-    const int64_t end = std::min(valid, (split + 1) * pb.blocks / pb.splits * kBlock);
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, end - start);
       const int64_t n_tiles = round_up(n, kPosTile);
@@ -477,6 +513,7 @@ using BaselineKernel = Kernel<F32x4, I32x4, 2, 4, 64, 4, 2>;
 struct Variant {
   int64_t (*chunks_per_sequence)(const Problem&);
   int64_t block;  // kBlock
+  int64_t chunk_rows;  // kChunkRows
   void (*drain)(const Problem&, WorkQueue&);
 };
 
@@ -510,26 +547,26 @@ const Variant& pick_variant() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx512Kernel::chunks_per_sequence, Avx512Kernel::block(), drain_avx512};
+      return Variant{Avx512Kernel::chunks_per_sequence, Avx512Kernel::block(), Avx512Kernel::kChunkRows, drain_avx512};
     }
     if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx2Kernel::chunks_per_sequence, Avx2Kernel::block(), drain_avx2};
+      return Variant{Avx2Kernel::chunks_per_sequence, Avx2Kernel::block(), Avx2Kernel::kChunkRows, drain_avx2};
     }
 #endif
-    return Variant{BaselineKernel::chunks_per_sequence, BaselineKernel::block(), drain_baseline};
+    return Variant{BaselineKernel::chunks_per_sequence, BaselineKernel::block(), BaselineKernel::kChunkRows, drain_baseline};
   }();
   return variant;
 }
 
-// Few row chunks (decode: T·H rows fill one chunk) would leave threads idle, so the positions are split
-// too, until there are about kSplitItems items, each split at least kMinSplitBlocks blocks long (its work
-// must outweigh the merge). Static shapes only: the result does not depend on the machine's thread count.
-constexpr int64_t kSplitItems = 8, kMinSplitBlocks = 4;
-
-int64_t choose_splits(int64_t row_items, int64_t blocks) {
+// The partition's split count: few row chunks in a one-token call (decode: H rows fill one chunk) would
+// leave threads idle, so the positions are split too, until a one-token call has about kSplitItems items,
+// each split at least kMinSplitBlocks blocks long (its work must outweigh the merge; split_range). From B
+// and H only, not T: a verify pass's rows are cut as the one-token call's (issue 24), and not the machine's
+// thread count either.
+int64_t choose_parts(int64_t batch, int64_t num_heads, int64_t chunk_rows) {
+  const int64_t row_items = batch * ((num_heads + chunk_rows - 1) / chunk_rows);
   if (row_items >= kSplitItems) return 1;
-  const int64_t wanted = (kSplitItems + row_items - 1) / row_items;
-  return std::max<int64_t>(1, std::min(wanted, blocks / kMinSplitBlocks));
+  return (kSplitItems + row_items - 1) / row_items;
 }
 
 // Runs every item on the calling thread plus up to (pool threads - 1) pool tasks.
@@ -588,10 +625,13 @@ ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
 
   const Variant& variant = pick_variant();
   pb.chunks = variant.chunks_per_sequence(pb);
+  pb.block = variant.block;
   pb.blocks = (pb.max_len + variant.block - 1) / variant.block;
-  pb.splits = choose_splits(pb.batch * pb.chunks, pb.blocks);
+  pb.parts = choose_parts(pb.batch, pb.num_heads, variant.chunk_rows);
+  // Splits of at least kMinSplitBlocks blocks: a table of Lmax positions never uses more than this many.
+  pb.splits = std::max<int64_t>(1, std::min(pb.parts, (pb.blocks + kMinSplitBlocks - 1) / kMinSplitBlocks));
   std::vector<float> part_o, part_max, part_sum;
-  if (pb.splits > 1) {  // then batch·rows·splits < kSplitItems·kChunkRows·2: a few MB at most
+  if (pb.splits > 1) {  // B < kSplitItems and splits <= kSplitItems: B·T·H·splits rows of Dc floats
     const int64_t partial_rows = pb.batch * pb.rows * pb.splits;
     part_o.resize(partial_rows * pb.latent);
     part_max.resize(partial_rows);

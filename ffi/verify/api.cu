@@ -39,7 +39,7 @@ using LsePart = ffi::Buffer<ffi::F32, 1>;
 
 ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool, Scalar32 layer,
                                Slots kv_slots, Lens kv_lens, Mask tree_mask, float softmax_scale, int64_t rope_dim,
-                               int64_t num_splits, int64_t variant, ffi::Result<ffi::AnyBuffer> out,
+                               int64_t num_splits, int64_t split_parts, int64_t variant, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<Lse> lse, ffi::Result<OutPart> out_part, ffi::Result<LsePart> lse_part) {
   const auto qd = q.dimensions();
   const auto pd = kv_pool.dimensions();
@@ -53,7 +53,8 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t batch = qd[0], num_queries = qd[1], num_heads = qd[2];
   const int64_t rows = num_queries * num_heads;
   const int64_t max_len = kv_slots.dimensions()[1];
-  if (num_splits < 1 || num_splits > verify::kMaxSplits || batch > 65535 || rows * batch > (int64_t{1} << 31) ||
+  if (num_splits < 1 || num_splits > verify::kMaxSplits || split_parts < 0 || split_parts > verify::kMaxSplits ||
+      batch > 65535 || rows * batch > (int64_t{1} << 31) ||
       rows > (int64_t{1} << 26) || pd[0] < 1 || pd[1] < 1 || tree_mask.dimensions()[2] * 32 < num_queries) {
     return ffi::Error::InvalidArgument("verify_attention (CUDA): unsupported sizes or num_splits");
   }
@@ -88,6 +89,7 @@ ffi::Error VerifyAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   p.num_layers = static_cast<int>(pd[0]);
   p.num_slots = pd[1];
   p.num_splits = static_cast<int>(num_splits);
+  p.split_parts = static_cast<int>(split_parts);
   p.scale_log2 = softmax_scale * verify::kLog2e;
   if (rows == 0 || batch == 0) return ffi::Error::Success();
 
@@ -132,6 +134,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cuda, kdtree::VerifyAttent
                                   .Attr<float>("softmax_scale")
                                   .Attr<int64_t>("rope_dim")
                                   .Attr<int64_t>("num_splits")
+                                  .Attr<int64_t>("split_parts")
                                   .Attr<int64_t>("variant")
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<kdtree::Lse>()

@@ -141,19 +141,55 @@ struct KvRefill {
   bool fetch_ok;
 };
 
-// A split's share of sequence b's KV positions, in whole tiles, from the *device* kv_len: valid positions,
-// the position of query token 0, and the split's tiles [tile_begin, tile_end).
+// The split-KV partition of sequence b's positions (issue 24: a verify pass's root row must be computed as the
+// one-token step at its position computes it, bit for bit). The boundaries are anchored at the root: the root row
+// (query token 0) sees positions [0, root_len) with root_len = kv_len - T + 1, whatever T, and those are cut into
+// splits of whole kSplitUnit-position units; the split that holds the root's last unit also takes the query tokens
+// after it (the tree's tail: positions the root row never sees, so for it they add exact zeros). The cut depends
+// on root_len and the partition count p.split_parts only (a static count chosen from B and H, never from T or the
+// table width), not on the grid's split count p.num_splits, which only has to be at least the splits used
+// (ceil(Lmax / kSplitUnit) bounds those). A kernel processes a split's tiles in order, so the root row's online
+// softmax sees the same tiles in the same order in a one-token call and in a T-row call; the merge adds the used
+// splits' partials in split order (merge.cu). kSplitUnit is a multiple of every kernel's tile (32 or 64).
+constexpr int kSplitUnit = 64;
+
+struct SplitPlan {
+  int valid;         // positions [0, valid) exist
+  int first;         // position of query token 0 (may be negative)
+  int per_split;     // units per split (the root row's positions span ceil(root_len / kSplitUnit) units)
+  int used;          // splits holding positions: 0 .. used - 1
+};
+__device__ __forceinline__ SplitPlan split_plan(const Params& p, int b) {
+  const int kv_len = p.kv_lens[b];
+  const int valid = min(max(kv_len, 0), p.max_len);
+  const int all_units = (valid + kSplitUnit - 1) / kSplitUnit;
+  const int root_len = min(max(kv_len - p.num_queries + 1, 0), valid);
+  const int root_units = max((root_len + kSplitUnit - 1) / kSplitUnit, min(all_units, 1));
+  const int parts = max(p.split_parts > 0 ? p.split_parts : p.num_splits, 1);
+  int per_split = max((root_units + parts - 1) / parts, 1);
+  int used = (root_units + per_split - 1) / per_split;  // <= parts, and <= root_units <= ceil(Lmax / kSplitUnit)
+  if (used > p.num_splits) {  // a grid too small for the partition (never from kdtree_jax.ops.ffi): cover it anyway
+    per_split = (root_units + p.num_splits - 1) / p.num_splits;
+    used = (root_units + per_split - 1) / per_split;
+  }
+  return SplitPlan{valid, kv_len - p.num_queries, per_split, used};
+}
+
+// A split's share of sequence b's KV positions in the kernel's kTile-position tiles: valid positions, the position
+// of query token 0, and the split's tiles [tile_begin, tile_end) (empty past the used splits).
 struct SplitTiles {
   int valid, first, tile_begin, tile_end;
 };
 template <int kTile>
 __device__ __forceinline__ SplitTiles split_tiles(const Params& p, int b, int split) {
-  const int kv_len = p.kv_lens[b];
-  const int valid = min(max(kv_len, 0), p.max_len);
-  const int num_tiles = (valid + kTile - 1) / kTile;
-  const int tiles_per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = min(split * tiles_per_split, num_tiles);
-  return SplitTiles{valid, kv_len - p.num_queries, tile_begin, min(tile_begin + tiles_per_split, num_tiles)};
+  static_assert(kSplitUnit % kTile == 0, "a split unit is whole tiles");
+  constexpr int kTilesPerUnit = kSplitUnit / kTile;
+  const SplitPlan plan = split_plan(p, b);
+  const int num_tiles = (plan.valid + kTile - 1) / kTile;
+  if (split >= plan.used) return SplitTiles{plan.valid, plan.first, num_tiles, num_tiles};
+  const int unit_begin = split * plan.per_split;
+  const int tile_end = split == plan.used - 1 ? num_tiles : (unit_begin + plan.per_split) * kTilesPerUnit;
+  return SplitTiles{plan.valid, plan.first, unit_begin * kTilesPerUnit, tile_end};
 }
 
 // This call's layer of the KV pool (clamped into range) and sequence b's slot table.

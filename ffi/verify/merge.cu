@@ -7,7 +7,10 @@
 namespace kdtree::verify {
 namespace {
 
-// Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s.
+// Merge the splits of one query row: weights exp(lse_s - max), out = sum w_s out_s / sum w_s, over the splits that
+// hold positions (device.cuh, split_plan: a count from the device kv_len and the partition, the same for a verify
+// pass's root row and the one-token call at its position), in split order. Which merge runs, and its instance, is
+// chosen from the partition's split count and B * H, never from T, so a row's merge arithmetic does not depend on T.
 // For more than 16 splits (few query rows: T*H <= 16 with B = 1 runs 256 splits): a 256-thread block per
 // (row, column chunk); kLanesPerSplit lanes cover the chunk's columns of one split (4 floats each), so a block
 // reads 256 / kLanesPerSplit splits per pass. Each thread keeps 8 16-byte loads in flight, and the first round is
@@ -48,9 +51,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   const int b = blockIdx.y;
   const int vec = threadIdx.x % kLanesPerSplit, grp = threadIdx.x / kLanesPerSplit;
   const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
+  const int used = split_plan(p, b).used;
   const int col = (chunk * kLanesPerSplit + vec) * 4;
   auto load_part = [&](int s) {
-    return s < p.num_splits ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
+    return s < used ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
                             : make_float4(0.f, 0.f, 0.f, 0.f);
   };
   float4 v[kMergeUnroll];
@@ -58,13 +62,13 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(grp + u * kSplitsPerPass);  // round 0, in flight now
 
   float local_max = -INFINITY;
-  for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
+  for (int s = threadIdx.x; s < used; s += kMergeThreads) {
     weight[s] = p.lse_part[part_row0 + static_cast<int64_t>(s) * p.rows];
     local_max = fmaxf(local_max, weight[s]);
   }
   const float m = block_reduce(local_max, scratch, true);
   float local_sum = 0.f;
-  for (int s = threadIdx.x; s < p.num_splits; s += kMergeThreads) {
+  for (int s = threadIdx.x; s < used; s += kMergeThreads) {
     weight[s] = m == -INFINITY ? 0.f : __expf(weight[s] - m);
     local_sum += weight[s];
   }
@@ -75,11 +79,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
 #pragma unroll
     for (int u = 0; u < kMergeUnroll; ++u) {
       const int s = s0 + u * kSplitsPerPass;
-      const float w = s < p.num_splits ? weight[s] : 0.f;
+      const float w = s < used ? weight[s] : 0.f;
       sum.x += w * v[u].x; sum.y += w * v[u].y; sum.z += w * v[u].z; sum.w += w * v[u].w;
     }
     s0 += kSplitsPerPass * kMergeUnroll;
-    if (s0 >= p.num_splits) break;
+    if (s0 >= used) break;
 #pragma unroll
     for (int u = 0; u < kMergeUnroll; ++u) v[u] = load_part(s0 + u * kSplitsPerPass);  // the next round
   }
@@ -113,8 +117,11 @@ void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream) {
                                              static_cast<unsigned>(batch)), kMergeThreads, 0, stream>>>(p);
 }
 
+// The instance (its split grouping, hence its summation order) comes from B * H, the rows of a one-token call, not
+// from B * T * H: a verify pass's rows merge as the one-token call's do (issue 24). At least ~2 blocks per SM of an
+// H200 at T = 1: 16 / 8 / 4 chunks per row.
 void launch_many_split_merge_impl(const Params& p, int64_t batch, cudaStream_t stream) {
-  const int64_t rows = batch * p.rows;  // at least ~2 blocks per SM of an H200: 16 / 8 / 4 chunks per row
+  const int64_t rows = batch * p.num_heads;
   if (rows <= 16) {
     launch_block_merge<8>(p, batch, stream);
   } else if (rows <= 64) {
@@ -141,13 +148,14 @@ __global__ void __launch_bounds__(kWarpMergeWarps * 32) merge_splits_warp_kernel
   const int quarter = static_cast<int>(item % kMergeQuarters);
   const int64_t b = row_index / p.rows, r = row_index % p.rows;
   const int64_t part_row0 = b * p.num_splits * p.rows + r;  // split s at + s * rows
+  const int used = split_plan(p, static_cast<int>(b)).used;
   const int col = quarter * 128 + lane * 4;
   float4 v[kWarpMergeMaxSplits];
 #pragma unroll
   for (int s = 0; s < kWarpMergeMaxSplits; ++s) {
-    if (s < p.num_splits) v[s] = *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col);
+    if (s < used) v[s] = *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col);
   }
-  const float lse_s = lane < p.num_splits ? p.lse_part[part_row0 + static_cast<int64_t>(lane) * p.rows] : -INFINITY;
+  const float lse_s = lane < used ? p.lse_part[part_row0 + static_cast<int64_t>(lane) * p.rows] : -INFINITY;
   float m = lse_s;
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -158,7 +166,7 @@ __global__ void __launch_bounds__(kWarpMergeWarps * 32) merge_splits_warp_kernel
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int s = 0; s < kWarpMergeMaxSplits; ++s) {
-    if (s < p.num_splits) {  // uniform over the warp
+    if (s < used) {  // uniform over the warp
       const float w = __shfl_sync(0xffffffffu, w_s, s);
       sum.x += w * v[s].x; sum.y += w * v[s].y; sum.z += w * v[s].z; sum.w += w * v[s].w;
     }
@@ -189,10 +197,12 @@ cudaError_t merge_setup() {
   return cudaSuccess;
 }
 
+// The merge by the partition's split count (not the grid's, which the table width can cap; device.cuh, split_plan).
 void launch_merge(const Params& p, int64_t batch, cudaStream_t stream) {
-  if (p.num_splits > kWarpMergeMaxSplits) {
+  if (p.num_splits <= 1) return;
+  if ((p.split_parts > 0 ? p.split_parts : p.num_splits) > kWarpMergeMaxSplits) {
     launch_many_split_merge_impl(p, batch, stream);
-  } else if (p.num_splits > 1) {
+  } else {
     const int64_t items = batch * p.rows * kMergeQuarters;
     merge_splits_warp_kernel<<<static_cast<unsigned>((items + kWarpMergeWarps - 1) / kWarpMergeWarps),
                                kWarpMergeWarps * 32, 0, stream>>>(p, items);

@@ -33,6 +33,7 @@ struct Params {
   float* out_part;            // [B, splits, rows, 512]   (splits > 1 only)
   float* lse_part;            // [B, splits, rows]
   int num_queries, num_heads, rows, mask_words, max_len, num_layers, num_splits;
+  int split_parts;            // the partition's split count (device.cuh, split_plan); 0: num_splits
   int64_t num_slots;
   float scale_log2;           // softmax_scale * log2(e): the softmax runs in base 2 (ex2.approx)
 };

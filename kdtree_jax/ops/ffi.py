@@ -118,13 +118,52 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     return int(splits)
 
 
-def splits_for(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto") -> tuple[int, int]:
-    """(KV splits, query rows a block) the op uses for these shapes with `variant`: the kernel the handler will run
-    decides the rows a block holds ("auto" is resolved on device 0 while tracing; without a GPU, the portable
-    kernels' 32)."""
+# How the op picks its KV split count (issue 24). A verify pass's root row must come out bit for bit as the one-token
+# step at its position computes it (greedy speculative == autoregressive), so the split count must not depend on T:
+#   "invariant": the partition's count from B and H only (choose_num_splits at T = 1, uncapped by the length), the
+#       grid's count that partition capped by the table width (SPLIT_UNIT positions a split at least); the kernels cut
+#       the root row's positions by the partition count alone (ffi/verify/device.cuh, split_plan), so neither T nor
+#       the width (the engine's loops size their tables differently) changes a row's splits;
+#   "occupancy": the earlier count, choose_num_splits for the call's own T and width: fewer splits for a T-row pass
+#       (less partial traffic), but its root row merges other partials than the one-token call.
+# SPLIT_POLICY is read when a call is traced; benchmarks set it (--split-policy) to measure what the invariance costs.
+# Whichever loses that measurement goes (no environment variable selects it).
+SPLIT_POLICIES = ("invariant", "occupancy")
+SPLIT_POLICY = "invariant"
+SPLIT_UNIT = 64  # positions: device.cuh's kSplitUnit, the partition's granule and a split's least length
+
+
+def partition_splits(batch: int, num_heads: int, num_sms: int, rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
+    """The "invariant" policy's partition count: the one-token call's occupancy count (choose_num_splits at T = 1)
+    without the length cap, from B, H and the device alone."""
+    return choose_num_splits(batch, 1, num_heads, 4 * CUDA_KV_TILE * CUDA_MAX_SPLITS, num_sms, rows_per_block)
+
+
+def split_counts(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto",
+                 num_splits: int = 0, policy: str | None = None) -> tuple[int, int]:
+    """(grid splits, partition splits) of a call: the grid's count sizes the partial buffers and the launch; the
+    partition's count cuts each sequence's positions (device.cuh, split_plan). `num_splits` > 0 forces both."""
+    policy = SPLIT_POLICY if policy is None else policy
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"split policy must be one of {SPLIT_POLICIES}; got {policy!r}")
+    if num_splits > 0:
+        return int(num_splits), int(num_splits)
     kernel = resolve_variant(variant, num_queries * num_heads) or "pipelined"
     rows_per_block = ROWS_PER_BLOCK[kernel]
-    return choose_num_splits(batch, num_queries, num_heads, max_len, sm_count(), rows_per_block), rows_per_block
+    if policy == "occupancy":
+        splits = choose_num_splits(batch, num_queries, num_heads, max_len, sm_count(), rows_per_block)
+        return splits, splits
+    parts = partition_splits(batch, num_heads, sm_count(), rows_per_block)
+    return max(1, min(parts, math.ceil(max_len / SPLIT_UNIT))), parts
+
+
+def splits_for(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto",
+               policy: str | None = None) -> tuple[int, int]:
+    """(KV splits, query rows a block) the op uses for these shapes with `variant`: the grid's split count
+    (split_counts) and the rows a block holds, which the kernel the handler will run decides ("auto" is resolved on
+    device 0 while tracing; without a GPU, the portable kernels' 32)."""
+    kernel = resolve_variant(variant, num_queries * num_heads) or "pipelined"
+    return split_counts(batch, num_queries, num_heads, max_len, variant, policy=policy)[0], ROWS_PER_BLOCK[kernel]
 
 
 def _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits):
@@ -162,8 +201,7 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
 def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
     batch, num_queries, num_heads, width = q.shape
     rows = num_queries * num_heads
-    if num_splits == 0:
-        num_splits, _ = splits_for(batch, num_queries, num_heads, kv_slots.shape[1], variant)
+    num_splits, split_parts = split_counts(batch, num_queries, num_heads, kv_slots.shape[1], variant, num_splits)
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
     out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
@@ -173,7 +211,8 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
-                          num_splits=np.int64(num_splits), variant=np.int64(VARIANTS[variant]))
+                          num_splits=np.int64(num_splits), split_parts=np.int64(split_parts),
+                          variant=np.int64(VARIANTS[variant]))
     return out, lse
 
 
@@ -225,5 +264,5 @@ def bench_module():
 
 
 __all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
-           "resolve_variant", "splits_for",
+           "resolve_variant", "splits_for", "split_counts", "partition_splits", "SPLIT_POLICIES",
            "sm_count", "cuda_fast_path", "bench_module"]
