@@ -100,40 +100,51 @@ def test_drafter_kl_step_and_sampled_metrics():
     assert jax.tree.all(jax.tree.map(lambda x: bool(np.all(np.isfinite(x))), params))
 
 
-def test_train_target_v2_tiny(tiny_pack, tmp_path):
-    """A few target steps through the CLI on a pack (2 layers, vocab 400, 32-token windows, a source mix)."""
-    from kdtree_jax.checkpoint import read_metadata
+@pytest.fixture(scope="module")
+def trained_target(tiny_pack, tmp_path_factory):
+    """`train target` once for the module (2 layers, vocab 400, 32-token windows, a source mix, 3 steps): the
+    target test checks it, the slow test trains its drafter on it (one target run and compile, not two).
+    -> (return code, target directory, token cache prefix, common flags of both phases)."""
     from kdtree_jax.train import main
 
-    target_dir, cache = str(tmp_path / "target"), str(tmp_path / "tokens")
-    assert main(["target", "--out", target_dir, "--vocab", "400", "--layers", "2", "--batch", "2", "--steps", "3",
-                 "--eval-windows", "4", "--mix", "stdlib=0.7,packages=0.3", "--corpus", tiny_pack, "--token-cache",
-                 cache, "--seq-len", "32", "--save-dtype", "float32", "--eval-every", "2"]) == 0
+    d = tmp_path_factory.mktemp("train_v2")
+    target_dir, cache = str(d / "target"), str(d / "tokens")
+    common = ["--corpus", tiny_pack, "--token-cache", cache, "--seq-len", "32", "--save-dtype", "float32",
+              "--eval-every", "2"]
+    code = main(["target", "--out", target_dir, "--vocab", "400", "--layers", "2", "--batch", "2", "--steps", "3",
+                 "--eval-windows", "4", "--mix", "stdlib=0.7,packages=0.3", *common])
+    return code, target_dir, cache, common
+
+
+def check_trained_target(trained_target, tiny_pack):
+    from kdtree_jax.checkpoint import read_metadata
+
+    code, target_dir, cache, _ = trained_target
+    assert code == 0
     assert os.path.exists(cache + ".train.npz") and os.path.exists(cache + ".eval.npz")
     t = read_metadata(target_dir)["extra"]["target_training"]
     assert t["steps"] == 3 and t["layers"] == 2 and np.isfinite(t["final_eval_loss"])
     assert set(t["sources"]) == {"packages", "stdlib"} and abs(t["sources"]["stdlib"]["weight"] - 0.7) < 1e-6
     assert t["corpus"]["pack"] == tiny_pack and "train_by_source" in t["corpus"]
+    return t
+
+
+def test_train_target_v2_tiny(trained_target, tiny_pack):
+    """A few target steps through the CLI on a pack (2 layers, vocab 400, 32-token windows, a source mix)."""
+    t = check_trained_target(trained_target, tiny_pack)
     assert t["compile_seconds"] > 0 and t["tokens_per_second"] > 0
 
 
 @pytest.mark.slow
-def test_train_v2_target_then_drafter_tiny(tiny_pack, tmp_path):
-    """A few steps of each phase (2-layer target, vocab 400, 32-token windows, block 4), through main()."""
+def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
+    """A few steps of each phase (2-layer target, vocab 400, 32-token windows, block 4), through main(); the target
+    phase is the module's run (`trained_target`)."""
     from kdtree_jax.checkpoint import load_checkpoint, read_metadata
     from kdtree_jax.train import main
 
-    target_dir, pair_dir, cache = str(tmp_path / "target"), str(tmp_path / "pair"), str(tmp_path / "tokens")
-    common = ["--corpus", tiny_pack, "--token-cache", cache, "--seq-len", "32", "--save-dtype", "float32",
-              "--eval-every", "2"]
-    assert main(["target", "--out", target_dir, "--vocab", "400", "--layers", "2", "--batch", "2", "--steps", "3",
-                 "--eval-windows", "4", "--mix", "stdlib=0.7,packages=0.3", *common]) == 0
-    assert os.path.exists(cache + ".train.npz") and os.path.exists(cache + ".eval.npz")
-    t = read_metadata(target_dir)["extra"]["target_training"]
-    assert t["steps"] == 3 and t["layers"] == 2 and np.isfinite(t["final_eval_loss"])
-    assert set(t["sources"]) == {"packages", "stdlib"} and abs(t["sources"]["stdlib"]["weight"] - 0.7) < 1e-6
-    assert t["corpus"]["pack"] == tiny_pack and "train_by_source" in t["corpus"]
-
+    check_trained_target(trained_target, tiny_pack)
+    _, target_dir, _, common = trained_target
+    pair_dir = str(tmp_path / "pair")
     assert main(["drafter", "--target", target_dir, "--out", pair_dir, "--batch", "2", "--anchors", "2",
                  "--block-size", "4", "--steps", "4", "--greedy-sequences", "4", "--gen-batch", "2",
                  "--gen-temperatures", "0,0.7", "--gen-top-p", "0.95", "--hard-weight", "0.25", "--kl-weight", "1",
