@@ -15,8 +15,10 @@ from kdtree_jax.model.drafter import DrafterCache, DrafterConfig, init_drafter
 from kdtree_jax.speculative.engine import generate
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
-MAX_NEW = 24
 BLOCK = 5  # D = 4 drafted positions per step
+# The prefill's token, then 4 full steps of BLOCK tokens: the oracle's full-acceptance test then runs the parametrised
+# test's compiled loops (same spec and shapes) instead of compiling its own.
+MAX_NEW = 1 + 4 * BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +110,15 @@ def test_speculative_greedy_equals_autoregressive(target, drafter, prompts, gree
 
 
 def test_tree_temperature_changes_the_tree_not_the_output(target, drafter, prompts, greedy_ar):
-    """A sharpened ranking (tree temperature < 1) builds other trees; greedy output stays autoregressive."""
+    """A sharpened ranking (tree temperature < 1) or a flattened one (> 1) builds other trees; greedy output stays
+    autoregressive. One temperature per drafter (each pairing is a compiled loop of its own): the random drafter
+    sharpened, the noisy oracle (its misses ranked second) flattened, so siblings of the wrong proposals enter."""
     group, expected = prompts[:3], greedy_ar[:3]
     table = _oracle_table(group, expected)
     oracle = OracleDrafter(table, TINY.vocab_size, BLOCK - 1, wrong=np.random.default_rng(5).random(table.shape) < 0.3)
-    for tree_temperature in (0.3, 2.0):
-        for d in (drafter, oracle):
-            res = generate(target, d, group, max_new_tokens=MAX_NEW, budget=8, topk=4, tree_temperature=tree_temperature)
-            assert res.tokens == expected
+    for tree_temperature, d in ((0.3, drafter), (2.0, oracle)):
+        res = generate(target, d, group, max_new_tokens=MAX_NEW, budget=8, topk=4, tree_temperature=tree_temperature)
+        assert res.tokens == expected
 
 
 def test_tree_temperature_sharpens_the_ddtree_ranking():
@@ -147,9 +150,10 @@ def test_oracle_drafter_reaches_block_length(target, prompts, greedy_ar):
     group, expected = prompts[:3], greedy_ar[:3]
     oracle = OracleDrafter(_oracle_table(group, expected), TINY.vocab_size, BLOCK - 1)
     max_new = 1 + 4 * BLOCK  # the prefill's token, then 4 full steps
-    assert max_new <= MAX_NEW
-    for tree, budget in (("chain", 0), ("ddtree", 8)):
-        res = generate(target, oracle, group, max_new_tokens=max_new, budget=budget, topk=2, tree=tree)
+    assert max_new == MAX_NEW
+    # The settings (and so the compiled loops) of the parametrised chain-0-3 and ddtree-16-3 cases.
+    for tree, budget in (("chain", 0), ("ddtree", 16)):
+        res = generate(target, oracle, group, max_new_tokens=max_new, budget=budget, topk=4, tree=tree)
         assert res.tokens == [e[:max_new] for e in expected]
         assert res.stats["steps"] == 4
         assert res.stats["tau"] == BLOCK
