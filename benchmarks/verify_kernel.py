@@ -79,11 +79,14 @@ XLA_CHUNK = 16384               # --xla-chunk: positions a step of the chunked X
 LOOP_TARGET_S = 4e-3            # an in-loop program runs about this long (n calls)
 
 
+MAX_WARM_S = float("inf")  # --smoke: 0 (no SM clock to ramp up; a smoke run checks the code path, not the figures)
+
+
 def median_wall(fn, args, reps: int, warm_s: float) -> float:
     """Median seconds of `reps` runs of fn(*args), after one run (the compile) and `warm_s` seconds of
     back-to-back runs (the SM clock ramps up after the idle compile time)."""
     jax.block_until_ready(fn(*args))
-    t_end = time.perf_counter() + warm_s
+    t_end = time.perf_counter() + min(warm_s, MAX_WARM_S)
     while time.perf_counter() < t_end:
         jax.block_until_ready(fn(*args))
     times = []
@@ -190,8 +193,9 @@ def measure_ceilings(ext):
 
 def measure_cpu_ceilings():
     """--smoke on a CPU: a jitted copy (bytes read + written) and XLA's f32 dot; no mma.sync there, so the dot's
-    rate stands in for it. Only to exercise the script: a CPU's figures mean nothing for the kernel."""
-    x = jnp.ones((1 << 24,), jnp.float32)
+    rate stands in for it. Only to exercise the script: a CPU's figures mean nothing for the kernel (so the copy is of
+    4 MB, not of a size that would measure memory rather than cache: it runs in every smoke call)."""
+    x = jnp.ones((1 << 20,), jnp.float32)
     per_copy = wall_per_call(lambda k: jax.jit(lambda x: [x + i for i in range(k)]), (x,), 1, 4, reps=3)
     n = 512
     a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
@@ -847,8 +851,9 @@ def main(argv=None) -> int:
         write_results(args.out, meta, ceilings, rows, loop_rows)
         print(f"{len(rows)} rows ({sum(r.get('xla_us') is not None for r in rows)} with the XLA baseline) -> {args.out}.json")
         return 0
-    global DEVICE_TIMING
+    global DEVICE_TIMING, MAX_WARM_S
     DEVICE_TIMING = args.device_timing and not args.smoke
+    MAX_WARM_S = 0.0 if args.smoke else float("inf")
     variants = check_variants(args.variants)
     if args.xla_chunk < 1:
         parser.error(f"--xla-chunk must be positive; got {args.xla_chunk}")
