@@ -155,7 +155,10 @@ def teacher_forced(target, drafter, prompts, new_tokens: int, kmax: int, chunk: 
     depth = drafter.cfg.depth
     if new_tokens <= depth:
         raise ValueError(f"--measure-new-tokens must be > D = {depth} (one full block after the prompt)")
-    res = generate(target, None, [p.tolist() for p in prompts], max_new_tokens=new_tokens, budget=0, topk=topk_ar)
+    # The sweep's loop settings (common.run_config: DEFAULT_CHUNK_STEPS steps a chunk): where the shapes agree, as in
+    # --smoke, this greedy run is the sweep's autoregressive program, compiled once.
+    res = generate(target, None, [p.tolist() for p in prompts], max_new_tokens=new_tokens, budget=0, topk=topk_ar,
+                   chunk_steps=common.DEFAULT_CHUNK_STEPS)
     seqs = np.stack([np.concatenate([p, np.asarray(t, np.int32)]) for p, t in zip(prompts, res.tokens)])
     plen = len(prompts[0])
     anchors = np.arange(plen, seqs.shape[1] - depth, dtype=np.int32)  # c + D <= S - 1
