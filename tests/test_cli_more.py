@@ -97,10 +97,15 @@ def cli_error(capsys, argv):
 
 def test_streamed_output_arrives_before_the_process_ends():
     """Read the CLI's stdout as it arrives: the first text comes while the process still runs (the first token is
-    handed over after the prefill, before the loop's compile), and the whole of it is the prompt-less text."""
-    proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.generate", "--prompt", "class Parser:", "--no-echo",
-                             "--max-new-tokens", "16", "--budget", "0", "--stop", "no such text"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    handed over after the prefill, before the loop's compile), and the whole of it is the prompt-less text.
+
+    The prompt, lengths and the session's matmul precision (conftest.py) are those of test_chunked_loop.py's
+    in-process CLI run, so in a full run the child reads its prefill and loop programs from the session's
+    compilation cache instead of compiling them (on a CPU the precision setting does not change a float32 product)."""
+    env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
+    proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.generate", "--prompt", "def f(x):", "--no-echo",
+                             "--max-new-tokens", "40", "--budget", "0", "--stop", "no such text"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         first = os.read(proc.stdout.fileno(), 1 << 16)
         assert first and proc.poll() is None  # text before the end
@@ -112,7 +117,7 @@ def test_streamed_output_arrives_before_the_process_ends():
     err = proc.stderr.read().decode()
     assert proc.returncode == 0, err
     text = (first + rest).decode()
-    assert not text.startswith("class Parser:") and text.endswith("\n") and len(text) > 10
+    assert not text.startswith("def f(x):") and text.endswith("\n") and len(text) > 10
     assert "tau" in err
 
 
