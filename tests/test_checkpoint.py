@@ -41,7 +41,9 @@ def _assert_same(a, b):
     assert [p for p, _ in la] == [p for p, _ in lb]
     for (path, x), (_, y) in zip(la, lb):
         assert x.dtype == y.dtype and x.shape == y.shape, path
-        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=str(path))
+        # Compared on the host (numpy's exact bf16 -> f32 cast): an on-device astype compiles a program per leaf shape.
+        np.testing.assert_array_equal(np.asarray(x).astype(np.float32), np.asarray(y).astype(np.float32),
+                                      err_msg=str(path))
 
 
 @pytest.fixture(scope="module")
