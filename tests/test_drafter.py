@@ -1,6 +1,7 @@
 """The block drafter: cached context == recomputed context, and it really reads the context."""
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -8,6 +9,11 @@ import kdtree_jax
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
+
+# The drafter's two calls, jitted as the engine runs them (eagerly, each call compiles every one of its operations
+# on its own: ~350 small programs for this file); the modules are arguments, not closed over.
+extend_context = jax.jit(lambda drafter, cache, feats, lens: drafter.extend_context(cache, feats, lens))
+propose = jax.jit(lambda drafter, target, cache, bonus, start: drafter(target, cache, bonus, start))
 
 
 @pytest.fixture(scope="module")
@@ -25,35 +31,37 @@ def test_context_extended_in_pieces_equals_all_at_once(pair):
     target, drafter = pair
     rng = np.random.default_rng(0)
     feats = _features(rng, 2, 2, 14)
-    whole = drafter.extend_context(drafter.init_cache(2, 32), feats, jnp.array([14, 9]))
+    whole = extend_context(drafter, drafter.init_cache(2, 32), feats, jnp.array([14, 9]))
     # The same features in ragged pieces (the second sequence's first piece is shorter, padded).
     pieces = drafter.init_cache(2, 32)
-    pieces = drafter.extend_context(pieces, feats[:, :, :6], jnp.array([6, 4]))
+    pieces = extend_context(drafter, pieces, feats[:, :, :6], jnp.array([6, 4]))
     rest = jnp.stack([feats[:, 0, 6:14], jnp.concatenate([feats[:, 1, 4:9], feats[:, 1, :3]], axis=1)], axis=1)
-    pieces = drafter.extend_context(pieces, rest, jnp.array([8, 5]))
+    pieces = extend_context(drafter, pieces, rest, jnp.array([8, 5]))
     np.testing.assert_array_equal(np.asarray(pieces.lens), [14, 9])
     for b, n in ((0, 14), (1, 9)):
         np.testing.assert_allclose(np.asarray(pieces.k[:, b, :n]), np.asarray(whole.k[:, b, :n]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(pieces.v[:, b, :n]), np.asarray(whole.v[:, b, :n]), rtol=1e-6, atol=1e-6)
     bonus, start = jnp.array([5, 7]), jnp.array([14, 9])
-    np.testing.assert_allclose(np.asarray(drafter(target, pieces, bonus, start)),
-                               np.asarray(drafter(target, whole, bonus, start)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(propose(drafter, target, pieces, bonus, start)),
+                               np.asarray(propose(drafter, target, whole, bonus, start)), rtol=1e-5, atol=1e-5)
 
 
 def test_proposals_depend_on_context_and_not_on_padding(pair):
     target, drafter = pair
     rng = np.random.default_rng(1)
     feats = _features(rng, 2, 1, 10)
-    cache = drafter.extend_context(drafter.init_cache(1, 16), feats, jnp.array([8]))
-    out = drafter(target, cache, jnp.array([3]), jnp.array([8]))
+    cache = extend_context(drafter, drafter.init_cache(1, 16), feats, jnp.array([8]))
+    out = propose(drafter, target, cache, jnp.array([3]), jnp.array([8]))
     assert out.shape == (1, 5, TINY.vocab_size)
     np.testing.assert_allclose(np.exp(np.asarray(out)).sum(-1), 1.0, rtol=1e-5)
     # Positions past the context length are invisible: changing them changes nothing.
     garbage = cache._replace(k=cache.k.at[:, :, 8:].set(100.0), v=cache.v.at[:, :, 8:].set(-100.0))
-    np.testing.assert_array_equal(np.asarray(drafter(target, garbage, jnp.array([3]), jnp.array([8]))), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(propose(drafter, target, garbage, jnp.array([3]), jnp.array([8]))),
+                                  np.asarray(out))
     # A different context does change the proposals.
-    other = drafter.extend_context(drafter.init_cache(1, 16), feats * -1.0, jnp.array([8]))
-    assert np.abs(np.asarray(drafter(target, other, jnp.array([3]), jnp.array([8]))) - np.asarray(out)).max() > 1e-3
+    other = extend_context(drafter, drafter.init_cache(1, 16), feats * -1.0, jnp.array([8]))
+    changed = np.asarray(propose(drafter, target, other, jnp.array([3]), jnp.array([8])))
+    assert np.abs(changed - np.asarray(out)).max() > 1e-3
 
 
 def test_drafter_config_validation():
