@@ -2,6 +2,7 @@
 prefill/decode/slot-layout invariances. Fresh random weights and inputs, float32."""
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -63,10 +64,15 @@ def test_absorbed_mla_matches_decompressed(model):
     attn = model.layers[1].self_attn
     x = rng.standard_normal((b, t, TINY.hidden_size)).astype(np.float32)
     positions = np.broadcast_to(np.arange(5, 5 + t), (b, t)).astype(np.int32)
-    cache = kv_pool.init_cache(TINY, b, t, dtype=jnp.float32)
-    cache, slots, batch = kv_pool.begin_chunk(cache, t)
-    cos, sin = rope_cos_sin(TINY, jnp.asarray(positions))
-    out, pages = attn(jnp.asarray(x), cos, sin, cache.pages, 1, batch, impl="reference")
+
+    @jax.jit  # one program (run eagerly, each of the layer's operations compiles on its own)
+    def layer_1(attn, x, positions):
+        cache = kv_pool.init_cache(TINY, b, t, dtype=jnp.float32)
+        cache, slots, batch = kv_pool.begin_chunk(cache, t)
+        cos, sin = rope_cos_sin(TINY, positions)
+        return attn(x, cos, sin, cache.pages, 1, batch, impl="reference")
+
+    out, pages = layer_1(attn, jnp.asarray(x), jnp.asarray(positions))
     expected = naive_mla(attn, x.astype(np.float64), positions, TINY)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-4)
     # The layer wrote its latent rows into layer 1 of the pool, and only there.
@@ -100,7 +106,8 @@ def test_moe_matches_per_token_loop():
     moe.gate.e_score_correction_bias[...] = jnp.asarray(bias)
     x = rng.standard_normal((37, cfg.hidden_size)).astype(np.float32)
 
-    idx, w = route(jnp.asarray(x) @ moe.gate.weight[...].T, jnp.asarray(bias), cfg)
+    idx, w = jax.jit(lambda logits, bias: route(logits, bias, cfg))(jnp.asarray(x) @ moe.gate.weight[...].T,
+                                                                     jnp.asarray(bias))
     ref_idx, ref_w = naive_route(x.astype(np.float64), _np(moe.gate.weight), bias.astype(np.float64), cfg)
     order = np.argsort(np.asarray(idx), -1)
     ref_order = np.argsort(ref_idx, -1)
@@ -112,7 +119,7 @@ def test_moe_matches_per_token_loop():
     unbiased_top = np.sort(np.argsort(-scores, -1)[:, : cfg.num_experts_per_tok], -1)
     assert (unbiased_top != np.sort(ref_idx, -1)).any()
 
-    out_x, counts = moe(jnp.asarray(x)[None])
+    out_x, counts = jax.jit(lambda moe, x: moe(x))(moe, jnp.asarray(x)[None])  # one program, not one per operation
     out = np.asarray(out_x)[0]
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(ref_idx.ravel(), minlength=cfg.n_routed_experts))
     expected = np.zeros_like(x, dtype=np.float64)
@@ -158,6 +165,9 @@ def test_ragged_prompts_and_permuted_slots(model):
     step_logits, cache = kdtree_jax.decode_step(model, cache, nxt)
     for b in range(3):
         seq = np.concatenate([toks[b, : lens[b]], nxt[b:b + 1]])[None]
+        # Right-padded to one length, so the three references are one compiled shape: the forward is causal, and
+        # what follows the sequence changes none of its logits.
+        seq = np.pad(seq, ((0, 0), (0, lens.max() + 1 - seq.shape[1])))
         full = np.asarray(kdtree_jax.forward_logits(model, seq))[0]
         np.testing.assert_allclose(np.asarray(last)[b], full[lens[b] - 1], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.asarray(step_logits)[b], full[lens[b]], rtol=1e-4, atol=1e-4)
