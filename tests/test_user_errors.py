@@ -119,7 +119,9 @@ def test_cli_long_prompt_from_a_file_is_refused_by_the_context(tmp_path, capsys)
 def test_cli_prompt_from_stdin_and_file_and_a_cut_echo(tmp_path, capsys, monkeypatch):
     from kdtree_jax.generate import build_parser, read_prompt
 
-    text = "# " + "x" * (ECHO_LIMIT + 500) + "\nimport os\n"
+    # Longer than the echo limit in characters, short in tokens (a comment ruler: ~85 tokens, where 'x' * 2500 is ~1250
+    # tokens to prefill and a pool 7 times larger for the decode loop).
+    text = "# " + "=" * (ECHO_LIMIT + 500) + "\nimport os\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
     assert read_prompt(build_parser().parse_args(["--prompt", "-"])) == text
     path = tmp_path / "p.txt"
