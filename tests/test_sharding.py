@@ -63,7 +63,9 @@ def unsharded_output(model, drafter):
     return generate(model, drafter, PROMPTS, **GENERATE).tokens
 
 
-@pytest.mark.parametrize("layout,n", LAYOUTS)
+# tp over 2 devices is left out here: its decode loop is test_vocab_padding.py's (greedy, tp, a 2-device mesh; one
+# sharded decode loop fewer to compile, ~8 s). The logits above cover every layout.
+@pytest.mark.parametrize("layout,n", [ln for ln in LAYOUTS if ln != ("tp", 2)])
 def test_sharded_greedy_speculative_output_equals_unsharded(model, drafter, unsharded_output, layout, n):
     sharded = shard_model(model, make_mesh(n), layout)
     assert generate(sharded, drafter, PROMPTS, **GENERATE).tokens == unsharded_output
