@@ -12,7 +12,7 @@
 //     accumulates output columns 256 .. 511 from the same P; its P·V runs while the scores warpgroup computes the next
 //     tile's scores and softmax, so the tensor cores are not idle during the softmax.
 // The two hand work over with named barriers (bar.arrive by the producer, bar.sync by the consumer):
-//   FULL        tile c landed (output -> scores),
+//   FULL        tile c landed (output -> scores; arrived while the output warpgroup's P·V of c - 1 runs),
 //   P_READY     P(c) and the rescale factors written (scores -> output),
 //   P_FREE      the output warpgroup's P·V of c is done with P (output -> scores, before P(c + 1) is written),
 //   STAGE_FREE  the scores warpgroup's Q·Kᵀ and P·V of c are done with c's stage (scores -> output, before tile c + 2
@@ -185,13 +185,16 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
       wgmma_fence();
       output_mma(acc, p_desc, kv, 1);
       wgmma_commit();
+      if (tile + 1 < t_end) {
+        // Tile + 1 is handed over while this P·V runs, so that its scores overlap both warpgroups' P·V of this tile.
+        cp_async_wait<0>();
+        fence_proxy_async();
+        arrive(kFull);
+      }
       wgmma_wait();
       fence_registers(acc);
       if (tile + 1 < t_end) {
         arrive(kPFree);
-        cp_async_wait<0>();  // tile + 1
-        fence_proxy_async();
-        arrive(kFull);
         wait(kStageFree);  // the scores warpgroup is done with this stage
         if (tile + 2 < t_end) copy_matrix(kv, tile_rows(next), t);
         cp_async_commit();
