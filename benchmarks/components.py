@@ -76,7 +76,7 @@ def dense_loop(iters: int):
                 q_rows = mla.query_rows(h, cos, sin, w_uk)
                 latent = w_uk.shape[1]
                 stand_in = q_rows[..., :latent] + rows[:, :, None, :latent] + q_rows[..., latent:latent + 1]
-                x = x + mla.output(stand_in, w_uv, x.dtype)
+                x = x + mla.output(stand_in, w_uv, x)
                 normed = block.post_attention_layernorm(x)
                 x = x + (normed * 1e-3 if block.is_moe else block.mlp(normed))
             return x

@@ -30,13 +30,6 @@ kdtree_jax.runtime.configure() before JAX starts (command buffers capture the lo
 GPU comparison: `python benchmarks/spec_decode.py --batch 1,16 --chunk-steps 0,1,8,16 --temperatures 0`, once with
 and once with --no-command-buffers.
 
-Row invariance (issue 24): by default configure() also sets the row-invariant GEMM flags and the target pads its
-dense products' rows to a multiple of 64 on a GPU (kdtree_jax/model/row_invariant.py), so that a verify pass's rows
-equal the one-token steps'; --no-row-invariance turns both off (configure(row_invariant_gemms=False) and
-set_row_invariance(target, False)) to measure what they cost and what they buy (the identical counts). The JSON's
-meta.row_invariance records which it was (row_invariant_gemm_flags: the flags in effect; row_padding: the target's
-switch, which pads on a GPU only).
-
 Writes <out>/spec_decode_<device>.{json,md} (--smoke: spec_decode_smoke_<device>.*), with the device
 kind, date and commit.
 """
@@ -65,15 +58,13 @@ if ROOT not in sys.path:
 from kdtree_jax import runtime  # noqa: E402
 
 # Before JAX starts a backend: command buffers that capture the decode loop on a GPU (--no-command-buffers: off).
-runtime.configure(False if "--no-command-buffers" in sys.argv else None,
-                  row_invariant_gemms=False if "--no-row-invariance" in sys.argv else None)
+runtime.configure(False if "--no-command-buffers" in sys.argv else None)
 
 import kdtree_jax  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
-from kdtree_jax.model.row_invariant import row_invariance, set_row_invariance  # noqa: E402
 from kdtree_jax.ops import ffi as vffi  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
@@ -314,9 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-command-buffers", action="store_true",
                    help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
                         "which lets a CUDA graph capture the decode loop on a GPU)")
-    p.add_argument("--no-row-invariance", action="store_true",
-                   help="issue 24's row invariance off: neither the GEMM flags (kdtree_jax.runtime.configure) nor the "
-                        "target's row padding on a GPU (kdtree_jax/model/row_invariant.py); to measure their cost")
     p.add_argument("--profile", action="store_true",
                    help="profile each decoder's warm-up call: a step's kernel time by part (drafter, tree, the verify "
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
@@ -349,7 +337,6 @@ def main(argv=None) -> int:
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = load_pair(args)
-    set_row_invariance(target, not args.no_row_invariance)  # before anything is traced: a static switch
     resolve_tree_temperature(args)
     depth = drafter.cfg.depth
     budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
@@ -383,11 +370,7 @@ def main(argv=None) -> int:
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
                  "seed": args.seed, "impl": args.impl, "depth": depth, "chunk_steps": chunk_list,
                  "split_policy": args.split_policy,
-                 "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                 "row_invariance": {"requested": not args.no_row_invariance,
-                                    "row_invariant_gemm_flags": runtime.row_invariant_gemms_configured(),
-                                    "row_padding": row_invariance(target),
-                                    "pads_here": row_invariance(target) and jax.default_backend() == "gpu"}})
+                 "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
         f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")
 
@@ -474,12 +457,6 @@ def render(result: dict) -> str:
              f"first differences = for each output that is not, the index of its first differing generated token "
              f"(0 = the prefill's token).",
              "", f"Command: `{m['command']}` ({m['seconds'] / 60:.1f} min).", ""]
-    inv = m.get("row_invariance")
-    if inv is not None:
-        lines += [f"Row invariance (issue 24): {'on' if inv['requested'] else 'off (--no-row-invariance)'}: "
-                  f"row-invariant GEMM flags {'set' if inv['row_invariant_gemm_flags'] else 'not set'}, the target's "
-                  f"row padding {'on' if inv['row_padding'] else 'off'}"
-                  f"{'' if m['backend'] == 'gpu' else ' (pads on a GPU only; n/a here)'}.", ""]
     if m["backend"] == "cpu":
         lines += ["On a CPU a verify pass costs nearly in proportion to its tree nodes (compute-bound: there is no "
                   "memory-bound regime where T nodes cost little more than one), so speed-ups below 1× are the "

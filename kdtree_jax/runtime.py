@@ -13,14 +13,6 @@ the first backend starts (the first array or computation, not `import jax`), so:
 The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. It changes nothing
 on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if they already choose command buffers
 (`--xla_gpu_enable_command_buffer`), and does nothing with KDTREE_JAX_COMMAND_BUFFERS=0.
-
-It also sets the GEMM flags of issue 24 (row-invariant GEMMs): `--xla_gpu_enable_triton_gemm=false
---xla_gpu_autotune_level=0` (ROW_INVARIANT_GEMM_FLAGS), each unless XLA_FLAGS already name that flag. With them, and
-the target's dense products on rows padded to a multiple of 64 (kdtree_jax/model/row_invariant.py), a token's row of
-a product is bit for bit the same whatever the row count of the pass (H200, jax 0.11.2: every shape and row count
-tried; neither alone did): the verify pass then computes each row as the one-token step does, which greedy
-speculative decoding needs to equal autoregressive decoding. Off: configure(row_invariant_gemms=False) or
-KDTREE_JAX_ROW_INVARIANT_GEMMS=0; `row_invariant_gemms_configured()` says whether they are in effect.
 """
 
 from __future__ import annotations
@@ -38,24 +30,6 @@ COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFF
                         "--xla_gpu_graph_min_graph_size=1")
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
 
-# Issue 24: GEMMs whose rows do not depend on the row count (with the model's row padding). Triton GEMMs off: XLA
-# calls cuBLAS; autotuning off: XLA takes cuBLAS's heuristic algorithm for the shape instead of timing candidates
-# per M (which picked different algorithms, and so reduction orders, for different row counts).
-ROW_INVARIANT_GEMM_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"))
-GEMM_ENV_SWITCH = "KDTREE_JAX_ROW_INVARIANT_GEMMS"
-
-
-def _switch(value: bool | None, env: str) -> bool:
-    if value is None:
-        return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
-    return bool(value)
-
-
-def _flag_values(name: str, flags: str) -> list[str]:
-    """The values XLA_FLAGS give `--name` (`--name=v`; a bare `--name` counts as "true"), in order."""
-    return [m.group(1) if m.group(1) is not None else "true"
-            for m in re.finditer(rf"--{re.escape(name)}(?:=(\S*))?(?=\s|$)", flags)]
-
 
 def backends_started() -> bool:
     """Whether JAX has started a backend in this process (after which XLA_FLAGS are no longer read)."""
@@ -63,33 +37,24 @@ def backends_started() -> bool:
     return bool(bridge is not None and bridge.backends_are_initialized())
 
 
-def configure(command_buffers: bool | None = None, row_invariant_gemms: bool | None = None) -> bool:
-    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU, and (issue 24) so
-    that XLA's GEMMs are row-invariant with the model's row padding. Call it before the process's first JAX
-    computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); row_invariant_gemms: None
-    reads KDTREE_JAX_ROW_INVARIANT_GEMMS (default on); False leaves those flags as XLA_FLAGS have them. A flag that
-    XLA_FLAGS already name is the user's choice and left alone. Returns whether the command-buffer flags are in
-    XLA_FLAGS now (set here or before); `row_invariant_gemms_configured()` says the same of the GEMM flags."""
-    command_buffers = _switch(command_buffers, ENV_SWITCH)
-    row_invariant_gemms = _switch(row_invariant_gemms, GEMM_ENV_SWITCH)
+def configure(command_buffers: bool | None = None) -> bool:
+    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU. Call it before the
+    process's first JAX computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False
+    leaves XLA_FLAGS as they are. Returns whether the flags are in XLA_FLAGS now (set here or before)."""
+    if command_buffers is None:
+        command_buffers = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
     flags = os.environ.get("XLA_FLAGS", "")
-    add = []
-    users_buffers = "--xla_gpu_enable_command_buffer" in flags  # the user's own choice wins
-    if command_buffers and not users_buffers:
-        add.append(COMMAND_BUFFER_FLAGS)
-    if row_invariant_gemms:
-        add += [f"--{name}={value}" for name, value in ROW_INVARIANT_GEMM_FLAGS if not _flag_values(name, flags)]
-    if add and backends_started():
-        warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
-                      "already, so on a GPU a decode loop may copy its predicate to the host every step and GEMM "
-                      "rows may depend on the row count (issue 24); call it before the first JAX computation",
-                      RuntimeWarning, stacklevel=2)
-        return bool(command_buffers and users_buffers and command_buffers_configured())
-    if add:
-        os.environ["XLA_FLAGS"] = " ".join([flags] + add).strip()
     if not command_buffers:
         return False
-    return command_buffers_configured() if users_buffers else True
+    if "--xla_gpu_enable_command_buffer" in flags:  # the user's own choice wins
+        return command_buffers_configured()
+    if backends_started():
+        warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
+                      "already, so a GPU decode loop copies its predicate to the host every step; call it before "
+                      "the first JAX computation", RuntimeWarning, stacklevel=2)
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " + COMMAND_BUFFER_FLAGS).strip()
+    return True
 
 
 def command_buffers_configured() -> bool:
@@ -97,15 +62,6 @@ def command_buffers_configured() -> bool:
     since XLA_FLAGS last changed)."""
     match = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
     return bool(match) and "WHILE" in match[-1].upper().split(",")
-
-
-def row_invariant_gemms_configured() -> bool:
-    """Whether XLA_FLAGS turn Triton GEMMs and GEMM autotuning off (issue 24's row-invariant GEMMs; what XLA read,
-    if its backend has started since XLA_FLAGS last changed)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    triton = _flag_values("xla_gpu_enable_triton_gemm", flags)
-    autotune = _flag_values("xla_gpu_autotune_level", flags)
-    return bool(triton and autotune) and triton[-1].lower() in ("false", "0") and autotune[-1] == "0"
 
 
 def host_driven_loops(hlo_text: str) -> int:

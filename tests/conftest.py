@@ -9,14 +9,6 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
-# Issue 24's row-invariant GEMM flags (kdtree_jax.runtime.configure; GPU compiler flags, nothing changes on a CPU),
-# set before JAX starts as the entry points set them: a GPU run's dense products then behave as in generate, serve
-# and the benchmarks (tests/test_greedy_equality.py's GPU tests need them). Command buffers are left as XLA_FLAGS
-# have them (test_chunked_loop counts the host-driven loops of a plain program).
-from kdtree_jax import runtime as _runtime  # noqa: E402  (imports jax; no backend starts before this call)
-
-_runtime.configure(command_buffers=False)
-
 # One persistent compilation cache per test session, in a fresh temporary directory (removed at exit; never a
 # directory from an earlier run, so a fresh CI clone and a local run behave alike). Identical programs compiled
 # again by another jit object, another test or a child process (the CLI tests run `python -m kdtree_jax.generate`;

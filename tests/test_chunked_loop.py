@@ -162,40 +162,14 @@ def test_runtime_flags(monkeypatch):
     assert runtime.configure() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
     monkeypatch.setenv("XLA_FLAGS", runtime.COMMAND_BUFFER_FLAGS)
     assert runtime.command_buffers_configured() and runtime.configure() is True
-    # Issue 24's GEMM flags: in effect when XLA_FLAGS turn both off (the last value of each counts).
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0")
-    assert runtime.row_invariant_gemms_configured()
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0 "
-                                    "--xla_gpu_autotune_level=4")
-    assert not runtime.row_invariant_gemms_configured()
 
 
 def test_configure_before_jax_starts():
     """In a fresh process configure() sets the flags, and XLA (here the CPU backend) accepts them."""
     code = ("import os, kdtree_jax.runtime as r; assert r.configure() is True; "
-            "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS'] and r.row_invariant_gemms_configured(); "
+            "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS']; "
             "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.ENV_SWITCH)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "6"
-
-
-def test_configure_leaves_the_users_gemm_flags_and_opts_out():
-    """The row-invariant GEMM flags (issue 24): added flag by flag unless XLA_FLAGS name that flag (the user's choice
-    wins), not at all with row_invariant_gemms=False or KDTREE_JAX_ROW_INVARIANT_GEMMS=0; command buffers apart."""
-    code = ("import os, kdtree_jax.runtime as r; "
-            "os.environ['XLA_FLAGS'] = '--xla_gpu_autotune_level=2'; r.configure(command_buffers=False); "
-            "f = os.environ['XLA_FLAGS']; assert f == '--xla_gpu_autotune_level=2 --xla_gpu_enable_triton_gemm=false', f; "
-            "assert not r.row_invariant_gemms_configured() and not r.command_buffers_configured(); "
-            "os.environ['XLA_FLAGS'] = ''; assert r.configure(row_invariant_gemms=False) is True; "
-            "assert r.command_buffers_configured() and not r.row_invariant_gemms_configured(); "
-            "os.environ['XLA_FLAGS'] = ''; os.environ['KDTREE_JAX_ROW_INVARIANT_GEMMS'] = '0'; r.configure(False); "
-            "assert os.environ['XLA_FLAGS'] == ''; del os.environ['KDTREE_JAX_ROW_INVARIANT_GEMMS']; "
-            "r.configure(False); assert r.row_invariant_gemms_configured(); "
-            "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.ENV_SWITCH, runtime.GEMM_ENV_SWITCH)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

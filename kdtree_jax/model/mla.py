@@ -20,7 +20,6 @@ from flax import nnx
 from kdtree_jax.attention_batch import AttentionBatch  # noqa: F401  (re-exported: model/transformer.py imports it here)
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
-from kdtree_jax.model.row_invariant import pads_rows, rowwise
 from kdtree_jax.ops import verify_attention
 from kdtree_jax.sharding import MeshLayout
 
@@ -59,9 +58,6 @@ class MLA(nnx.Module):
         self.o_proj = linear(rngs, heads * cfg.v_head_dim, h, dtype, bias=cfg.attention_bias, axes=("heads", "embed"))
         # On a mesh (sharding.shard_model gives it): attention runs per device on the heads the layout gives it.
         self.placement = placement
-        # Issue 24: on a GPU the projections' rows are padded (model/row_invariant.py) so that a token's row does
-        # not depend on the verify pass's row count; set_row_invariance() switches it (static, read at trace time).
-        self.row_invariant = True
 
     def absorbed_weights(self) -> AbsorbedWeights:
         """The two halves of kv_b_proj, per head: W_UK [H, c, nope] and W_UV [H, v, c]."""
@@ -92,29 +88,26 @@ class MLA(nnx.Module):
                  absorbed: AbsorbedWeights | None = None):
         """x [B, T, hidden] -> (out [B, T, hidden], kv_pages with this layer's T rows written).
         `absorbed`: this layer's absorbed_weights() computed by the caller (outside its loop), else here."""
-        # The products before and after the attention op run on padded rows on a GPU (the op itself sees B x T).
-        pad = pads_rows(self.row_invariant)
-        rows = rowwise(self.latent_rows, x, cos, sin, pad=pad).astype(kv_pages.dtype)
+        rows = self.latent_rows(x, cos, sin).astype(kv_pages.dtype)
         # In place when kv_pages is donated: one row per new token, no copy of the pool.
         kv_pages = kv_pages.at[layer, batch.write_slots].set(rows, mode="drop")
 
         w_uk, w_uv = self.absorbed_weights() if absorbed is None else absorbed
-        q_rows = rowwise(functools.partial(self.query_rows, w_uk=w_uk), x, cos, sin, pad=pad).astype(kv_pages.dtype)
+        q_rows = self.query_rows(x, cos, sin, w_uk).astype(kv_pages.dtype)
         out_latent = self.attend(q_rows, kv_pages, layer, batch, impl)
-        out = rowwise(functools.partial(self.output, w_uv=w_uv, dtype=x.dtype), out_latent, pad=pad, row_dims=2)
-        return out, kv_pages
+        return self.output(out_latent, w_uv, x), kv_pages
 
     def query_rows(self, x, cos, sin, w_uk):
         """The attention op's queries [B, T, H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent
         space by W_UK, then the roped part."""
         q_nope, q_pe = self.queries(x, cos, sin)
-        q_latent = jnp.einsum("...hn,hcn->...hc", q_nope, w_uk)
+        q_latent = jnp.einsum("bthn,hcn->bthc", q_nope, w_uk)
         return jnp.concatenate([q_latent, q_pe], axis=-1)
 
-    def output(self, out_latent, w_uv, dtype):
-        """The attention op's latent output [.., H, kv_lora_rank] up-projected by W_UV, then o_proj: [.., hidden]."""
-        out = jnp.einsum("...hc,hvc->...hv", out_latent.astype(dtype), w_uv)
-        return self.o_proj(out.reshape(*out.shape[:-2], -1))
+    def output(self, out_latent, w_uv, x):
+        """The attention op's latent output [B, T, H, kv_lora_rank] up-projected by W_UV, then o_proj."""
+        out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), w_uv)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
     def attend(self, q_rows, kv_pages, layer: int, batch: AttentionBatch, impl: str):
         """The verify-attention op; on a mesh, each device runs it on its own heads against its

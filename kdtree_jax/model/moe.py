@@ -10,7 +10,6 @@ from flax import nnx
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
-from kdtree_jax.model.row_invariant import pads_rows, rowwise
 from kdtree_jax.ops.moe import grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
@@ -80,12 +79,9 @@ class Router(nnx.Module):
             init(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), jnp.float32).astype(dtype)), "router", "embed")
         self.e_score_correction_bias = logical_axes(nnx.Param(jnp.zeros((cfg.n_routed_experts,), jnp.float32)), "router")
 
-    def __call__(self, x2d, *, pad_rows: bool = False):
-        """pad_rows: the product on rows padded to a multiple of 64 (model/row_invariant.py; the routing itself
-        sees the real rows only)."""
+    def __call__(self, x2d):
         # The router runs in float32 whatever the model's dtype (as HF does).
-        weight = self.weight[...].astype(jnp.float32)
-        logits = rowwise(lambda r: r.astype(jnp.float32) @ weight.T, x2d, pad=pad_rows)
+        logits = x2d.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
         return route(logits, self.e_score_correction_bias[...], self.cfg)
 
 
@@ -119,9 +115,6 @@ class MoE(nnx.Module):
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, rngs)
         else:
             self.shared_experts = None
-        # The router's product and the shared expert on padded rows on a GPU (model/row_invariant.py); the routed
-        # experts' CUDA op is row-invariant by itself.
-        self.row_invariant = True
 
     @property
     def num_slots(self) -> int:
@@ -151,12 +144,11 @@ class MoE(nnx.Module):
         """-> (output like x, tokens routed to each physical expert slot [num_slots] int32).
         `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body."""
         x2d = x.reshape(-1, x.shape[-1])
-        pad = pads_rows(self.row_invariant)
-        indices, weights = self.gate(x2d, pad_rows=pad)
+        indices, weights = self.gate(x2d)
         slots = self.to_physical(indices)
         out = self.routed(x2d, slots, weights, loop_weights)
         if self.shared_experts is not None:
-            out = out + rowwise(self.shared_experts, x2d, pad=pad)
+            out = out + self.shared_experts(x2d)
         counts = jnp.bincount(slots.reshape(-1), length=self.num_slots).astype(jnp.int32)
         return out.reshape(x.shape), counts
 

@@ -12,7 +12,6 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
 from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
 from kdtree_jax.model.moe import MoE
-from kdtree_jax.model.row_invariant import pads_rows, rowwise
 
 
 class LoopWeights(NamedTuple):
@@ -34,7 +33,6 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(cfg, dtype, rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
-        self.row_invariant = True  # the dense MLP on padded rows on a GPU (model/row_invariant.py)
 
     def loop_weights(self) -> LoopWeights:
         return LoopWeights(self.self_attn.absorbed_weights(), self.mlp.loop_weights() if self.is_moe else None)
@@ -51,8 +49,7 @@ class DecoderLayer(nnx.Module):
             with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
                 mlp_out, expert_counts = self.mlp(normed, None if lw is None else lw.experts)
             return x + mlp_out, kv_pages, expert_counts
-        mlp_out = rowwise(self.mlp, self.post_attention_layernorm(x), pad=pads_rows(self.row_invariant))
-        return x + mlp_out, kv_pages, None
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
 
 
 class ForwardOutput(NamedTuple):
@@ -75,11 +72,6 @@ class Transformer(nnx.Module):
         self.mesh = None  # set by sharding.shard_model
         self.lm_head = None if cfg.tie_word_embeddings else linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype,
                                                                    axes=("embed", "vocab_out"))
-        # Issue 24: on a GPU every dense product of the target (MLA's projections, the dense MLP, the router and
-        # shared expert, the lm head) runs on rows padded to a multiple of 64, so a token's row does not depend on
-        # how many rows a pass has (model/row_invariant.py); set_row_invariance(model, False) turns it off here
-        # and in every layer. The drafter's own products are not padded (its proposals never decide the argmax).
-        self.row_invariant = True
 
     @property
     def dtype(self):
@@ -105,7 +97,7 @@ class Transformer(nnx.Module):
     def head(self, hidden):
         """Final norm + lm head: [.., hidden] -> float32 logits [.., V]."""
         with jax.named_scope("head"):
-            return rowwise(lambda h: self.lm_logits(self.norm(h)), hidden, pad=pads_rows(self.row_invariant))
+            return self.lm_logits(self.norm(hidden))
 
     def loop_weights(self) -> tuple[LoopWeights, ...]:
         """Every layer's LoopWeights: what a decode loop computes once, before its while loop, and passes to
