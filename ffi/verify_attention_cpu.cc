@@ -31,13 +31,13 @@
 //     with GCC/Clang vector extensions because auto-vectorisers do not reliably keep a loop nest's
 //     accumulator tile in registers.
 //   * The same template is compiled for AVX-512, AVX2+FMA and the baseline ISA (SSE2 / NEON), each with
-//     tiles sized for its register file; on x86 the variant is chosen once at run time from the CPU's
-//     features (no -march flag: the wheel runs on any x86-64 or arm64 machine).
+//     tiles sized for its register file; on x86 the best variant the CPU runs is found once at run time
+//     from the CPU's features (no -march flag: the wheel runs on any x86-64 or arm64 machine), and the
+//     `isa` attribute may name a lower one (tests and benchmarks only).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -537,25 +537,43 @@ __attribute__((target("avx512f,avx2,fma"))) void drain_avx512(const Problem& pb,
 }
 #endif
 
-// The best variant the CPU runs, chosen once. KDTREE_VERIFY_CPU_ISA=baseline|avx2|avx512 picks a
-// lower one instead (tests check every variant the machine can run; an unavailable one means baseline).
-const Variant& pick_variant() {
-  static const Variant variant = [] {
-    const char* forced = std::getenv("KDTREE_VERIFY_CPU_ISA");
-    const auto allowed = [forced](const char* isa) { return forced == nullptr || std::strcmp(forced, isa) == 0; };
-    (void)allowed;
+// The variants, by the handler's `isa` attribute (kdtree_jax/ops/ffi.py, CPU_ISAS): 0 = the best the CPU
+// runs, 1 = baseline, 2 = AVX2+FMA, 3 = AVX-512. Only tests and benchmarks name one; a variant the CPU cannot
+// run is an error, not a fallback. The CPU's features are read once (the first call); each call after that
+// is a table lookup.
+constexpr int64_t kIsaAuto = 0, kIsaBaseline = 1, kIsaAvx2 = 2, kIsaAvx512 = 3, kNumIsas = 4;
+
+// variants[isa].drain is nullptr where the CPU cannot run it.
+struct VariantTable {
+  Variant variants[kNumIsas] = {};
+};
+
+const VariantTable& variant_table() {
+  static const VariantTable table = [] {
+    VariantTable t;
+    t.variants[kIsaBaseline] = Variant{BaselineKernel::chunks_per_sequence, BaselineKernel::block(),
+                                       BaselineKernel::kChunkRows, drain_baseline};
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx512Kernel::chunks_per_sequence, Avx512Kernel::block(), Avx512Kernel::kChunkRows, drain_avx512};
+    const bool fma = __builtin_cpu_supports("fma");
+    if (__builtin_cpu_supports("avx2") && fma) {
+      t.variants[kIsaAvx2] = Variant{Avx2Kernel::chunks_per_sequence, Avx2Kernel::block(), Avx2Kernel::kChunkRows,
+                                     drain_avx2};
     }
-    if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return Variant{Avx2Kernel::chunks_per_sequence, Avx2Kernel::block(), Avx2Kernel::kChunkRows, drain_avx2};
+    if (__builtin_cpu_supports("avx512f") && fma) {
+      t.variants[kIsaAvx512] = Variant{Avx512Kernel::chunks_per_sequence, Avx512Kernel::block(),
+                                       Avx512Kernel::kChunkRows, drain_avx512};
     }
 #endif
-    return Variant{BaselineKernel::chunks_per_sequence, BaselineKernel::block(), BaselineKernel::kChunkRows, drain_baseline};
+    for (int64_t isa = kNumIsas - 1; isa >= kIsaBaseline; --isa) {  // auto: the best one
+      if (t.variants[isa].drain != nullptr) {
+        t.variants[kIsaAuto] = t.variants[isa];
+        break;
+      }
+    }
+    return t;
   }();
-  return variant;
+  return table;
 }
 
 // The partition's split count: few row chunks in a one-token call (decode: H rows fill one chunk) would
@@ -583,7 +601,7 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const Variant& variant,
 ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pool,
                               ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 2> kv_slots,
                               ffi::Buffer<ffi::S32, 1> kv_lens, ffi::Buffer<ffi::U32, 3> tree_mask,
-                              float softmax_scale, int64_t rope_dim, ffi::Result<ffi::AnyBuffer> out,
+                              float softmax_scale, int64_t rope_dim, int64_t isa, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::F32, 3>> lse) {
   // Shapes were validated in Python; re-check what an out-of-bounds access would depend on.
   const auto qd = q.dimensions();
@@ -594,6 +612,17 @@ ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   if (!supported(q.element_type()) || !supported(kv_pool.element_type()) ||
       out->element_type() != q.element_type()) {
     return ffi::Error::InvalidArgument("verify_attention (CPU): q/kv_pool/out must be float32 or bfloat16");
+  }
+  if (isa < 0 || isa >= kNumIsas) {
+    return ffi::Error::InvalidArgument("verify_attention (CPU): isa must be 0 (auto), 1 (baseline), 2 (avx2) or "
+                                       "3 (avx512)");
+  }
+  const Variant& variant = variant_table().variants[isa];
+  if (variant.drain == nullptr) {
+    return ffi::Error::InvalidArgument(isa == kIsaAvx2
+                                           ? "verify_attention (CPU): isa avx2 requested, but this CPU lacks AVX2+FMA"
+                                           : "verify_attention (CPU): isa avx512 requested, but this CPU lacks "
+                                             "AVX-512F+FMA");
   }
   Problem pb;
   pb.batch = qd[0];
@@ -623,7 +652,6 @@ ffi::Error VerifyAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pb.out = out->untyped_data();
   pb.lse = lse->typed_data();
 
-  const Variant& variant = pick_variant();
   pb.chunks = variant.chunks_per_sequence(pb);
   pb.block = variant.block;
   pb.blocks = (pb.max_len + variant.block - 1) / variant.block;
@@ -667,5 +695,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_verify_attention_cpu, VerifyAttentionCpu,
                                   .Arg<Mask>()                         // tree_mask
                                   .Attr<float>("softmax_scale")
                                   .Attr<int64_t>("rope_dim")
+                                  .Attr<int64_t>("isa")  // 0 auto, 1 baseline, 2 avx2, 3 avx512
                                   .Ret<ffi::AnyBuffer>()                 // out
                                   .Ret<Lse>());                        // lse

@@ -7,8 +7,8 @@ for which the handler also splits the positions over threads), the widths are K2
 contract (it does not call kdtree_jax.ops.reference). It also checks that no NaN from pool rows the
 sequence does not own leaks in, that repeated calls are bit-identical (the handler runs on XLA's thread
 pool), that a sequence's result does not depend on its place in the batch, that every SIMD variant the CPU
-can run agrees with the reference (each in a subprocess: the variant is chosen once per process), and
-that benchmarks/verify_attention_cpu.py --smoke writes a parseable result.
+can run agrees with the reference (named by verify_attention_ffi's cpu_isa argument; one the CPU cannot
+run is an error), and that benchmarks/verify_attention_cpu.py --smoke writes a parseable result.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
+import platform
 import sys
 
 import jax
@@ -188,20 +188,69 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _isas() -> list[str]:
+def _isa_runs() -> dict[str, bool] | None:
+    """Which of the handler's named SIMD variants this CPU runs, from /proc/cpuinfo (None where unreadable)."""
     flags = _cpu_flags()
-    isas = ["baseline"]
-    if {"avx2", "fma"} <= flags:
-        isas.append("avx2")
-    return isas  # avx512, where present, is what the tests above ran
+    if not flags:
+        return None
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return {"baseline": True, "avx2": x86 and {"avx2", "fma"} <= flags,
+            "avx512": x86 and {"avx512f", "fma"} <= flags}
 
 
-@pytest.mark.parametrize("isa", _isas())
+@functools.cache
+def isa_handler(softmax_scale, rope_dim, cpu_isa):
+    return jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=softmax_scale, rope_dim=rope_dim,
+                                     cpu_isa=cpu_isa))
+
+
+@functools.cache
+def isa_case(name):
+    """CASES[name] at reduced length (Lmax 700): inputs, scale, rope, dtype and the float64 reference."""
+    batch, num_queries, num_heads, _, latent, rope, dtype, lens = CASES[name]
+    lens = [min(n, 700) for n in lens]
+    with jax.default_device(jax.devices("cpu")[0]):
+        inputs = make_inputs(7, batch=batch, num_queries=num_queries, num_heads=num_heads, max_len=700,
+                             latent=latent, rope=rope, dtype=dtype, lens=lens)
+    scale = (latent + rope) ** -0.5
+    return inputs, scale, rope, dtype, numpy_reference(*inputs, softmax_scale=scale, rope_dim=rope)
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_every_simd_variant_matches_reference(isa):
-    env = dict(os.environ, KDTREE_VERIFY_CPU_ISA=isa, JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-isa"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    """Every variant the CPU runs matches the reference on every case; one it cannot run fails the call."""
+    runs = _isa_runs()
+    if runs is None and isa != "baseline":
+        pytest.skip("/proc/cpuinfo unreadable: cannot tell which variants this CPU runs")
+    if runs is not None and not runs[isa]:
+        inputs, scale, rope, _, _ = isa_case(sorted(CASES)[0])
+        with pytest.raises(Exception, match=f"isa {isa} requested"):
+            jax.block_until_ready(isa_handler(scale, rope, isa)(*inputs))
+        return
+    for name in sorted(CASES):
+        inputs, scale, rope, dtype, ref = isa_case(name)
+        out, lse = isa_handler(scale, rope, isa)(*inputs)
+        check_accuracy(out, lse, *ref, dtype)
+
+
+def test_auto_isa_is_the_best_variant():
+    """cpu_isa="auto" (the default) runs the best variant the CPU has: the same bits as naming it."""
+    runs = _isa_runs()
+    if runs is None:
+        pytest.skip("/proc/cpuinfo unreadable: cannot tell which variants this CPU runs")
+    best = [isa for isa in ("avx512", "avx2", "baseline") if runs[isa]][0]
+    for name in sorted(CASES):
+        inputs, scale, rope, _, _ = isa_case(name)
+        auto = isa_handler(scale, rope, "auto")(*inputs)
+        named = isa_handler(scale, rope, best)(*inputs)
+        for got, want in zip(auto, named):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_unknown_isa_is_rejected():
+    inputs, scale, rope, _, _ = isa_case(sorted(CASES)[0])
+    with pytest.raises(ValueError, match="cpu_isa"):
+        vffi.verify_attention_ffi(*inputs, softmax_scale=scale, rope_dim=rope, cpu_isa="sse4")
 
 
 def test_benchmark_smoke(tmp_path):
@@ -219,20 +268,3 @@ def test_benchmark_smoke(tmp_path):
     for row in data["rows"]:
         assert row["handler_us"] > 0 and row["reference_us"] > 0
     assert (tmp_path / "va.md").read_text().startswith("# Verify attention on the CPU")
-
-
-def _check_isa_main() -> int:
-    """Run in a subprocess with KDTREE_VERIFY_CPU_ISA set: both cases at reduced length."""
-    for name, (batch, num_queries, num_heads, _, latent, rope, dtype, lens) in sorted(CASES.items()):
-        lens = [min(n, 700) for n in lens]
-        inputs = make_inputs(7, batch=batch, num_queries=num_queries, num_heads=num_heads, max_len=700,
-                             latent=latent, rope=rope, dtype=dtype, lens=lens)
-        scale = (latent + rope) ** -0.5
-        out, lse = handler(scale, rope)(*inputs)
-        check_accuracy(out, lse, *numpy_reference(*inputs, softmax_scale=scale, rope_dim=rope), dtype)
-        print(name, os.environ.get("KDTREE_VERIFY_CPU_ISA"), "ok")
-    return 0
-
-
-if __name__ == "__main__" and "--check-isa" in sys.argv:
-    sys.exit(_check_isa_main())

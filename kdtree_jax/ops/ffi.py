@@ -97,6 +97,17 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
 
 
+# The CPU handler's SIMD variants, as its `isa` attribute (ffi/verify_attention_cpu.cc). "auto" runs the best one
+# the CPU supports (found once per process); benchmarks and tests name one explicitly. A named variant the CPU
+# cannot run fails the call (InvalidArgument from the handler), it does not fall back.
+CPU_ISAS = {"auto": 0, "baseline": 1, "avx2": 2, "avx512": 3}
+
+
+def _check_cpu_isa(cpu_isa: str) -> None:
+    if cpu_isa not in CPU_ISAS:
+        raise ValueError(f"cpu_isa must be one of {sorted(CPU_ISAS)}; got {cpu_isa!r}")
+
+
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
                       rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
@@ -189,13 +200,13 @@ def _warn_fallback_once(reason: str) -> None:
                   stacklevel=3)
 
 
-def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim):
+def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, cpu_isa="auto"):
     batch, num_queries, num_heads, width = q.shape
     out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
                  jax.ShapeDtypeStruct((batch, num_queries, num_heads), jnp.float32))
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     return call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
-                softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim))
+                softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim), isa=np.int64(CPU_ISAS[cpu_isa]))
 
 
 def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
@@ -217,13 +228,16 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
 
 
 def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale: float,
-                         rope_dim: int = 64, num_splits: int = 0, variant: str = "auto"):
+                         rope_dim: int = 64, num_splits: int = 0, variant: str = "auto", cpu_isa: str = "auto"):
     """The FFI op (shapes already validated by `kdtree_jax.ops.validate_verify_args`). `variant` names the CUDA
-    kernel (VARIANTS; "auto" everywhere but benchmarks and tests); the CPU handler ignores it."""
+    kernel (VARIANTS; "auto" everywhere but benchmarks and tests); the CPU handler ignores it. `cpu_isa` names the
+    CPU handler's SIMD variant (CPU_ISAS; "auto" everywhere but benchmarks and tests: the best the CPU runs; a
+    variant the CPU cannot run is an error); the CUDA branch ignores it."""
     if not available():
         raise ValueError("the compiled verify-attention extension is not built; reinstall with `pip install -e .`")
     _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits)
     _check_variant(variant)
+    _check_cpu_isa(cpu_isa)
     layer = jnp.asarray(layer, jnp.int32)
     kwargs = dict(softmax_scale=float(softmax_scale), rope_dim=int(rope_dim))
 
@@ -231,7 +245,7 @@ def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, sof
         return verify_attention_reference(*args, **kwargs)
 
     def on_cpu(*args):
-        return _call_cpu(*args, **kwargs)
+        return _call_cpu(*args, **kwargs, cpu_isa=cpu_isa)
 
     def on_cuda(*args):
         if cuda_fast_path(q, kv_pool, rope_dim):
@@ -264,5 +278,5 @@ def bench_module():
 
 
 __all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
-           "resolve_variant", "splits_for", "split_counts", "partition_splits", "SPLIT_POLICIES",
+           "CPU_ISAS", "resolve_variant", "splits_for", "split_counts", "partition_splits", "SPLIT_POLICIES",
            "sm_count", "cuda_fast_path", "bench_module"]
