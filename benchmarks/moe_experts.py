@@ -55,8 +55,10 @@ DENSE_MAX_EXPERTS = 64  # dense does E x the grouped FLOPs: pointless (and huge)
 
 
 def impl_of(name):
-    """(impl passed to routed_experts, KDTREE_MOE_BLOCKS_PER_SM or None)."""
-    return ("cuda", name[-1]) if name.startswith("cuda_bps") else (name, None)
+    """(impl, blocks_per_sm) passed to routed_experts / grouped_expert_mlp."""
+    if name.startswith("cuda_bps"):
+        return "cuda", int(name[len("cuda_bps"):])
+    return name, moe_ops.CUDA_BLOCKS_PER_SM
 
 
 def median_per_call(run, args, iters, reps):
@@ -70,7 +72,7 @@ def median_per_call(run, args, iters, reps):
     return float(np.median(times)), out
 
 
-def make_loop(impl, iters, scope):
+def make_loop(impl, iters, scope, blocks_per_sm=moe_ops.CUDA_BLOCKS_PER_SM):
     """jit(x, routing, weights): `iters` calls, each input depending on the last output (nothing is hoisted);
     the weights are arguments, never closed-over constants.  scope "op": x are the sorted rows and `indices`
     the group sizes (the grouped MLP alone)."""
@@ -78,9 +80,9 @@ def make_loop(impl, iters, scope):
     def run(x, indices, weights, gate, up, down):
         def body(i, x):
             if scope == "op":
-                out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl)
+                out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
             else:
-                out = routed_experts(x, indices, weights, gate, up, down, impl=impl)
+                out = routed_experts(x, indices, weights, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
             return x + out * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, iters, body, x)
     return run
@@ -126,11 +128,8 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
             impl, bps = impl_of(name)
             if impl == "dense" and e_local > DENSE_MAX_EXPERTS:
                 continue
-            if bps is not None:
-                os.environ["KDTREE_MOE_BLOCKS_PER_SM"] = bps
-            run = make_loop(impl, iters, scope)
+            run = make_loop(impl, iters, scope, bps)
             seconds, final = median_per_call(run, args, iters, reps)
-            os.environ.pop("KDTREE_MOE_BLOCKS_PER_SM", None)
             # The loop's final x, against ragged_dot's: a cheap end-to-end agreement check (tests check more).
             final = final.astype(jnp.float32)
             if ref is None:

@@ -239,7 +239,8 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
 }
 
 // kMinBlocks: 1 lets ptxas take ~200 registers (2 blocks per SM), 4 caps them at 128 (4 blocks, 16 warps
-// per SM: more loads in flight, a few bytes of spill); the Python side picks (KDTREE_MOE_BLOCKS_PER_SM).
+// per SM: more loads in flight, a few bytes of spill); the Python side picks (the
+// `blocks_per_sm` argument of kdtree_jax/ops/moe.py, default 4).
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p) {
   __shared__ float red[2][kWarps][kMaxRows][kTileCols];

@@ -151,6 +151,8 @@ def test_validation_errors():
         moe_ops.grouped_expert_mlp(x, sizes[:5], gate, up, down)
     with pytest.raises(ValueError, match="bfloat16"):
         moe_ops.grouped_expert_mlp(x.astype(jnp.float32), sizes, gate, up, down, impl="cuda")
+    with pytest.raises(ValueError, match="blocks_per_sm"):
+        moe_ops.grouped_expert_mlp(x, sizes, gate, up, down, blocks_per_sm=2)
 
 
 @pytest.mark.skipif(not moe_ops.cuda_built(), reason="extension built without the CUDA MoE op")
@@ -159,8 +161,8 @@ def test_cuda_lowering_calls_the_op():
     threshold, stays on ragged_dot."""
     x, indices, weights, gate, up, down = make_case(2, 9, 8, 16, 32, 16, jnp.bfloat16)
 
-    def lowered(*args, impl="auto"):
-        fn = jax.jit(lambda *a: routed_experts(*a, impl=impl))
+    def lowered(*args, impl="auto", **kwargs):
+        fn = jax.jit(lambda *a: routed_experts(*a, impl=impl, **kwargs))
         checks = [jax.export.DisabledSafetyCheck.custom_call(moe_ops.TARGET)]
         return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
@@ -173,6 +175,9 @@ def test_cuda_lowering_calls_the_op():
     x2, i2, w2, *_ = make_case(3, many, 8, 16, 32, 16, jnp.bfloat16)
     assert moe_ops.TARGET not in lowered(x2, i2, w2, gate, up, down)
     assert moe_ops.TARGET in lowered(x2, i2, w2, gate, up, down, impl="cuda")
+    # The register budget reaches the op's attribute: 4 by default, 1 when asked for (A/B runs).
+    assert f"blocks_per_sm = {moe_ops.CUDA_BLOCKS_PER_SM} : i64" in lowered(x, indices, weights, gate, up, down)
+    assert "blocks_per_sm = 1 : i64" in lowered(x, indices, weights, gate, up, down, blocks_per_sm=1)
 
 
 def test_benchmark_smoke(tmp_path):

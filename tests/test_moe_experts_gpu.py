@@ -101,9 +101,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("blocks_per_sm", ["1", "4"])
-def test_grouped_mlp_matches_reference(case, blocks_per_sm, monkeypatch):
-    monkeypatch.setenv("KDTREE_MOE_BLOCKS_PER_SM", blocks_per_sm)
+@pytest.mark.parametrize("blocks_per_sm", [1, 4])
+def test_grouped_mlp_matches_reference(case, blocks_per_sm):
     tokens, top_k, experts, hidden, inter, mode = case
     rng = np.random.default_rng(CASES.index(case))
     gate, up, down = make_weights(rng, experts, hidden, inter)
@@ -115,7 +114,7 @@ def test_grouped_mlp_matches_reference(case, blocks_per_sm, monkeypatch):
     group_sizes = jnp.asarray(np.bincount(local, minlength=experts + 1)[:experts], jnp.int32)
     x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
     rows = x[order // top_k]
-    fn = jax.jit(lambda *a: moe_ops.grouped_expert_mlp(*a, impl="cuda"))
+    fn = jax.jit(lambda *a: moe_ops.grouped_expert_mlp(*a, impl="cuda", blocks_per_sm=blocks_per_sm))
     poison_allocator(((rows.shape[0], hidden), jnp.bfloat16), ((rows.shape[0], inter), jnp.float32))
     out = jax.block_until_ready(fn(rows, group_sizes, gate, up, down))
     assert_close(out, reference_grouped(rows, group_sizes, gate, up, down))

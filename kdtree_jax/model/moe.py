@@ -10,7 +10,7 @@ from flax import nnx
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
-from kdtree_jax.ops.moe import grouped_expert_mlp
+from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
 
@@ -39,7 +39,8 @@ def route(router_logits, bias, cfg: ModelConfig):
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto", expert_second=None):
+def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto", expert_second=None,
+                   blocks_per_sm=CUDA_BLOCKS_PER_SM):
     """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
 
     gate/up [E_local, H, I], down [E_local, I, H] are experts expert_offset .. expert_offset + E_local
@@ -48,7 +49,8 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
     experts held elsewhere sort last, past every group, where ragged_dot yields zeros. `impl` picks the
     grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts;
-    `expert_second`: MoE.loop_weights(), for the CPU's dense form.
+    `expert_second`: MoE.loop_weights(), for the CPU's dense form; `blocks_per_sm`: the CUDA op's register
+    budget (ops/moe.py; benchmarks pass it for A/B runs).
     """
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
@@ -59,7 +61,8 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     token_of_row = order // k
     rows = x2d[token_of_row]
     group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl, expert_second=expert_second)
+    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl, expert_second=expert_second,
+                                  blocks_per_sm=blocks_per_sm)
     # Back to (token, choice) order by a gather, then each token's weighted sum in float32: one fusion. The
     # scatter-add of the sorted rows into their tokens that this replaces took ~25 us per layer at T = 9
     # on an H200 (k colliding bf16 atomic adds per element), a tenth of the layer's MoE.

@@ -37,7 +37,6 @@ computed once before the loop: CPU float32, default pair, DDTree 16 1,066 -> 1,2
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -89,11 +88,15 @@ def cuda_built() -> bool:
     return _register()
 
 
-def blocks_per_sm() -> int:
-    """Register budget of the CUDA kernels: 4 blocks per SM (128 registers) or 1 (~200 registers, 2 fit).
-    KDTREE_MOE_BLOCKS_PER_SM=1|4 overrides (for A/B runs)."""
-    forced = os.environ.get("KDTREE_MOE_BLOCKS_PER_SM")
-    return int(forced) if forced in ("1", "4") else 4
+# Register budget of the CUDA kernels (their `blocks_per_sm` attribute): 4 blocks per SM (128 registers), the
+# default, or 1 (~200 registers, 2 fit). Benchmarks and tests pass 1 explicitly for A/B runs.
+CUDA_BLOCKS_PER_SM = 4
+BLOCKS_PER_SM_CHOICES = (1, 4)
+
+
+def _check_blocks_per_sm(blocks_per_sm: int) -> None:
+    if blocks_per_sm not in BLOCKS_PER_SM_CHOICES:
+        raise ValueError(f"blocks_per_sm must be one of {BLOCKS_PER_SM_CHOICES}; got {blocks_per_sm!r}")
 
 
 # Every XLA formulation below rounds where the others do (issue 24): gate and up accumulate in float32 and the
@@ -223,9 +226,12 @@ def choose_splits(num_rows: int, hidden: int, inter: int) -> int:
     return int(max(1, min(-(-hidden // CUDA_SPLIT_ROWS), PARTIAL_BYTES // per_split)))
 
 
-def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int = CUDA_ROWS_PER_ITEM):
+def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int = CUDA_ROWS_PER_ITEM,
+                 blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
     """The CUDA op's outputs: (out, groups, num_active), the last two the work-item table its first kernel
-    built (what `group_table` computes; exposed for tests, which also vary the rows per work item)."""
+    built (what `group_table` computes; exposed for tests, which also vary the rows per work item).
+    `blocks_per_sm`: the kernels' register budget (BLOCKS_PER_SM_CHOICES)."""
+    _check_blocks_per_sm(blocks_per_sm)
     num_rows, hidden = rows.shape
     num_experts, _, inter = gate.shape
     splits = choose_splits(num_rows, hidden, inter)
@@ -240,13 +246,13 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
                  jax.ShapeDtypeStruct((), jnp.int32))
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, _, _, groups, num_active = call(rows, gate, up, down, group_sizes.astype(jnp.int32),
-                                         blocks_per_sm=np.int64(blocks_per_sm()), splits=np.int64(splits),
+                                         blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits),
                                          rows_per_item=np.int64(per_item))
     return out, groups, num_active
 
 
-def _call_cuda(rows, group_sizes, gate, up, down):
-    return call_cuda_op(rows, group_sizes, gate, up, down)[0]
+def _call_cuda(rows, group_sizes, gate, up, down, blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
+    return call_cuda_op(rows, group_sizes, gate, up, down, blocks_per_sm=blocks_per_sm)[0]
 
 
 def validate_args(rows, group_sizes, gate, up, down, impl: str) -> None:
@@ -281,7 +287,8 @@ def use_cuda(rows, gate, up, down, impl: str) -> bool:
     return impl == "cuda" or rows.shape[0] <= CUDA_MAX_ROWS
 
 
-def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", expert_second=None):
+def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", expert_second=None,
+                       blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
     """out [M, H] = per-row SwiGLU of its group's expert (see the module docstring).
 
     rows [M, H]; group_sizes [E] (group e = the next group_sizes[e] rows, sum <= M); gate, up [E, H, I];
@@ -289,14 +296,17 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     elsewhere; "dense" = `all_experts_mlp` everywhere (every expert on every row, masked: for few experts); "auto" = "cuda" on GPU for bf16 with M <= CUDA_MAX_ROWS, `gathered_mlp` on CPU for a few rows
     (`use_cpu_gather`), else "xla", except that on a CPU, given `expert_second` (the same weights laid out
     expert axis second, see `dense_mlp`: what a decode loop computes once), "auto" runs `dense_mlp` on them.
+    `blocks_per_sm`: the CUDA op's register budget (BLOCKS_PER_SM_CHOICES; the default everywhere but
+    benchmarks and tests); the other formulations ignore it.
     """
     validate_args(rows, group_sizes, gate, up, down, impl)
+    _check_blocks_per_sm(blocks_per_sm)
     args = (rows, group_sizes, gate, up, down)
     if impl == "dense":
         return all_experts_mlp(*args)
     branches = {}
     if use_cuda(rows, gate, up, down, impl):
-        branches["cuda"] = _call_cuda
+        branches["cuda"] = functools.partial(_call_cuda, blocks_per_sm=blocks_per_sm)
     if use_cpu_gather(rows, gate, impl):
         branches["cpu"] = gathered_mlp
     elif impl == "auto" and expert_second is not None:
@@ -307,4 +317,5 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
 
 
 __all__ = ["grouped_expert_mlp", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
-           "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS"]
+           "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
+           "BLOCKS_PER_SM_CHOICES"]
