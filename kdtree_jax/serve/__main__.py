@@ -9,13 +9,16 @@
 
 Start-up: load the checkpoint, compile the greedy batch's programs on a short request (a minute or less on a CPU),
 then serve. SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (up to
---drain-timeout seconds), then stop the decode thread.
+--drain-timeout seconds), cancel the rest, wait for the decode thread to leave (after the compile or chunk it is
+running returns: XLA's native code is never torn down under it) and exit 0. A signal during the start-up (load,
+warm-up compile) stops there, also with status 0. A second SIGINT while waiting exits at once with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -90,14 +93,52 @@ def check_flags(args) -> None:
         _fail(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
 
 
-def _server_class():
+def _say(line: str) -> None:
+    """One line on stderr, safe inside a signal handler (no buffered stream that the handler may have interrupted)."""
+    os.write(2, (line + "\n").encode())
+
+
+class _Signals:
+    """SIGINT/SIGTERM outside uvicorn's own handlers (start-up, and after the server returns): the first one asks to
+    stop, which the main thread acts on at its next check (between load and warm-up, while it waits for the warm-up
+    on the decode thread) or hands to the server once it exists. Nothing is raised into the code running then (a
+    KeyboardInterrupt in the middle of JAX's start-up is a traceback, not a clean exit). A second SIGINT exits at
+    once with status 130, without waiting for a compile in flight."""
+
+    def __init__(self):
+        self.received: "int | None" = None
+        self.server = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, sig, frame):
+        name = signal.Signals(sig).name
+        if self.received is None:
+            self.received = sig
+            if self.server is not None:
+                self.server.should_exit = True
+            return
+        if sig == signal.SIGINT:
+            _say(f"[{name} again: exiting without waiting for the decode thread]")
+            os._exit(128 + sig)
+        _say(f"[{name}: already stopping; waiting for the compile or chunk in flight (SIGINT again to force)]")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+
+def _server_class(signals: _Signals):
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM once it has shut down (the process then dies of the signal, status 130 or
-        143); a server that drained its requests exits 0 instead."""
+        143); a server that drained its requests exits 0 instead. A signal that came before uvicorn took over the
+        handlers (between the warm-up and the socket's bind) is honoured through `should_exit`."""
 
         def handle_exit(self, sig, frame):
+            if signals.received is None:
+                signals.received = sig
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
 
@@ -112,6 +153,7 @@ def main(argv=None) -> int:
         import uvicorn
     except ImportError as e:
         _fail(f"the server needs the 'serve' extra ({e.name} is missing): pip install -e \".[serve]\"")
+    signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
 
     from kdtree_jax import runtime
     from kdtree_jax.generate import load_models, notice
@@ -125,6 +167,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     print("[loading the model ...]", file=sys.stderr, flush=True)
     target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
+    if signals.received is not None:
+        print(f"[{signals.name} while loading the model: stopped]", file=sys.stderr, flush=True)
+        return 0
     budget = 0 if args.no_speculative else args.budget
     if drafter is not None and budget > 0:
         limit = min(engine.trees.max_ddtree_budget(drafter.cfg.depth, args.topk), engine.MAX_TREE_NODES - 1)
@@ -148,20 +193,40 @@ def main(argv=None) -> int:
     if not args.no_warmup:
         print(f"[{description}; loaded in {time.perf_counter() - t0:.1f} s; compiling ...]", file=sys.stderr,
               flush=True)
-        scheduler.warmup()
-    scheduler.start()
-    app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info)
+    # The warm-up runs on the decode thread (which owns every JAX call): this thread stays free to take a signal
+    # at once instead of after the compile in flight, and the thread leaves at its next safe point when stopped.
+    scheduler.start(warmup=not args.no_warmup)
+    try:
+        while not scheduler.ready.wait(0.1) and signals.received is None:
+            pass
+        if signals.received is not None:  # the decode thread leaves after the compile in flight
+            phase = "the warm-up" if not scheduler.ready.is_set() else "the start-up"
+            scheduler.stop(drain=False, timeout=None)
+            print(f"[{signals.name} during {phase}: stopped]", file=sys.stderr, flush=True)
+            return 0
+        if scheduler.warmup_error is not None:
+            raise scheduler.warmup_error
+        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info)
 
-    print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
-          + (f", DDTree budget {budget}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
-             if scheduler.speculative else "")
-          + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
-            f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
-    _Server = _server_class()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout)
-    _Server(config).run()  # returns after SIGINT/SIGTERM and the drain of the requests in flight
-    scheduler.stop(drain=False, timeout=10)  # whatever is left after --drain-timeout is cancelled
+        print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
+              + (f", DDTree budget {budget}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
+                 if scheduler.speculative else "")
+              + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
+                f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.drain_timeout)
+        server = signals.server = _server_class(signals)(config)
+        if signals.received is not None:  # came since the check above: uvicorn starts, sees it and shuts down
+            server.should_exit = True
+        server.run()  # returns after SIGINT/SIGTERM and the drain of the requests in flight
+    finally:
+        # Whatever is left after --drain-timeout is cancelled; the thread leaves after the compile or chunk in flight
+        # (not bounded: tearing a thread down inside XLA aborts the process; a second SIGINT exits at once).
+        if scheduler.alive():
+            scheduler.stop(drain=False, timeout=1.0)
+            if scheduler.alive():
+                _say("[waiting for the decode thread's compile or chunk in flight ...]")
+                scheduler.stop(drain=False, timeout=None)
     print("[stopped]", file=sys.stderr, flush=True)
     return 0
 

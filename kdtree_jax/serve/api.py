@@ -28,6 +28,12 @@ from kdtree_jax.serve import scheduler as sched
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 
+# What a whole (non-streamed) request still running when the server's --drain-timeout ends gets, as a 503: uvicorn
+# cancels its handler then, which would otherwise be a 500 and a logged traceback. (A stream's cancellation reaches
+# starlette's own tasks first: its connection is closed.)
+SHUTDOWN = {"message": "the server shut down before this request finished (--drain-timeout)", "type": "server_error",
+            "param": None, "code": "shutting_down"}
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -299,6 +305,8 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
                 out.append(piece)
         except ApiError as e:
             return e.response()
+        except asyncio.CancelledError:  # shutting down: --drain-timeout is over (see SHUTDOWN)
+            return JSONResponse(status_code=503, content={"error": SHUTDOWN})
         finally:
             scheduler.cancel(job)
         return {**choice("".join(out), finish), "usage": usage()}

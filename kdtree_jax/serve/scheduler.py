@@ -392,6 +392,8 @@ class Scheduler:
         self._accepting = True
         self._stop = False
         self._thread: Optional[threading.Thread] = None
+        self.ready = threading.Event()  # set once start()'s warm-up is over (done, interrupted by stop() or failed)
+        self.warmup_error: Optional[BaseException] = None  # what a failed warm-up on the decode thread raised
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
         self.releases = 0  # times dropping a bucket cleared JAX's caches (release_executables_if_many_maps)
@@ -434,12 +436,17 @@ class Scheduler:
         return sum(sum(r is not None for r in b.owner) for b in self.buckets.values())
 
     # -- the thread -----------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kdtree-serve-decode", daemon=True)
+    def start(self, warmup: bool = False) -> None:
+        """Run the decode thread; with warmup, it first compiles the greedy bucket's programs (warmup()) and sets
+        `ready` when that is over. The thread is not a daemon: whoever starts it must stop() it (and the interpreter
+        waits for it rather than tearing it down inside a compile: a thread unwound while in XLA's native code aborts
+        the process with "FATAL: exception not rethrown")."""
+        self._thread = threading.Thread(target=self._run, args=(warmup,), name="kdtree-serve-decode", daemon=False)
         self._thread.start()
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop accepting; with drain, finish what was accepted first; then end the thread."""
+        """Stop accepting; with drain, finish what was accepted first; then end the thread. The thread leaves at its
+        next safe point (after the compile or chunk in flight returns): timeout=None waits for that."""
         with self._lock:
             self._accepting = False
             if not drain:
@@ -454,22 +461,44 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def warmup(self) -> None:
+    def alive(self) -> bool:
+        """Whether the decode thread is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def warmup(self) -> bool:
         """Compile the greedy bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
-        reset) before serving, by running one short request on this thread."""
+        reset) before serving, by running one short request on the calling thread. False if stop() came first: it
+        returns at the next safe point (between compiles and chunks), leaving the scheduler to be stopped."""
         done = threading.Event()
         req = Request(prompt=[0] * 8, max_tokens=min(3, self.max_tokens_for(8)), emit=lambda kind, v: (
             done.set() if kind != "tokens" else None))
-        self._admit_waiting([req])
-        bucket = self.buckets[req.sampling]
+        if self._stop:
+            return False
+        bucket = self.buckets.get(req.sampling) or self._new_bucket(req.sampling)  # the chunk program's compile
+        if self._stop:
+            return False
+        self._admit_waiting([req])  # the prefill's and row admission's compiles
         while not done.is_set():
+            if self._stop:
+                return False
             bucket.launch()
             bucket.collect()
         while bucket.inflight:
             bucket.collect()
         self.metrics.reset_counts()
+        return True
 
-    def _run(self) -> None:
+    def _run(self, warmup: bool = False) -> None:
+        if warmup:
+            try:
+                finished = self.warmup()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `ready` (the command line)
+                self.warmup_error = e
+                finished = False
+            self.ready.set()
+            if not finished:
+                return
+        self.ready.set()
         while True:
             with self._lock:
                 while not self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
