@@ -441,6 +441,16 @@ def _fmt(x, spec=".2f"):
     return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
 
 
+def step_cells(r: dict, m: dict) -> list:
+    """[step ms, "batch steps / mean sequence steps"] of a row: the time of one step of a batch, and how many steps a
+    batch ran (its slowest sequence decides; averaged over batches) against the mean over its sequences."""
+    forwards, seq_steps, seconds = r.get("target_forwards"), r.get("sequence_steps"), r.get("decode_seconds")
+    if not forwards or not seq_steps or seconds is None:
+        return ["–", "–"]
+    n_batches = -(-m["prompts"] // r["batch"])
+    return [f"{1e3 * seconds / forwards:.3f}", f"{forwards / n_batches:.1f} / {seq_steps / m['prompts']:.1f}"]
+
+
 def render(result: dict) -> str:
     m, rows = result["meta"], result["rows"]
     shown = min(m["depth"], 8)
@@ -453,6 +463,8 @@ def render(result: dict) -> str:
              f"batch {', '.join(map(str, m.get('batch_sizes', [m['batch']])))}; DDTree top-K {m['topk']}, tree temperature {m.get('tree_temperature', 1.0)}; sampling filters top-k {m['top_k']}, top-p {m['top_p']}. "
              f"tok/s: decode only (compile excluded, one warm-up call discarded), summed over batches. "
              f"tau: tokens per target forward (bonus included). acc@d: P(>= d drafted tokens accepted in a step). "
+             f"step ms: decode seconds / target forwards (a batch's step). batch / seq steps: a batch's steps (its slowest "
+             f"sequence decides) against a sequence's mean steps; their ratio is what a static batch loses to its stragglers. "
              f"Greedy: identical = outputs equal to the autoregressive ones of the same batch size, token for token; "
              f"first differences = for each output that is not, the index of its first differing generated token "
              f"(0 = the prefill's token).",
@@ -495,14 +507,14 @@ def render(result: dict) -> str:
                       + ")")
         greedy = temperature == 0
         lines += [f"## {label}", "",
-                  "| decoder | nodes | tau | tok/s | speed-up vs AR | " +
+                  "| decoder | nodes | tau | tok/s | speed-up vs AR | step ms | batch / seq steps | " +
                   " | ".join(f"acc@{d}" for d in range(1, shown + 1)) +
                   (" | identical to AR | first differences |" if greedy else " |"),
-                  "|---|---|---|---|---|" + "---|" * shown + ("---|---|" if greedy else "")]
+                  "|---|---|---|---|---|---|---|" + "---|" * shown + ("---|---|" if greedy else "")]
         for r in sub:
             acc = r["acceptance_by_depth"] + [None] * shown
             cells = [r["decoder"], str(r["num_nodes"]), _fmt(r["tau"], ".3f"), _fmt(r["tokens_per_second"], ".1f"),
-                     _fmt(r["speedup_vs_ar"], ".2f") + "×"] + [_fmt(a, ".3f") for a in acc[:shown]]
+                     _fmt(r["speedup_vs_ar"], ".2f") + "×", *step_cells(r, m)] + [_fmt(a, ".3f") for a in acc[:shown]]
             if greedy:
                 if r.get("identical_to_ar") is None:
                     cells += ["–", "–"]
