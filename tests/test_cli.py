@@ -42,7 +42,9 @@ def test_cli_runs_in_float32_on_cpu_unless_told(capsys):
         assert target.dtype == jnp.float32 and drafter.dtype == jnp.float32 and "float32" in description
         target, drafter, _, description, _ = load_models(None, "bfloat16")
         assert target.dtype == jnp.bfloat16 and "bfloat16" in description
-    speculative = ["--prompt", "class Parser:", "--max-new-tokens", "24", "--json"]
+    # The prompt and lengths of test_chunked_loop.py's CLI run: in a full run the autoregressive loop (budget 0, 40
+    # tokens) is read back from the session's compilation cache instead of compiled again.
+    speculative = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--json"]
     assert cli_main(speculative) == 0
     spec_tokens = json.loads(capsys.readouterr().out)["tokens"]
     assert cli_main(speculative + ["--budget", "0"]) == 0
@@ -67,8 +69,9 @@ def test_cli_rejects_bad_arguments(capsys):
 
 def test_cli_profile_splits_the_step_by_part(capsys):
     """--profile: one profiled run of the decode loop before the timed one; the output is unchanged, the step's
-    kernel time is split by part (every part of a speculative step shows up) and printed on one line."""
-    base = ["--prompt", "def f(x):", "--max-new-tokens", "8", "--budget", "4"]
+    kernel time is split by part (every part of a speculative step shows up) and printed on one line. The prompt and
+    lengths are test_cli_json_in_process's: the decode loop compiled there serves every run here."""
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4"]
     assert cli_main(base + ["--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert cli_main(base + ["--json", "--profile"]) == 0
