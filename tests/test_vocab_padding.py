@@ -20,10 +20,15 @@ def pair():
             kdtree_jax.init_drafter(CFG, kdtree_jax.DrafterConfig(block_size=4, num_layers=1, head_dim=16), seed=1))
 
 
+@pytest.fixture(scope="module")
+def tokens():
+    """One token batch for every logits check here: each forward_logits program (unsharded, tp) is compiled once."""
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9)).astype(np.int32)
+
+
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_padded_vocab_gives_the_unsharded_logits(pair, layout):
+def test_padded_vocab_gives_the_unsharded_logits(pair, tokens, layout):
     target, drafter = pair
-    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9)).astype(np.int32)
     ref = np.asarray(kdtree_jax.forward_logits(target, tokens))
     sharded = shard_model(target, make_mesh(2), layout)
     assert sharded.lm_head.kernel.shape == (CFG.hidden_size, 312) and target.lm_head.kernel.shape[1] == 311
@@ -40,7 +45,7 @@ def test_padded_vocab_gives_the_unsharded_greedy_output(pair):
     assert kdtree_jax.generate(sharded, drafter, prompts, max_new_tokens=6, budget=3).tokens == expected
 
 
-def test_padded_model_saves_unpadded_and_loads_sharded(pair, tmp_path):
+def test_padded_model_saves_unpadded_and_loads_sharded(pair, tokens, tmp_path):
     target, drafter = pair
     mesh = make_mesh(2)
     kdtree_jax.save_checkpoint(str(tmp_path / "ckpt"), shard_model(target, mesh, "tp"), drafter)
@@ -49,6 +54,5 @@ def test_padded_model_saves_unpadded_and_loads_sharded(pair, tmp_path):
     np.testing.assert_array_equal(np.asarray(plain.lm_head.kernel[...]), np.asarray(target.lm_head.kernel[...]))
     sharded, _, _ = load_sharded(str(tmp_path / "ckpt"), mesh, "tp")
     assert sharded.lm_head.kernel.shape == (CFG.hidden_size, 312)
-    tokens = np.arange(10, dtype=np.int32)[None]
     np.testing.assert_allclose(np.asarray(kdtree_jax.forward_logits(sharded, tokens)),
                                np.asarray(kdtree_jax.forward_logits(target, tokens)), rtol=1e-5, atol=1e-5)
