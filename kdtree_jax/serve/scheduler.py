@@ -489,16 +489,16 @@ class Scheduler:
         return True
 
     def _run(self, warmup: bool = False) -> None:
+        finished = True
         if warmup:
             try:
                 finished = self.warmup()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `ready` (the command line)
                 self.warmup_error = e
                 finished = False
-            self.ready.set()
-            if not finished:
-                return
         self.ready.set()
+        if not finished:
+            return
         while True:
             with self._lock:
                 while not self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
