@@ -25,7 +25,7 @@ def median_seconds(fn, *args, reps: int = 5):
     return float(np.median(times)), out
 
 
-def attention_loop(impl: str, iters: int):
+def attention_loop(impl: str, iters: int, split_policy: str = "occupancy"):
     """jit(q, pages, model, batch): `iters` rounds of every layer's verify-attention op (each round's q
     depends on the last output, so nothing is hoisted). The model, pages and batch are jit arguments,
     not closed over: a closure would bake them into the program as constants."""
@@ -34,7 +34,7 @@ def attention_loop(impl: str, iters: int):
     def run(q, pages, model, batch):
         def body(i, q):
             for layer, block in enumerate(model.layers):
-                out = block.self_attn.attend(q, pages, layer, batch, impl)
+                out = block.self_attn.attend(q, pages, layer, batch, impl, split_policy)
                 q = q.at[..., :1].add(out[..., :1].astype(q.dtype) * 1e-3)
             return q
         return jax.lax.fori_loop(0, iters, body, q)
@@ -76,7 +76,7 @@ def dense_loop(iters: int):
                 q_rows = mla.query_rows(h, cos, sin, w_uk)
                 latent = w_uk.shape[1]
                 stand_in = q_rows[..., :latent] + rows[:, :, None, :latent] + q_rows[..., latent:latent + 1]
-                x = x + mla.output(stand_in, w_uv, x)
+                x = x + mla.output(stand_in, w_uv, x.dtype)
                 normed = block.post_attention_layernorm(x)
                 x = x + (normed * 1e-3 if block.is_moe else block.mlp(normed))
             return x

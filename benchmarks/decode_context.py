@@ -59,6 +59,13 @@ from concurrent.futures import ThreadPoolExecutor
 if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kdtree_jax import runtime  # noqa: E402
+
+# Before JAX starts: with --row-invariant, the XLA flags a row-invariant step needs (command buffers as before).
+if "--row-invariant" in sys.argv:
+    runtime.configure(command_buffers=False, row_invariant=True)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +80,6 @@ from kdtree_jax.model.drafter import Drafter, DrafterCache, DrafterConfig
 from kdtree_jax.model.layers import rope_cos_sin
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import DecoderLayer, Transformer
-from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import causal_mask
 from kdtree_jax.profiling import profile_call
 from kdtree_jax.provenance import git_commit, smoke_dir
@@ -481,10 +487,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
     p.add_argument("--tree-only", action="store_true",
                    help="only the tree build and the acceptance alone, old and new formulations (no model)")
-    p.add_argument("--split-policy", choices=vffi.SPLIT_POLICIES, default=vffi.SPLIT_POLICY,
-                   help="how the verify op picks its KV split count (kdtree_jax.ops.ffi.SPLIT_POLICY): 'invariant' "
-                        "(from B and H: a verify pass's root row is the one-token step's, issue 24) or 'occupancy' "
-                        "(from the call's T and width); run both to measure what the invariance costs")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="row-invariant steps (SpecConfig.row_invariant: rows padded to 64-multiples, the attention "
+                        "op's T-independent split partition; the XLA flags of runtime.configure(row_invariant=True) "
+                        "are set here); run with and without to measure what the invariance costs")
     p.add_argument("--render", default=None, metavar="PATH",
                    help="only recompute PATH.json's derived figures and rewrite PATH.md (no device work)")
     args = p.parse_args(argv)
@@ -495,7 +501,6 @@ def main(argv=None):
         tree_only_main(args)
         return
     t_start = time.perf_counter()
-    vffi.SPLIT_POLICY = args.split_policy  # read when the steps are traced
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
@@ -542,7 +547,7 @@ def main(argv=None):
     out = args.out or (os.path.join(smoke_dir("decode_context"), "decode_context_smoke") if args.smoke
                        else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": device, "layers": layers, "commit": git_commit(), "split_policy": args.split_policy,
+            "device": device, "layers": layers, "commit": git_commit(), "row_invariant": args.row_invariant,
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,
             "copy_bandwidth_TBps": bandwidth / 1e12,
             "preset": "tiny (smoke)" if args.smoke else "kimi-k2-tp8-rank",
@@ -598,14 +603,16 @@ def main(argv=None):
                     if impl != "auto" and args.reference_contexts != "all" \
                             and str(context) not in args.reference_contexts.split(","):
                         continue
-                    spec = engine.SpecConfig(budget=nodes - 1, topk=TOPK, max_new_tokens=args.steps, impl=impl)
+                    spec = engine.SpecConfig(budget=nodes - 1, topk=TOPK, max_new_tokens=args.steps, impl=impl,
+                                             row_invariant=args.row_invariant)
                     jobs[("step", context, nodes, impl)] = Job("step", engine.decode_loop, (target, drafter, st),
                                                                {"spec": spec})
                     batch = AttentionBatch(st.cache.slot_table, jnp.array([context + nodes], jnp.int32),
                                            causal_mask(1, nodes), st.cache.slot_table[:, context:context + nodes])
                     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim),
                                           jnp.bfloat16)
-                    jobs[("attn", context, nodes, impl)] = Job("attn", attention_loop(impl, ITERS),
+                    policy = "invariant" if args.row_invariant else "occupancy"
+                    jobs[("attn", context, nodes, impl)] = Job("attn", attention_loop(impl, ITERS, policy),
                                                                (q, st.cache.pages, target, batch))
             if shared:
                 jobs[("drafter", context)] = Job("drafter", drafter_loop(TOPK), (

@@ -57,15 +57,15 @@ if ROOT not in sys.path:
 
 from kdtree_jax import runtime  # noqa: E402
 
-# Before JAX starts a backend: command buffers that capture the decode loop on a GPU (--no-command-buffers: off).
-runtime.configure(False if "--no-command-buffers" in sys.argv else None)
+# Before JAX starts a backend: command buffers that capture the decode loop on a GPU (--no-command-buffers: off), and
+# with --row-invariant the XLA flags a row-invariant decode needs.
+runtime.configure(False if "--no-command-buffers" in sys.argv else None, row_invariant="--row-invariant" in sys.argv)
 
 import kdtree_jax  # noqa: E402
 from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperature  # noqa: E402
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
-from kdtree_jax.ops import ffi as vffi  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
@@ -209,12 +209,13 @@ def aggregate(results: list, batch_sizes: list) -> dict:
 
 def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperature, top_k, top_p, seed,
                max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0, profile: bool = False,
-               chunk_steps: int = DEFAULT_CHUNK_STEPS):
+               chunk_steps: int = DEFAULT_CHUNK_STEPS, row_invariant: bool = False):
     """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s).
     profile: the first call also runs the loop once under the profiler (kdtree_jax.profiling); its split of a
     step's kernel time by part is stats["step_profile"] (with warmup, that call is not timed)."""
     kwargs = dict(max_new_tokens=max_new_tokens, budget=budget, topk=topk, temperature=temperature, top_k=top_k,
-                  top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature, chunk_steps=chunk_steps)
+                  top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature, chunk_steps=chunk_steps,
+                  row_invariant=row_invariant)
     use = None if tree == "ar" else drafter
     if tree == "ar":
         kwargs.update(tree="ddtree", budget=0)
@@ -295,10 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i of a batch run uses seed + i)")
     p.add_argument("--impl", default="auto", help="verify-attention implementation")
     p.add_argument("--no-chain", action="store_true", help="skip the chain (DFlash) decoder")
-    p.add_argument("--split-policy", choices=vffi.SPLIT_POLICIES, default=vffi.SPLIT_POLICY,
-                   help="how the verify op picks its KV split count on a GPU (kdtree_jax.ops.ffi.SPLIT_POLICY): "
-                        "'invariant' (from B and H: a verify pass's root row is the one-token step's, issue 24) or "
-                        "'occupancy' (from the call's T and width)")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="row-invariant decoding (every decoder): each verify row computed bit for bit as the one-token "
+                        "step computes it (rows padded to 64-multiples, T-independent attention splits, the XLA flags "
+                        "of kdtree_jax.runtime.configure(row_invariant=True)); slower, for checking greedy equality")
     p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
                    help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
                         "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep")
@@ -333,7 +334,6 @@ def main(argv=None) -> int:
 
         atexit.register(shutil.rmtree, out_dir, True)
     enable_compilation_cache(args.cache_dir)
-    vffi.SPLIT_POLICY = args.split_policy  # read when the decode loops are traced
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = load_pair(args)
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
                  "tree_temperature": args.tree_temperature,
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
                  "seed": args.seed, "impl": args.impl, "depth": depth, "chunk_steps": chunk_list,
-                 "split_policy": args.split_policy,
+                 "row_invariant": args.row_invariant, "row_invariant_flags": runtime.row_invariant_configured(),
                  "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
         f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
                                            temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                            max_new_tokens=args.max_new_tokens, impl=args.impl,
                                            tree_temperature=args.tree_temperature, profile=args.profile,
-                                           chunk_steps=chunk)
+                                           chunk_steps=chunk, row_invariant=args.row_invariant)
                 if tree == "ar":
                     ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
                     first_ar.setdefault(temperature, tokens)

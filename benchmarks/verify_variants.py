@@ -7,7 +7,7 @@ Per shape (scattered slots, kv_lens = L, a causal tree mask) and kernel variant:
     larger than L2 chosen from the loop carry (nothing can be hoisted), wall time of the whole loop / iters, median of
     5 after warm-up; the same for the XLA baseline (kdtree_jax/ops/xla.py: bf16 gather + einsums with float32
     accumulation, dense and chunked over L; the faster is the baseline) and for an empty loop (the loop's own cost).
-The split count is the op's own (kdtree_jax.ops.ffi.choose_num_splits for the variant).
+The split count is the op's own for the variant and --split-policy (kdtree_jax.ops.ffi.split_counts).
 
     python benchmarks/verify_variants.py --shapes "1 16 8 65536;1 64 8 65536" --variants pipelined,wide [--in-loop]
 """
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdtree_jax.ops import SPLIT_POLICIES
 from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import ancestor_mask
 from kdtree_jax.ops.xla import verify_attention_xla
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=40, help="calls per timed graph")
     parser.add_argument("--json", help="also write the rows here (after every shape)")
     parser.add_argument("--in-loop", action="store_true", help="also time in-loop, with the XLA baseline beside")
+    parser.add_argument("--split-policy", choices=SPLIT_POLICIES, default="occupancy",
+                        help="the op's KV split count: 'occupancy' (the default: the fastest for the call's T) or "
+                             "'invariant' (independent of T: what row-invariant decoding runs)")
     args = parser.parse_args(argv)
     bench = vffi.bench_module()
     if bench is None:
@@ -97,8 +101,8 @@ def main(argv=None) -> int:
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json + ".tmp", "w") as f:
-                json.dump(dict(copy_gbps=copy_gbps, mma_tflops=mma_tflops, commit=os.environ.get("KDTREE_COMMIT"),
-                               device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"),
+                json.dump(dict(split_policy=args.split_policy, copy_gbps=copy_gbps, mma_tflops=mma_tflops,
+                               commit=os.environ.get("KDTREE_COMMIT"), device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"),
                                iters=args.iters, rows=rows), f, indent=1)
             os.replace(args.json + ".tmp", args.json)
 
@@ -125,14 +129,15 @@ def main(argv=None) -> int:
                   f"{xla.get('chunked') or 0:.1f} us in-loop (empty loop {empty:.1f}) [{time.perf_counter() - t0:.0f} s]",
                   flush=True)
         for variant in args.variants.split(","):
-            splits, _ = vffi.splits_for(batch, num_queries, heads, length, variant)
+            splits, _ = vffi.splits_for(batch, num_queries, heads, length, variant, args.split_policy)
             graph_us, main_us, merge_us = (float(v) for v in bench.bench_verify_attention(
                 batch, num_queries, heads, length, splits, vffi.VARIANTS[variant], True, args.iters)[1:])
             row = dict(B=batch, T=num_queries, H=heads, L=length, variant=variant, splits=splits, us=graph_us,
                        main_us=main_us, merge_us=merge_us, roofline_pct=100 * floor_us / graph_us if graph_us > 0 else None,
                        tflops=flops / graph_us / 1e6 if graph_us > 0 else None)
             if args.in_loop:
-                op = functools.partial(vffi.verify_attention_ffi, softmax_scale=SCALE, variant=variant)
+                op = functools.partial(vffi.verify_attention_ffi, softmax_scale=SCALE, variant=variant,
+                                       split_policy=args.split_policy)
                 row["in_loop_us"] = in_loop_us(op, inputs, layers, args.iters)
                 xla_us = rows[-1]["xla_us"] if rows[-1].get("variant") == "xla" else None
                 row["speedup_in_loop"] = xla_us / row["in_loop_us"] if xla_us else None

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"],
                    help="verify-attention implementation")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="compute every verify row bit for bit as plain one-token decoding would, so that greedy "
+                        "speculative output equals autoregressive output token for token on a GPU in bfloat16 "
+                        "(slower: rows padded to 64-multiples, XLA's cuBLAS heuristics instead of autotuned GEMMs)")
     p.add_argument("--profile", action="store_true",
                    help="first run the decode loop once under the profiler and print where a step's time goes: "
                         "kernel time per part (drafter, tree + accept + commit, the verify pass's attention, MoE and "
@@ -438,7 +442,8 @@ def main(argv=None) -> int:
                                   topk=args.topk, tree_temperature=args.tree_temperature,
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
                                   seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
-                                  stop_ids=stop_ids, on_tokens=stream, on_progress=progress)
+                                  stop_ids=stop_ids, on_tokens=stream, on_progress=progress,
+                                  row_invariant=args.row_invariant)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
@@ -496,7 +501,8 @@ def run_batch(args, tree, stops, t_start) -> int:
         print(f"[{description}; loaded in {load_seconds:.1f} s; decoding {len(ids)} prompts together ...]",
               file=sys.stderr, flush=True)
         with Heartbeat("prefill, compile and decode"):
-            res = engine.generate(target, drafter, ids, **kwargs, seed=args.seed, impl=args.impl, on_tokens=StopWatch(tokenizer, stops))
+            res = engine.generate(target, drafter, ids, **kwargs, seed=args.seed, impl=args.impl,
+                                  row_invariant=args.row_invariant, on_tokens=StopWatch(tokenizer, stops))
     except ValueError as e:
         _fail(_as_flags(str(e)))
     stats = {**res.stats, "load_seconds": load_seconds, "wall_seconds": time.perf_counter() - t_start,
@@ -581,5 +587,6 @@ sys.modules[__name__].__class__ = _CallableModule
 if __name__ == "__main__":
     from kdtree_jax import runtime
 
-    runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    # Before JAX starts: on a GPU, command buffers keep the decode loop on the device (and --row-invariant's flags).
+    runtime.configure(row_invariant="--row-invariant" in sys.argv[1:])
     sys.exit(main())

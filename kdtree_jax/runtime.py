@@ -13,6 +13,13 @@ the first backend starts (the first array or computation, not `import jax`), so:
 The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. It changes nothing
 on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if they already choose command buffers
 (`--xla_gpu_enable_command_buffer`), and does nothing with KDTREE_JAX_COMMAND_BUFFERS=0.
+
+`configure(row_invariant=True)` also sets the flags a row-invariant decode needs (greedy speculative output bit for
+bit the autoregressive one, SpecConfig.row_invariant; kdtree_jax/model/row_invariant.py): Triton GEMMs and GEMM
+autotuning off (XLA then takes cuBLAS's heuristic algorithm for a shape instead of timing candidates per row count)
+and no excess precision (XLA otherwise keeps bfloat16 intermediates in float32 inside its fusions, and where it fuses
+depends on the shapes). These slow every program of the process, so they are opt-in; `row_invariant_configured()`
+says whether they are in effect.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "WHILE", 
 COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFFER_TYPES)} "
                         "--xla_gpu_graph_min_graph_size=1")
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
+ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"),
+                       ("xla_allow_excess_precision", "false"))
+
+
+def _flag_values(name: str, flags: str) -> list[str]:
+    """The values XLA_FLAGS give `--name` (`--name=v`; a bare `--name` counts as "true"), in order."""
+    return [m.group(1) if m.group(1) is not None else "true"
+            for m in re.finditer(rf"--{re.escape(name)}(?:=(\S*))?(?=\s|$)", flags)]
 
 
 def backends_started() -> bool:
@@ -37,24 +52,30 @@ def backends_started() -> bool:
     return bool(bridge is not None and bridge.backends_are_initialized())
 
 
-def configure(command_buffers: bool | None = None) -> bool:
-    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU. Call it before the
-    process's first JAX computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False
-    leaves XLA_FLAGS as they are. Returns whether the flags are in XLA_FLAGS now (set here or before)."""
+def configure(command_buffers: bool | None = None, row_invariant: bool = False) -> bool:
+    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU, and with
+    `row_invariant` the flags a row-invariant decode needs (ROW_INVARIANT_FLAGS). Call it before the process's first
+    JAX computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False leaves XLA_FLAGS'
+    command buffers as they are. A flag XLA_FLAGS already name is the user's choice and left alone. Returns whether
+    the command-buffer flags are in XLA_FLAGS now (set here or before)."""
     if command_buffers is None:
         command_buffers = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
     flags = os.environ.get("XLA_FLAGS", "")
+    users_buffers = "--xla_gpu_enable_command_buffer" in flags  # the user's own choice wins
+    add = [COMMAND_BUFFER_FLAGS] if command_buffers and not users_buffers else []
+    if row_invariant:
+        add += [f"--{name}={value}" for name, value in ROW_INVARIANT_FLAGS if not _flag_values(name, flags)]
+    if add and backends_started():
+        warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
+                      "already, so on a GPU a decode loop may copy its predicate to the host every step"
+                      + (" and rows may depend on the pass's row count" if row_invariant else "")
+                      + "; call it before the first JAX computation", RuntimeWarning, stacklevel=2)
+        return bool(command_buffers and users_buffers and command_buffers_configured())
+    if add:
+        os.environ["XLA_FLAGS"] = " ".join([flags] + add).strip()
     if not command_buffers:
         return False
-    if "--xla_gpu_enable_command_buffer" in flags:  # the user's own choice wins
-        return command_buffers_configured()
-    if backends_started():
-        warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
-                      "already, so a GPU decode loop copies its predicate to the host every step; call it before "
-                      "the first JAX computation", RuntimeWarning, stacklevel=2)
-        return False
-    os.environ["XLA_FLAGS"] = (flags + " " + COMMAND_BUFFER_FLAGS).strip()
-    return True
+    return command_buffers_configured() if users_buffers else True
 
 
 def command_buffers_configured() -> bool:
@@ -62,6 +83,17 @@ def command_buffers_configured() -> bool:
     since XLA_FLAGS last changed)."""
     match = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
     return bool(match) and "WHILE" in match[-1].upper().split(",")
+
+
+def row_invariant_configured() -> bool:
+    """Whether XLA_FLAGS hold every flag of ROW_INVARIANT_FLAGS with its value (what XLA read, if its backend has
+    started since XLA_FLAGS last changed)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for name, value in ROW_INVARIANT_FLAGS:
+        given = _flag_values(name, flags)
+        if not given or given[-1].lower() not in ((value, "0") if value == "false" else (value,)):
+            return False
+    return True
 
 
 def host_driven_loops(hlo_text: str) -> int:

@@ -93,14 +93,14 @@ def heldout_prompts(tokenizer, count: int, length: int = 40):
 
 @functools.partial(jax.jit, static_argnames=("hidden_layers",))
 def _verify_pass(target, cache, tokens, mask, *, hidden_layers=()):
-    """One target pass over T new tokens per sequence at positions seq_len + depth, as the engine's step runs
-    it (same loop weights, same op implementations); all T tokens are then committed (a chain). Returns
-    (logits [B, T, V] float32, cache)."""
+    """One row-invariant target pass over T new tokens per sequence at positions seq_len + depth, as the engine's
+    step runs it with SpecConfig.row_invariant (same loop weights, same op implementations); all T tokens are then
+    committed (a chain). Returns (logits [B, T, V] float32, cache)."""
     num = tokens.shape[1]
     cache, slots, batch = kv_pool.begin_chunk(cache, num, mask)
     positions = cache.seq_lens[:, None] + jnp.arange(num, dtype=jnp.int32)[None, :]
     fwd = target(tokens, positions, cache.pages, batch, hidden_layers=hidden_layers,
-                 loop_weights=target.loop_weights())
+                 loop_weights=target.loop_weights(), row_invariant=True)
     cache = kv_pool.end_chunk(cache._replace(pages=fwd.kv_pages), slots, jnp.full((tokens.shape[0],), num, jnp.int32))
     return fwd.logits, cache
 
@@ -174,7 +174,7 @@ def check_attention_root_row(dtype, *, batch: int, num_nodes: int, prefix: int, 
     pool = jnp.asarray(rng.standard_normal((2, batch * (lmax + 64), width), np.float32), dtype)
     table = jnp.asarray(np.stack([rng.permutation(pool.shape[1])[:lmax + 64] for _ in range(batch)]).astype(np.int32))
     q = jnp.asarray(rng.standard_normal((batch, num_nodes, heads, width), np.float32), dtype)
-    kw = dict(softmax_scale=width ** -0.5, rope_dim=rope)
+    kw = dict(softmax_scale=width ** -0.5, rope_dim=rope, split_policy="invariant")
     if variant is None:
         op = jax.jit(functools.partial(verify_attention, impl=impl, **kw))
     else:
@@ -208,6 +208,40 @@ def test_lm_logits_accumulate_and_return_float32(pair_bf16):
     assert on_grid.mean() < 0.1, "logits look rounded to bfloat16"
 
 
+def test_padded_rows_compute_the_plain_pass(monkeypatch):
+    """A row-invariant pass's padded layout (model/row_invariant.py; on a GPU only, forced here) computes what the
+    plain [B, T] pass computes: the tiny MoE target in float32, a 2 x 5 causal pass on a prefilled cache, logits,
+    hidden features, expert counts and the written latent rows (up to float32 rounding: other shapes, other
+    kernels on XLA:CPU)."""
+    import kdtree_jax
+    from kdtree_jax.config import ModelConfig
+    from kdtree_jax.model import row_invariant
+
+    cfg = ModelConfig.preset("tiny")
+    target = kdtree_jax.init_model(cfg, seed=4, dtype=jnp.float32)
+    cache = kv_pool.init_cache(cfg, 2, 32, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    _, _, cache = prefill(target, cache, jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32),
+                          np.array([8, 6], np.int32), chunk_size=8)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+
+    def run(row_invariant_pass):
+        cache2, slots, batch = kv_pool.begin_chunk(_copy(cache), 5, causal_mask(2, 5))
+        positions = cache2.seq_lens[:, None] + jnp.arange(5, dtype=jnp.int32)[None, :]
+        out = target(tokens, positions, cache2.pages, batch, hidden_layers=(0, 1), row_invariant=row_invariant_pass)
+        return out, batch.write_slots
+
+    plain, slots = run(False)
+    monkeypatch.setattr(row_invariant, "pads_rows", lambda flag: bool(flag))
+    assert row_invariant.RowLayout.of(2, 5, True).padded == 64
+    padded, _ = run(True)
+    np.testing.assert_allclose(np.asarray(padded.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(padded.hidden), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(padded.expert_counts), np.asarray(plain.expert_counts))
+    written = lambda out: np.asarray(out.kv_pages[:, np.asarray(slots).reshape(-1)])  # noqa: E731
+    np.testing.assert_allclose(written(padded), written(plain), rtol=1e-5, atol=1e-5)
+
+
 # (dtype, B, T, prefix, H, Dc, Dr): odd sizes; prefixes long enough that the one-token call splits its positions
 # (B < 8: up to 8 / B splits of at least four 64-position blocks) while a T-row call has enough row chunks that the
 # earlier count would not have split it (B = 2, T = 9, H = 6 at K2's 576-wide rows and B = 1, T = 65 differed before
@@ -235,7 +269,7 @@ def test_split_count_depends_on_batch_and_heads_only():
             assert vffi.split_counts(batch, 33, heads, width, "pipelined", policy="occupancy") == (
                 (vffi.choose_num_splits(batch, 33, heads, width, vffi.sm_count()),) * 2)
     assert vffi.split_counts(1, 33, 8, 65536, "pipelined", num_splits=5) == (5, 5)
-    with pytest.raises(ValueError, match="split policy"):
+    with pytest.raises(ValueError, match="split_policy"):
         vffi.split_counts(1, 1, 8, 64, policy="fastest")
 
 
@@ -349,9 +383,9 @@ def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
 
     target, drafter, tokenizer = pair_bf16
     prompts = heldout_prompts(tokenizer, 4)
-    ar = generate(target, None, prompts, max_new_tokens=32, budget=0).tokens
+    ar = generate(target, None, prompts, max_new_tokens=32, budget=0, row_invariant=True).tokens
     for name, kwargs in {"chain": dict(tree="chain"), "DDTree 16": dict(budget=16), "DDTree 32": dict(budget=32)}.items():
-        got = generate(target, drafter, prompts, max_new_tokens=32, topk=4, **kwargs).tokens
+        got = generate(target, drafter, prompts, max_new_tokens=32, topk=4, row_invariant=True, **kwargs).tokens
         partings = [_parting_gap(target, p, x, y) for p, x, y in zip(prompts, ar, got)]
         assert all(pt is None or pt[1] < NEAR_TIE for pt in partings), (
             f"{name}: (first differing token, logit gap there) per prompt {partings}")
@@ -444,8 +478,8 @@ def test_gpu_greedy_speculative_is_autoregressive_bf16(pair_bf16, batch):
     decoders = {"chain": dict(tree="chain"), "DDTree 16": dict(budget=16), "DDTree 32": dict(budget=32)}
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
-        ar = generate(target, None, group, max_new_tokens=96, budget=0).tokens
+        ar = generate(target, None, group, max_new_tokens=96, budget=0, row_invariant=True).tokens
         for name, kwargs in decoders.items():
-            got = generate(target, drafter, group, max_new_tokens=96, topk=4, **kwargs).tokens
+            got = generate(target, drafter, group, max_new_tokens=96, topk=4, row_invariant=True, **kwargs).tokens
             firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ar, got)]
             assert got == ar, f"{name}, batch {batch}: first differing token per prompt {firsts}"

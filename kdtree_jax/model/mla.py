@@ -20,6 +20,7 @@ from flax import nnx
 from kdtree_jax.attention_batch import AttentionBatch  # noqa: F401  (re-exported: model/transformer.py imports it here)
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
+from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import verify_attention
 from kdtree_jax.sharding import MeshLayout
 
@@ -85,35 +86,38 @@ class MLA(nnx.Module):
         return jnp.concatenate([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)], axis=-1)
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, *, impl: str = "auto",
-                 absorbed: AbsorbedWeights | None = None):
-        """x [B, T, hidden] -> (out [B, T, hidden], kv_pages with this layer's T rows written).
-        `absorbed`: this layer's absorbed_weights() computed by the caller (outside its loop), else here."""
-        rows = self.latent_rows(x, cos, sin).astype(kv_pages.dtype)
+                 absorbed: AbsorbedWeights | None = None, rows: RowLayout | None = None):
+        """x [B, T, hidden] (or the rows of a row-invariant pass, `rows`: model/row_invariant.py) -> (out like x,
+        kv_pages with this layer's T rows written). `absorbed`: this layer's absorbed_weights() computed by the
+        caller (outside its loop), else here."""
+        rows = RowLayout(*x.shape[:2]) if rows is None else rows
+        latent = rows.unflat(self.latent_rows(x, cos, sin)).astype(kv_pages.dtype)
         # In place when kv_pages is donated: one row per new token, no copy of the pool.
-        kv_pages = kv_pages.at[layer, batch.write_slots].set(rows, mode="drop")
+        kv_pages = kv_pages.at[layer, batch.write_slots].set(latent, mode="drop")
 
         w_uk, w_uv = self.absorbed_weights() if absorbed is None else absorbed
-        q_rows = self.query_rows(x, cos, sin, w_uk).astype(kv_pages.dtype)
-        out_latent = self.attend(q_rows, kv_pages, layer, batch, impl)
-        return self.output(out_latent, w_uv, x), kv_pages
+        q_rows = rows.unflat(self.query_rows(x, cos, sin, w_uk)).astype(kv_pages.dtype)
+        out_latent = self.attend(q_rows, kv_pages, layer, batch, impl, rows.split_policy)
+        return self.output(rows.flat(out_latent), w_uv, x.dtype), kv_pages
 
     def query_rows(self, x, cos, sin, w_uk):
-        """The attention op's queries [B, T, H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent
+        """The attention op's queries [.., H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent
         space by W_UK, then the roped part."""
         q_nope, q_pe = self.queries(x, cos, sin)
-        q_latent = jnp.einsum("bthn,hcn->bthc", q_nope, w_uk)
+        q_latent = jnp.einsum("...hn,hcn->...hc", q_nope, w_uk)
         return jnp.concatenate([q_latent, q_pe], axis=-1)
 
-    def output(self, out_latent, w_uv, x):
-        """The attention op's latent output [B, T, H, kv_lora_rank] up-projected by W_UV, then o_proj."""
-        out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), w_uv)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+    def output(self, out_latent, w_uv, dtype):
+        """The attention op's latent output [.., H, kv_lora_rank] up-projected by W_UV, then o_proj: [.., hidden]."""
+        out = jnp.einsum("...hc,hvc->...hv", out_latent.astype(dtype), w_uv)
+        return self.o_proj(out.reshape(*out.shape[:-2], -1))
 
-    def attend(self, q_rows, kv_pages, layer: int, batch: AttentionBatch, impl: str):
+    def attend(self, q_rows, kv_pages, layer: int, batch: AttentionBatch, impl: str,
+               split_policy: str = "occupancy"):
         """The verify-attention op; on a mesh, each device runs it on its own heads against its
         (replicated) copy of the latent pool, so the custom call never needs partitioning."""
         op = functools.partial(verify_attention, softmax_scale=self.cfg.softmax_scale,
-                               rope_dim=self.cfg.qk_rope_head_dim, impl=impl)
+                               rope_dim=self.cfg.qk_rope_head_dim, impl=impl, split_policy=split_policy)
         args = (q_rows, kv_pages, jnp.asarray(layer, jnp.int32), batch.kv_slots, batch.kv_lens, batch.tree_mask)
         with jax.named_scope("attention_op"):  # profiles attribute by this scope (see engine._speculative_step)
             if self.placement is None:

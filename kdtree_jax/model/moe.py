@@ -10,6 +10,7 @@ from flax import nnx
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
+from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
@@ -143,13 +144,16 @@ class MoE(nnx.Module):
         ex = self.experts
         return tuple(jnp.swapaxes(w[...], 0, 1) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
 
-    def __call__(self, x, loop_weights=None):
+    def __call__(self, x, loop_weights=None, rows: RowLayout | None = None):
         """-> (output like x, tokens routed to each physical expert slot [num_slots] int32).
-        `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body."""
+        `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body; `rows`: the rows
+        of a row-invariant pass (model/row_invariant.py): the router and the shared expert run on all of them,
+        the routed experts on the real ones only."""
+        rows = RowLayout(1, x.shape[0]) if rows is None else rows
         x2d = x.reshape(-1, x.shape[-1])
-        indices, weights = self.gate(x2d)
+        indices, weights = (rows.real(a) for a in self.gate(x2d))
         slots = self.to_physical(indices)
-        out = self.routed(x2d, slots, weights, loop_weights)
+        out = rows.pad_back(self.routed(rows.real(x2d), slots, weights, loop_weights))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2d)
         counts = jnp.bincount(slots.reshape(-1), length=self.num_slots).astype(jnp.int32)

@@ -12,6 +12,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
 from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
 from kdtree_jax.model.moe import MoE
+from kdtree_jax.model.row_invariant import RowLayout
 
 
 class LoopWeights(NamedTuple):
@@ -38,16 +39,17 @@ class DecoderLayer(nnx.Module):
         return LoopWeights(self.self_attn.absorbed_weights(), self.mlp.loop_weights() if self.is_moe else None)
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str,
-                 loop_weights: LoopWeights | None = None):
-        """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer)."""
+                 loop_weights: LoopWeights | None = None, rows: RowLayout | None = None):
+        """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer). x: [B, T, hidden], or the
+        rows of a row-invariant pass (`rows`, model/row_invariant.py)."""
         lw = loop_weights
         attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl,
-                                        absorbed=None if lw is None else lw.absorbed)
+                                        absorbed=None if lw is None else lw.absorbed, rows=rows)
         x = x + attn
         if self.is_moe:
             normed = self.post_attention_layernorm(x)
             with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
-                mlp_out, expert_counts = self.mlp(normed, None if lw is None else lw.experts)
+                mlp_out, expert_counts = self.mlp(normed, None if lw is None else lw.experts, rows=rows)
             return x + mlp_out, kv_pages, expert_counts
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
 
@@ -106,26 +108,33 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, kv_pages, batch: AttentionBatch, *,
                  hidden_layers: Sequence[int] = (), impl: str = "auto",
-                 loop_weights: Sequence[LoopWeights] | None = None) -> ForwardOutput:
+                 loop_weights: Sequence[LoopWeights] | None = None, row_invariant: bool = False) -> ForwardOutput:
         """Run T new tokens per sequence against the paged cache.
 
         tokens, positions [B, T] int32 (positions drive rope: for a tree, start + depth);
         `batch` says where the tokens' rows go and which cached positions each may see;
-        `loop_weights`: loop_weights() computed by the caller (a decode loop, once), else derived per call.
+        `loop_weights`: loop_weights() computed by the caller (a decode loop, once), else derived per call;
+        `row_invariant`: compute each token's row bit for bit as a pass of that token alone would on a GPU (the
+        rows padded, the attention op's T-independent splits: model/row_invariant.py; needs
+        runtime.configure(row_invariant=True)'s XLA flags), at a cost in speed.
         """
         bad = [i for i in hidden_layers if not 0 <= i < self.cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range [0, {self.cfg.num_hidden_layers})")
-        cos, sin = rope_cos_sin(self.cfg, positions)
-        x = self.embed(tokens)
+        rows = RowLayout.of(*tokens.shape, row_invariant)
+        cos, sin = (rows.flat(t) for t in rope_cos_sin(self.cfg, positions))
+        x = rows.flat(self.embed(tokens))
         captured, expert_counts = {}, []
         for i, layer in enumerate(self.layers):
             x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl,
-                                        None if loop_weights is None else loop_weights[i])
+                                        None if loop_weights is None else loop_weights[i], rows)
             if counts is not None:
                 expert_counts.append(counts)
             if i in hidden_layers:
-                captured[i] = x
-        hidden = jnp.stack([captured[i] for i in hidden_layers]) if hidden_layers else jnp.zeros((0,) + x.shape, x.dtype)
+                captured[i] = rows.unflat(x)
+        if hidden_layers:
+            hidden = jnp.stack([captured[i] for i in hidden_layers])
+        else:
+            hidden = jnp.zeros((0,) + tokens.shape + x.shape[-1:], x.dtype)
         counts = jnp.stack(expert_counts) if expert_counts else jnp.zeros((0, 0), jnp.int32)
-        return ForwardOutput(self.head(x), hidden, kv_pages, counts)
+        return ForwardOutput(rows.unflat(self.head(x)), hidden, kv_pages, counts)

@@ -19,6 +19,7 @@ from kdtree_jax.ops.reference import mask_words, verify_attention_reference
 from kdtree_jax.ops.xla import verify_attention_xla
 
 IMPLS = ("auto", "reference", "xla", "ffi")
+SPLIT_POLICIES = ("occupancy", "invariant")  # kdtree_jax/ops/ffi.py says what each does
 
 
 def validate_verify_args(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, rope_dim: int) -> None:
@@ -53,10 +54,16 @@ def validate_verify_args(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, rope_d
 
 
 def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale: float,
-                     rope_dim: int = 64, num_splits: int = 0, impl: str = "auto"):
-    """out [B, T, H, Dc], lse [B, T, H] -- see ops/reference.py for the full contract."""
+                     rope_dim: int = 64, num_splits: int = 0, impl: str = "auto", split_policy: str = "occupancy"):
+    """out [B, T, H, Dc], lse [B, T, H] -- see ops/reference.py for the full contract.
+
+    split_policy: how the CUDA kernel picks its KV split count: "occupancy" (the fastest for the call's T) or
+    "invariant" (independent of T, so a verify pass's root row equals the one-token call's bit for bit; what
+    row-invariant decoding uses, at a cost: kdtree_jax/ops/ffi.py). The other implementations ignore it."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if split_policy not in SPLIT_POLICIES:
+        raise ValueError(f"split_policy must be one of {SPLIT_POLICIES}; got {split_policy!r}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = choose automatically); got {num_splits}")
     layer = jnp.asarray(layer, jnp.int32)
@@ -74,11 +81,12 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
         ffi = None
     if ffi is not None and ffi.available():
         return ffi.verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
-                                        softmax_scale=softmax_scale, rope_dim=rope_dim, num_splits=num_splits)
+                                        softmax_scale=softmax_scale, rope_dim=rope_dim, num_splits=num_splits,
+                                        split_policy=split_policy)
     if impl == "ffi":
         raise ValueError("impl='ffi' but the compiled extension is not built; reinstall with `pip install -e .`")
     return verify_attention_reference(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                       softmax_scale=softmax_scale, rope_dim=rope_dim)
 
 
-__all__ = ["verify_attention", "verify_attention_reference", "verify_attention_xla", "validate_verify_args", "mask_words", "IMPLS"]
+__all__ = ["verify_attention", "verify_attention_reference", "verify_attention_xla", "validate_verify_args", "mask_words", "IMPLS", "SPLIT_POLICIES"]

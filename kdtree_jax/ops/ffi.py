@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdtree_jax.ops import SPLIT_POLICIES
 from kdtree_jax.ops.reference import verify_attention_reference
 
 try:  # the extension is optional: a pure-Python checkout still works through the reference
@@ -129,19 +130,22 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     return int(splits)
 
 
-# How the op picks its KV split count (issue 24). A verify pass's root row must come out bit for bit as the one-token
-# step at its position computes it (greedy speculative == autoregressive), so the split count must not depend on T:
-#   "invariant": the partition's count from B and H only (choose_num_splits at T = 1, uncapped by the length), the
-#       grid's count that partition capped by the table width (SPLIT_UNIT positions a split at least); the kernels cut
-#       the root row's positions by the partition count alone (ffi/verify/device.cuh, split_plan), so neither T nor
-#       the width (the engine's loops size their tables differently) changes a row's splits;
-#   "occupancy": the earlier count, choose_num_splits for the call's own T and width: fewer splits for a T-row pass
-#       (less partial traffic), but its root row merges other partials than the one-token call.
-# SPLIT_POLICY is read when a call is traced; benchmarks set it (--split-policy) to measure what the invariance costs.
-# Whichever loses that measurement goes (no environment variable selects it).
-SPLIT_POLICIES = ("invariant", "occupancy")
-SPLIT_POLICY = "invariant"
+# How the op picks its KV split count (the op's `split_policy` argument):
+#   "occupancy" (the default): choose_num_splits for the call's own T and width: the fewest partials that fill the
+#       device, so a T-row pass writes and merges far fewer partials than it would at the one-token call's count;
+#   "invariant" (issue 24, for row-invariant decoding: greedy speculative == autoregressive bit for bit): the
+#       partition's count from B and H only (choose_num_splits at T = 1, uncapped by the length), the grid's count
+#       that partition capped by the table width (SPLIT_UNIT positions a split at least); the kernels cut the root
+#       row's positions by the partition count alone (ffi/verify/device.cuh, split_plan), so neither T nor the width
+#       (the engine's loops size their tables differently) changes a row's splits. It costs the verify pass +26% to
+#       +70% of the op's device time at 64k, T = 9-64 (benchmarks/results/verify_variants_h200.md), which is why it
+#       is opt-in (SpecConfig.row_invariant) and not the default.
 SPLIT_UNIT = 64  # positions: device.cuh's kSplitUnit, the partition's granule and a split's least length
+
+
+def _check_split_policy(policy: str) -> None:
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"split_policy must be one of {SPLIT_POLICIES}; got {policy!r}")
 
 
 def partition_splits(batch: int, num_heads: int, num_sms: int, rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
@@ -151,12 +155,10 @@ def partition_splits(batch: int, num_heads: int, num_sms: int, rows_per_block: i
 
 
 def split_counts(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto",
-                 num_splits: int = 0, policy: str | None = None) -> tuple[int, int]:
+                 num_splits: int = 0, policy: str = "occupancy") -> tuple[int, int]:
     """(grid splits, partition splits) of a call: the grid's count sizes the partial buffers and the launch; the
     partition's count cuts each sequence's positions (device.cuh, split_plan). `num_splits` > 0 forces both."""
-    policy = SPLIT_POLICY if policy is None else policy
-    if policy not in SPLIT_POLICIES:
-        raise ValueError(f"split policy must be one of {SPLIT_POLICIES}; got {policy!r}")
+    _check_split_policy(policy)
     if num_splits > 0:
         return int(num_splits), int(num_splits)
     kernel = resolve_variant(variant, num_queries * num_heads) or "pipelined"
@@ -169,7 +171,7 @@ def split_counts(batch: int, num_queries: int, num_heads: int, max_len: int, var
 
 
 def splits_for(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto",
-               policy: str | None = None) -> tuple[int, int]:
+               policy: str = "occupancy") -> tuple[int, int]:
     """(KV splits, query rows a block) the op uses for these shapes with `variant`: the grid's split count
     (split_counts) and the rows a block holds, which the kernel the handler will run decides ("auto" is resolved on
     device 0 while tracing; without a GPU, the portable kernels' 32)."""
@@ -209,10 +211,12 @@ def _call_cpu(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale,
                 softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim), isa=np.int64(CPU_ISAS[cpu_isa]))
 
 
-def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant):
+def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale, rope_dim, num_splits, variant,
+               split_policy):
     batch, num_queries, num_heads, width = q.shape
     rows = num_queries * num_heads
-    num_splits, split_parts = split_counts(batch, num_queries, num_heads, kv_slots.shape[1], variant, num_splits)
+    num_splits, split_parts = split_counts(batch, num_queries, num_heads, kv_slots.shape[1], variant, num_splits,
+                                           split_policy)
     # With one split the kernel writes the final result directly and the partial buffers are unused.
     part_rows = batch * num_splits * rows if num_splits > 1 else 1
     out_types = (jax.ShapeDtypeStruct((batch, num_queries, num_heads, width - rope_dim), q.dtype),
@@ -228,16 +232,20 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
 
 
 def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale: float,
-                         rope_dim: int = 64, num_splits: int = 0, variant: str = "auto", cpu_isa: str = "auto"):
+                         rope_dim: int = 64, num_splits: int = 0, variant: str = "auto", cpu_isa: str = "auto",
+                         split_policy: str = "occupancy"):
     """The FFI op (shapes already validated by `kdtree_jax.ops.validate_verify_args`). `variant` names the CUDA
     kernel (VARIANTS; "auto" everywhere but benchmarks and tests); the CPU handler ignores it. `cpu_isa` names the
     CPU handler's SIMD variant (CPU_ISAS; "auto" everywhere but benchmarks and tests: the best the CPU runs; a
-    variant the CPU cannot run is an error); the CUDA branch ignores it."""
+    variant the CPU cannot run is an error); the CUDA branch ignores it. `split_policy` (SPLIT_POLICIES) picks the
+    CUDA kernel's KV split count; the CPU handler's partition never depends on T (its splits are cheap), so it
+    ignores it."""
     if not available():
         raise ValueError("the compiled verify-attention extension is not built; reinstall with `pip install -e .`")
     _check_ffi_args(q, kv_pool, rope_dim, softmax_scale, num_splits)
     _check_variant(variant)
     _check_cpu_isa(cpu_isa)
+    _check_split_policy(split_policy)
     layer = jnp.asarray(layer, jnp.int32)
     kwargs = dict(softmax_scale=float(softmax_scale), rope_dim=int(rope_dim))
 
@@ -249,7 +257,8 @@ def verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, sof
 
     def on_cuda(*args):
         if cuda_fast_path(q, kv_pool, rope_dim):
-            return _call_cuda(*args, **kwargs, num_splits=int(num_splits), variant=variant)
+            return _call_cuda(*args, **kwargs, num_splits=int(num_splits), variant=variant,
+                              split_policy=split_policy)
         if cuda_built() and _has_gpu():
             _warn_fallback_once(f"q {q.dtype}/kv_pool {kv_pool.dtype} with width {q.shape[-1]} and rope_dim {rope_dim} "
                                 f"(fast path: bfloat16, {CUDA_LATENT_DIM}+{CUDA_ROPE_DIM})")

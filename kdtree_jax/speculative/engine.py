@@ -57,6 +57,10 @@ class SpecConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     impl: str = "auto"  # verify-attention implementation
+    # Every verify row computed bit for bit as the one-token step computes it, so that greedy speculative output
+    # equals autoregressive output token for token on a GPU in bfloat16 (Transformer.__call__; needs the XLA flags
+    # of kdtree_jax.runtime.configure(row_invariant=True)). Off by default: it costs speed.
+    row_invariant: bool = False
     expert_devices: int = 1  # expert-load statistics group the expert slots into this many devices
 
 
@@ -136,7 +140,8 @@ def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: Lo
     # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
     with jax.named_scope("verify"):
         fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
-                     hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights)
+                     hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights,
+                     row_invariant=spec.row_invariant)
     cache = cache._replace(pages=fwd.kv_pages)
 
     with jax.named_scope("accept"):
@@ -806,7 +811,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
              profile: bool = False, chunk_steps: Optional[int] = None, on_tokens=None,
-             on_progress=None) -> GenerateResult:
+             on_progress=None, row_invariant: bool = False) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
@@ -835,6 +840,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     on_progress(phase, done, total): ("prefill", prompt tokens done, the longest prompt's tokens) after each prefill
     chunk has run, then ("compile", 0, 1) and ("compile", 1, 1) around the decode loop's compile (a cache hit is
     quick), for a progress bar.
+    row_invariant: every verify row computed as the one-token step computes it (SpecConfig.row_invariant), so that
+    greedy speculative output equals autoregressive output token for token on a GPU; slower. Needs
+    kdtree_jax.runtime.configure(row_invariant=True) before JAX starts (a warning says when its flags are missing).
 
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
@@ -851,7 +859,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
                       budget=budget if req.use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                      max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices)
+                      max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
+                      row_invariant=bool(row_invariant))
+    if row_invariant and jax.default_backend() == "gpu" and not runtime.row_invariant_configured():
+        warnings.warn("generate(row_invariant=True) without the XLA flags of kdtree_jax.runtime.configure("
+                      "row_invariant=True) (call it before the first JAX computation): rows may still depend on the "
+                      "verify pass's row count", RuntimeWarning, stacklevel=2)
 
     if chunk_steps is None:
         chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None or _loop_on_device() else 0
