@@ -147,16 +147,15 @@ class MoE(nnx.Module):
     def __call__(self, x, loop_weights=None, rows: RowLayout | None = None):
         """-> (output like x, tokens routed to each physical expert slot [num_slots] int32).
         `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body; `rows`: the rows
-        of a row-invariant pass (model/row_invariant.py): the router and the shared expert run on all of them,
-        the routed experts on the real ones only."""
-        rows = RowLayout(1, x.shape[0]) if rows is None else rows
+        of a row-invariant pass (model/row_invariant.py): every row is routed, the padding rows to no expert."""
+        rows = RowLayout(x.shape[0], 1) if rows is None else rows  # None: x as it is
         x2d = x.reshape(-1, x.shape[-1])
-        indices, weights = (rows.real(a) for a in self.gate(x2d))
+        indices, weights = self.gate(x2d)
         slots = self.to_physical(indices)
-        out = rows.pad_back(self.routed(rows.real(x2d), slots, weights, loop_weights))
+        out = self.routed(x2d, rows.no_experts(slots), weights, loop_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2d)
-        counts = jnp.bincount(slots.reshape(-1), length=self.num_slots).astype(jnp.int32)
+        counts = jnp.bincount(rows.real(slots).reshape(-1), length=self.num_slots).astype(jnp.int32)
         return out.reshape(x.shape), counts
 
     def routed(self, x2d, indices, weights, loop_weights=None):

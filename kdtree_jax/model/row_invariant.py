@@ -13,8 +13,10 @@ in 1..528; neither alone did.
 `RowLayout` pads once per forward pass instead of around each product: the hidden stream runs as [P, hidden] rows,
 P = max(64, ceil(B·T / 64) · 64), so every row-wise op of a pass with B·T ≤ 64 rows (the norms, rope, the
 projections, the MLPs, the residual adds, the head) has exactly the shapes of the one-token step, whatever T is,
-and XLA compiles the same kernels for them. Only the ops that mix rows see the real rows: the attention op
-([B, T] back from the rows) and the routed experts (their CUDA op is row-invariant by itself). Off (the default,
+and XLA compiles the same kernels for them. Only the attention op sees the real rows ([B, T] back from the rows);
+the routed experts take every row of the layout, the padding rows choosing no expert, so their sort and combine
+have the layout's shapes too while their CUDA op (row-invariant by itself) computes the real rows only. (With the
+combine at the real rows' shapes, a 1-row step and a 17-row pass of one sequence still differed: H200, 153ebf9.) Off (the default,
 and always on a CPU, whose XLA needs another scheme: tests/test_greedy_equality.py), `flat` and `unflat` are the
 identity and the traced program is exactly the plain one.
 
@@ -82,6 +84,15 @@ class RowLayout(NamedTuple):
     def real(self, x2d):
         """[rows of the layout, ...] -> the real rows [B·T, ...] (a flattened [B, T] layout is all real)."""
         return x2d if self.padded is None else x2d[: self.rows]
+
+    def no_experts(self, slots):
+        """[rows of the layout, k] expert slots with the padding rows' set to -1 (no expert: the routed experts sort
+        them past every group, where they add zeros), so that the experts' combine runs at the layout's shapes
+        while the experts compute the real rows only."""
+        if self.padded is None:
+            return slots
+        real = jnp.arange(self.padded)[:, None] < self.rows
+        return jnp.where(real, slots, -1)
 
     def pad_back(self, x2d):
         """The real rows [B·T, ...] -> [rows of the layout, ...] (zeros in the padding rows)."""
