@@ -52,13 +52,15 @@ class OracleDrafter(nnx.Module):
 
     At positions where `wrong` is set, the top-1 proposal is wrong and the right token is ranked
     second (so only a tree with siblings recovers it). `hopeless` ranks the right token last, far below.
+    `hopeless` is an array, not a Python attribute: a hopeless oracle is the same program as a noisy one (the
+    graph is static, only the arrays differ), so it runs a decode loop compiled for the parametrised test.
     """
 
     def __init__(self, sequences, vocab: int, depth: int, wrong=None, hopeless: bool = False):
         self.cfg = DrafterConfig(block_size=depth + 1)
         self.target_layer_ids = (0,)
         self.vocab = vocab
-        self.hopeless = hopeless
+        self.hopeless = nnx.Variable(jnp.asarray(hopeless, bool))
         self.table = nnx.Variable(jnp.asarray(sequences, jnp.int32))
         self.wrong = nnx.Variable(jnp.zeros(np.shape(sequences), bool) if wrong is None else jnp.asarray(wrong))
 
@@ -74,11 +76,12 @@ class OracleDrafter(nnx.Module):
         table, wrong = self.table[...], self.wrong[...]
         pos = jnp.clip(start[:, None] + 1 + jnp.arange(depth)[None, :], 0, table.shape[1] - 1)
         right = jnp.take_along_axis(table, pos, axis=1)
-        is_wrong = jnp.take_along_axis(wrong, pos, axis=1) | self.hopeless
+        hopeless = self.hopeless[...]
+        is_wrong = jnp.take_along_axis(wrong, pos, axis=1) | hopeless
         decoy = (right + 1) % self.vocab
         logits = jnp.full(right.shape + (self.vocab,), -20.0)
         onehot = lambda t: jax.nn.one_hot(t, self.vocab, dtype=bool)  # noqa: E731
-        right_score = jnp.where(is_wrong, -40.0 if self.hopeless else -1.0, 0.0)
+        right_score = jnp.where(is_wrong, jnp.where(hopeless, -40.0, -1.0), 0.0)
         logits = jnp.where(onehot(right), right_score[..., None], logits)
         logits = jnp.where(onehot(decoy) & is_wrong[..., None], 0.0, logits)
         return jax.nn.log_softmax(logits, axis=-1)
@@ -161,9 +164,11 @@ def test_oracle_drafter_reaches_block_length(target, prompts, greedy_ar):
 
 
 def test_always_wrong_drafter_gives_tau_one(target, prompts, greedy_ar):
+    """The right token ranked below every top-4 candidate: no node of even a 16-node tree is ever accepted. The
+    settings (and so the compiled loop) of the parametrised ddtree-16-3 case's oracle."""
     group, expected = prompts[3:6], greedy_ar[3:6]
     oracle = OracleDrafter(_oracle_table(group, expected), TINY.vocab_size, BLOCK - 1, hopeless=True)
-    res = generate(target, oracle, group, max_new_tokens=MAX_NEW, budget=2, topk=2)
+    res = generate(target, oracle, group, max_new_tokens=MAX_NEW, budget=16, topk=4)
     assert res.tokens == expected
     assert res.stats["tau"] == 1.0
 
