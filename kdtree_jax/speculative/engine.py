@@ -29,7 +29,7 @@ import numpy as np
 
 from kdtree_jax import kv_pool, profiling, runtime
 from kdtree_jax.decode import prefill, validate_tokens
-from kdtree_jax.ops.argmax import argmax_last, top_k_last
+from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
@@ -119,7 +119,7 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
         logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
         if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
             logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
-        top_lp, top_tok = top_k_last(logprobs, spec.topk)
+        top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
     with jax.named_scope("tree"):
         if spec.tree == "ddtree":
             return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
