@@ -117,11 +117,13 @@ void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream) {
                                              static_cast<unsigned>(batch)), kMergeThreads, 0, stream>>>(p);
 }
 
-// The instance (its split grouping, hence its summation order) comes from B * H, the rows of a one-token call, not
-// from B * T * H: a verify pass's rows merge as the one-token call's do (issue 24). At least ~2 blocks per SM of an
-// H200 at T = 1: 16 / 8 / 4 chunks per row.
+// The instance (its split grouping, hence its summation order) comes from the call's query rows B * T * H, except
+// under the invariant partition (p.split_parts > 0: the split policy of row-invariant decoding, issue 24), where it
+// comes from B * H, the rows of a one-token call, so that a verify pass's rows merge as the one-token call's do. At
+// least ~2 blocks per SM of an H200 at T = 1: 16 / 8 / 4 chunks per row; a many-row call takes the widest chunks
+// (the fewest blocks: each block's two reductions and its lse loads are its fixed cost).
 void launch_many_split_merge_impl(const Params& p, int64_t batch, cudaStream_t stream) {
-  const int64_t rows = batch * p.num_heads;
+  const int64_t rows = batch * (p.split_parts > 0 ? p.num_heads : p.rows);
   if (rows <= 16) {
     launch_block_merge<8>(p, batch, stream);
   } else if (rows <= 64) {

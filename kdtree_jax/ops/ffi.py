@@ -226,7 +226,10 @@ def _call_cuda(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax_scale
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     out, lse, _, _ = call(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                           softmax_scale=np.float32(softmax_scale), rope_dim=np.int64(rope_dim),
-                          num_splits=np.int64(num_splits), split_parts=np.int64(split_parts),
+                          num_splits=np.int64(num_splits),
+                          # 0: the partition is the grid's count, and the merge may pick its instance by the call's
+                          # rows (ffi/verify/merge.cu); the invariant policy names its partition's count.
+                          split_parts=np.int64(split_parts if split_policy == "invariant" else 0),
                           variant=np.int64(VARIANTS[variant]))
     return out, lse
 
