@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     target, _, tokenizer = load_checkpoint(os.path.join(ROOT, "checkpoints", "default"), dtype=jnp.bfloat16)
     cfg, layers = target.cfg, tuple(range(target.cfg.num_hidden_layers))
     docs = corpus.documents("eval")
-    prompts = [tokenizer.encode(docs[i].text)[:40 + 4 * i] for i in range(args.batch)]
+    prompts = [tokenizer.encode(docs[i % len(docs)].text)[:40 + 4 * (i % 5)] for i in range(args.batch)]
     ids = np.zeros((args.batch, 64), np.int32)
     for b, pr in enumerate(prompts):
         ids[b, :len(pr)] = pr
