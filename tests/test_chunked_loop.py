@@ -162,16 +162,25 @@ def test_runtime_flags(monkeypatch):
     assert runtime.configure() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
     monkeypatch.setenv("XLA_FLAGS", runtime.COMMAND_BUFFER_FLAGS)
     assert runtime.command_buffers_configured() and runtime.configure() is True
+    assert not runtime.row_invariant_configured()
+    every = " ".join(f"--{name}={value}" for name, value in runtime.ROW_INVARIANT_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", every)
+    assert runtime.row_invariant_configured()
+    monkeypatch.setenv("XLA_FLAGS", every + " --xla_allow_excess_precision=true")  # the last value is what XLA reads
+    assert not runtime.row_invariant_configured()
 
 
 def test_configure_before_jax_starts():
-    """In a fresh process configure() sets the flags, and XLA (here the CPU backend) accepts them."""
-    code = ("import os, kdtree_jax.runtime as r; assert r.configure() is True; "
+    """In a fresh process configure() sets the flags (with row_invariant, those too, leaving the one the user named),
+    and XLA (here the CPU backend) accepts them."""
+    code = ("import os, kdtree_jax.runtime as r; assert r.configure(row_invariant=True) is True; "
             "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS']; "
+            "assert '--xla_gpu_autotune_level=4' in os.environ['XLA_FLAGS'] and not r.row_invariant_configured(); "
+            "assert '--xla_allow_excess_precision=false' in os.environ['XLA_FLAGS']; "
             "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.ENV_SWITCH)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
-                          timeout=120)
+    env = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=4"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "6"
 
