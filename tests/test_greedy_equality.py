@@ -21,23 +21,16 @@ What must hold, bit for bit, and where it is checked:
     the one plain decoding writes, and greedy outputs are equal token for token);
   * end to end: greedy chain / DDTree 16 / DDTree 32 through `kdtree_jax.generate` == budget 0.
 
-GPU (marked `gpu`): all of the above on the embedded default pair in bfloat16, through the CUDA attention and
-MoE ops. CPU: the parts XLA:CPU can give, and (marked `slow`) the end-to-end equality, which holds on the test
-prompts but is not guaranteed. XLA:CPU cannot give the dense products: XLA:CPU (jax 0.10, YNNPACK dot
-fusions; with them off, Eigen) picks its matmul kernel from the row count (on an AMX machine, in bfloat16: one
-kernel for M <= 2 rows and for a remainder of 1-2 rows past a 16-row tile, AMX tiles otherwise; float32: a
-GEMV at M = 1, a second blocking from M ~ 63), so the same row rounds differently in a 1-row step and a 17-row
-verify pass; the CPU's whole-target check is an expected failure that says so when it fails.
+The target's dense products and norms are row-invariant only in a row-invariant pass (`row_invariant=True`,
+model/row_invariant.py: the rows padded to at least two 64-row blocks, every row-wise part run a block at a time,
+the routed experts' "row_invariant" formulation, the attention op's invariant split policy); a plain pass picks its
+matmul kernels by the row count (XLA:CPU, jax 0.10, in bfloat16: one kernel for M <= 2 rows and for a remainder of
+1-2 rows past a 16-row tile, AMX tiles otherwise; cuBLAS/Triton likewise by M), and where XLA fuses depends on
+the shapes.
 
-What XLA:CPU would need (measured on this repository's 2-core Sapphire Rapids VM, jax 0.10.2, issue 24): (1) every
-dense product computed in fixed 16-row blocks (the rows padded to a multiple of 16, one [16, K] x [K, N] product per
-block in a loop XLA does not merge): a row's result then depends on neither M nor its place in the block, for
-bfloat16 -> float32, bfloat16 and float32 products alike (test_cpu_fixed_row_block_products_are_row_invariant);
-(2) XLA_FLAGS=--xla_allow_excess_precision=false, since XLA:CPU otherwise keeps bfloat16 intermediates in float32
-inside its fusions and where it fuses depends on the shapes. With both (every dot_general patched), the default
-pair's root rows (1 x 17, 4 x 33) equal the one-token step's logits bit for bit; with either alone they do not
-(without them the first MoE layer's output already differs). Rows 5-7 of an 8-node chain still differed with both
-(not traced further). Cost on that VM (noisy): the one-token step 4.0 -> 6.3 ms, a 17-node pass about the same.
+CPU: all of the above, the whole target and end to end in row-invariant passes (marked `slow`), exact on the test
+prompts (this repository's 2-core VM, jax 0.10.2, default XLA flags). GPU (marked `gpu`): the ops, and the whole
+target as an expected failure until a device run of this form says otherwise (GPU_WHOLE_TARGET).
 """
 
 from __future__ import annotations
@@ -59,22 +52,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
 HAVE_DEFAULT = os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json"))
 needs_default = pytest.mark.skipif(not HAVE_DEFAULT, reason="checkpoints/default is not there")
-ON_GPU = jax.default_backend() == "gpu"
-CPU_DOTS = ("XLA:CPU picks its matmul kernel from the row count (YNNPACK: M <= 2 rows vs AMX tiles; Eigen: "
-            "blocking by shape), so a row rounds differently in a 1-row step and a T-row verify pass")
-
 
 # Shared pieces ----------------------------------------------------------------------------------------------
 # What is not yet row-invariant on the GPU (issue 24 stays open until these pass).
 GPU_DOTS = ("XLA/cuBLAS choose the matmul algorithm by the row count M: row 0 of an M-row bf16 product differs from M = 1 "
             "(benchmarks/results/dense_row_invariance_h200.md: only rows padded to 64-multiples under "
             "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0 were invariant; row-invariant passes pad so)")
-GPU_WHOLE_TARGET = ("row-invariant passes are not yet exact (H200, b55ddc6 / e95f8b0, "
-                    "benchmarks/results/history/gpu_tests_h200_session14.log): with the row-invariant XLA flags the "
-                    "root rows matched at B = 4 x 33 and 16 x 17 but not at B = 1 here, while ffi/tools/root_row_layers.py's "
-                    "B = 1 passes (which also return every layer's features) matched in every layer and its B = 4 "
-                    "passes did not (layer 0); which kernels XLA picks still depends on the program around the padded rows. "
-                    "A chain's later rows also cross other split boundaries than the one-token steps do")
+GPU_WHOLE_TARGET = ("not run on a GPU in its current form (the blockwise row-invariant pass, exact on the CPU); the "
+                    "earlier padded-only form missed at B = 1 or B = 4 depending on the XLA flags (H200, b55ddc6 / "
+                    "e95f8b0, benchmarks/results/history/gpu_tests_h200_session14.log)")
 
 
 @pytest.fixture(scope="module")
@@ -212,33 +198,34 @@ def test_lm_logits_accumulate_and_return_float32(pair_bf16):
     assert on_grid.mean() < 0.1, "logits look rounded to bfloat16"
 
 
-def test_padded_rows_compute_the_plain_pass(monkeypatch):
-    """A row-invariant pass's padded layout (model/row_invariant.py; on a GPU only, forced here) computes what the
-    plain [B, T] pass computes: the tiny MoE target in float32, a 2 x 5 causal pass on a prefilled cache, logits,
-    hidden features, expert counts and the written latent rows (up to float32 rounding: other shapes, other
-    kernels on XLA:CPU)."""
+def test_padded_rows_compute_the_plain_pass():
+    """A row-invariant pass's padded, blockwise layout (model/row_invariant.py) computes what the plain [B, T] pass
+    computes: the tiny MoE target in float32, a 2 x 40 causal pass on a prefilled cache (80 rows: two blocks of 64),
+    logits, hidden features, expert counts and the written latent rows (up to float32 rounding: other shapes, other
+    kernels)."""
     import kdtree_jax
     from kdtree_jax.config import ModelConfig
-    from kdtree_jax.model import row_invariant
+    from kdtree_jax.model.row_invariant import RowLayout
 
     cfg = ModelConfig.preset("tiny")
     target = kdtree_jax.init_model(cfg, seed=4, dtype=jnp.float32)
-    cache = kv_pool.init_cache(cfg, 2, 32, dtype=jnp.float32)
+    cache = kv_pool.init_cache(cfg, 2, 64, dtype=jnp.float32)
     rng = np.random.default_rng(0)
     _, _, cache = prefill(target, cache, jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32),
                           np.array([8, 6], np.int32), chunk_size=8)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 40)), jnp.int32)
+    assert RowLayout.of(2, 5, True).padded == 128 and RowLayout.of(3, 50, True).padded == 192
+    assert RowLayout.of(2, 5, False).padded is None
 
-    def run(row_invariant_pass):
-        cache2, slots, batch = kv_pool.begin_chunk(_copy(cache), 5, causal_mask(2, 5))
-        positions = cache2.seq_lens[:, None] + jnp.arange(5, dtype=jnp.int32)[None, :]
-        out = target(tokens, positions, cache2.pages, batch, hidden_layers=(0, 1), row_invariant=row_invariant_pass)
+    @functools.partial(jax.jit, static_argnames="row_invariant")
+    def run(cache, row_invariant):
+        cache, _, batch = kv_pool.begin_chunk(cache, 40, causal_mask(2, 40))
+        positions = cache.seq_lens[:, None] + jnp.arange(40, dtype=jnp.int32)[None, :]
+        out = target(tokens, positions, cache.pages, batch, hidden_layers=(0, 1), row_invariant=row_invariant)
         return out, batch.write_slots
 
-    plain, slots = run(False)
-    monkeypatch.setattr(row_invariant, "pads_rows", lambda flag: bool(flag))
-    assert row_invariant.RowLayout.of(2, 5, True).padded == 64
-    padded, _ = run(True)
+    plain, slots = run(_copy(cache), False)
+    padded, _ = run(_copy(cache), True)
     np.testing.assert_allclose(np.asarray(padded.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(padded.hidden), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(padded.expert_counts), np.asarray(plain.expert_counts))
@@ -344,21 +331,16 @@ def test_cpu_fixed_row_block_products_are_row_invariant(dtype, preferred):
             assert np.array_equal(among_70[r], alone), f"{k}x{n}: row {r} of 70 differs from the row alone"
 
 
-@pytest.mark.slow  # 30 s on a 2-core machine
+@pytest.mark.slow  # ~60 s on a 2-core machine (six programs compiled)
 @needs_default
-@pytest.mark.xfail(not ON_GPU, reason=CPU_DOTS, strict=False)
-def test_cpu_verify_root_row_is_the_one_token_step(pair_bf16):
-    """The whole bfloat16 target on the CPU (expected to fail: see the module docstring). With the expert MLP's
-    forms rounding alike, the root row's bfloat16 hidden states match through every layer of the default pair
-    here; the float32 products (router, lm head) still differ in the last bits (M = 1: another kernel)."""
+@pytest.mark.parametrize("check,batch,num_nodes", [
+    pytest.param(check_root_row, 1, 17, id="root-1x17"), pytest.param(check_root_row, 4, 33, id="root-4x33"),
+    pytest.param(check_chain_rows, 4, 16, id="chain-4x16")])
+def test_cpu_verify_rows_are_the_one_token_steps(pair_bf16, check, batch, num_nodes):
+    """The whole bfloat16 target on the CPU, row-invariant passes (model/row_invariant.py): a tree verify pass's root
+    row and every row of a chain verify pass equal the one-token steps' logits bit for bit."""
     target, _, tokenizer = pair_bf16
-    check_root_row(target, tokenizer, batch=1, num_nodes=17)
-
-
-# A near-tie of two logits: a bfloat16 rounding difference between a 1-row step and a T-row pass moves a logit by
-# ~1e-2 (the v2 default pair's second test prompt has 482 / 264 / 265 within 0.025 of each other after its first
-# token); a genuine row-count bug (e.g. bfloat16-rounded logits) parts outputs at gaps of 0.1 and more.
-NEAR_TIE = 0.1
+    check(target, tokenizer, batch=batch, num_nodes=num_nodes)
 
 
 def _parting_gap(target, prompt, ar, got):
@@ -374,15 +356,12 @@ def _parting_gap(target, prompt, ar, got):
     return i, abs(float(logits[ar[i]] - logits[got[i]]))
 
 
-@pytest.mark.slow  # 100 s on a 2-core machine (four decode loops compiled)
+@pytest.mark.slow  # ~100 s on a 2-core machine (four decode loops compiled)
 @needs_default
 def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
-    """bfloat16 greedy chain / DDTree 16 / DDTree 32 == budget 0 on the CPU, 4 prompts x 32 tokens in one batch,
-    except where the autoregressive output itself sits on a near-tie (NEAR_TIE). Not guaranteed by construction
-    on XLA:CPU (module docstring): it holds because what still depends on the row count is a float32 last-bit
-    difference (router, lm head) or a rare bfloat16 rounding-boundary crossing of a dense product, which can
-    only flip a choice that close. It failed before the lm head returned float32 logits and the expert MLP's
-    forms rounded alike (14 of 15 outputs, 5 prompts x 40, v1 pair)."""
+    """bfloat16 greedy chain / DDTree 16 / DDTree 32 == budget 0 on the CPU, token for token, 4 prompts x 32 tokens in
+    one batch, every decoder row-invariant (generate(row_invariant=True)). Before the row-invariant passes this held
+    only where no near-tie sat on a rounding difference (14 of 15 outputs, 5 prompts x 40, v1 pair)."""
     from kdtree_jax import generate
 
     target, drafter, tokenizer = pair_bf16
@@ -391,9 +370,7 @@ def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
     for name, kwargs in {"chain": dict(tree="chain"), "DDTree 16": dict(budget=16), "DDTree 32": dict(budget=32)}.items():
         got = generate(target, drafter, prompts, max_new_tokens=32, topk=4, row_invariant=True, **kwargs).tokens
         partings = [_parting_gap(target, p, x, y) for p, x, y in zip(prompts, ar, got)]
-        assert all(pt is None or pt[1] < NEAR_TIE for pt in partings), (
-            f"{name}: (first differing token, logit gap there) per prompt {partings}")
-        assert sum(pt is None for pt in partings) >= len(prompts) - 1, f"{name}: {partings}"
+        assert got == ar, f"{name}: (first differing token, logit gap there) per prompt {partings}"
 
 
 # GPU ----------------------------------------------------------------------------------------------------------

@@ -86,19 +86,22 @@ class MLA(nnx.Module):
         return jnp.concatenate([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)], axis=-1)
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, *, impl: str = "auto",
-                 absorbed: AbsorbedWeights | None = None, rows: RowLayout | None = None):
+                 absorbed: AbsorbedWeights | None = None, rows: RowLayout | None = None, residual=None):
         """x [B, T, hidden] (or the rows of a row-invariant pass, `rows`: model/row_invariant.py) -> (out like x,
         kv_pages with this layer's T rows written). `absorbed`: this layer's absorbed_weights() computed by the
-        caller (outside its loop), else here."""
+        caller (outside its loop), else here. `residual`: returned added to out (inside the row blocks of a
+        row-invariant pass, so that the output product and the add fuse alike in every pass)."""
         rows = RowLayout(*x.shape[:2]) if rows is None else rows
-        latent = rows.unflat(self.latent_rows(x, cos, sin)).astype(kv_pages.dtype)
-        # In place when kv_pages is donated: one row per new token, no copy of the pool.
-        kv_pages = kv_pages.at[layer, batch.write_slots].set(latent, mode="drop")
-
         w_uk, w_uv = self.absorbed_weights() if absorbed is None else absorbed
-        q_rows = rows.unflat(self.query_rows(x, cos, sin, w_uk)).astype(kv_pages.dtype)
-        out_latent = self.attend(q_rows, kv_pages, layer, batch, impl, rows.split_policy)
-        return self.output(rows.flat(out_latent), w_uv, x.dtype), kv_pages
+        latent, q_rows = rows.map(lambda h, c, s: (self.latent_rows(h, c, s), self.query_rows(h, c, s, w_uk)),
+                                  x, cos, sin)
+        # In place when kv_pages is donated: one row per new token, no copy of the pool.
+        kv_pages = kv_pages.at[layer, batch.write_slots].set(rows.unflat(latent).astype(kv_pages.dtype), mode="drop")
+        out_latent = self.attend(rows.unflat(q_rows).astype(kv_pages.dtype), kv_pages, layer, batch, impl,
+                                 rows.split_policy)
+        if residual is None:
+            return rows.map(lambda o: self.output(o, w_uv, x.dtype), rows.flat(out_latent)), kv_pages
+        return rows.map(lambda r, o: r + self.output(o, w_uv, x.dtype), residual, rows.flat(out_latent)), kv_pages
 
     def query_rows(self, x, cos, sin, w_uk):
         """The attention op's queries [.., H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent

@@ -144,22 +144,33 @@ class MoE(nnx.Module):
         ex = self.experts
         return tuple(jnp.swapaxes(w[...], 0, 1) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
 
-    def __call__(self, x, loop_weights=None, rows: RowLayout | None = None):
-        """-> (output like x, tokens routed to each physical expert slot [num_slots] int32).
+    def __call__(self, x, loop_weights=None, rows: RowLayout | None = None, residual=None):
+        """-> (output like x, plus `residual` when given, tokens routed to each physical expert slot [num_slots] int32).
         `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body; `rows`: the rows
-        of a row-invariant pass (model/row_invariant.py): every row is routed, the padding rows to no expert."""
+        of a row-invariant pass (model/row_invariant.py): every row is routed, the padding rows to no expert, and the
+        routed experts run a block of rows at a time like the rest."""
         rows = RowLayout(x.shape[0], 1) if rows is None else rows  # None: x as it is
         x2d = x.reshape(-1, x.shape[-1])
-        indices, weights = self.gate(x2d)
+        indices, weights = rows.map(self.gate, x2d)
         slots = self.to_physical(indices)
-        out = self.routed(x2d, rows.no_experts(slots), weights, loop_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x2d)
+        impl = "row_invariant" if rows.invariant else "auto"  # ops/moe.py: a row's result alone or among others
+        out = rows.map(lambda h, s, w: self.routed(h, s, w, loop_weights, impl), x2d, rows.no_experts(slots), weights)
+        shared = self.shared_experts
+        extra = () if residual is None else (residual.reshape(x2d.shape),)
+
+        def finish(h, o, *r):
+            # The shared expert and the residual add in one row block: a row-invariant pass must fuse the shared
+            # expert's last product with the adds after it as every pass does (XLA:CPU folds a dot and the add after
+            # it into one rounding where they meet in one computation).
+            o = o if shared is None else o + shared(h)
+            return r[0] + o if r else o
+        out = rows.map(finish, x2d, out, *extra)
         counts = jnp.bincount(rows.real(slots).reshape(-1), length=self.num_slots).astype(jnp.int32)
         return out.reshape(x.shape), counts
 
-    def routed(self, x2d, indices, weights, loop_weights=None):
-        """Routed experts; on a mesh each device computes its share and the shares are summed.
+    def routed(self, x2d, indices, weights, loop_weights=None, impl: str = "auto"):
+        """Routed experts; on a mesh each device computes its share and the shares are summed. `impl`: the grouped
+        MLP's formulation (ops/moe.py; "row_invariant" in a row-invariant pass).
 
         tp: every device holds every expert's 1/n of the intermediate dim (partial sums);
         ep: every device holds E/n whole experts and the tokens that chose them contribute there.
@@ -169,7 +180,7 @@ class MoE(nnx.Module):
         weights_in = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
         placement = self.placement
         if placement is None:
-            return routed_experts(x2d, indices, weights, *weights_in, expert_second=loop_weights)
+            return routed_experts(x2d, indices, weights, *weights_in, impl=impl, expert_second=loop_weights)
         # Each weight's spec from its own logical axes; tokens, routing and the output are replicated.
         specs = tuple(placement.param_spec(p) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
         whole = placement.spec()
@@ -178,6 +189,6 @@ class MoE(nnx.Module):
         def local(x, i, w, g, u, d):
             # ep: this device's experts are ids [offset, offset + E/n); tp: every expert, a slice of each.
             offset = jax.lax.axis_index(MESH_AXIS) * g.shape[0] if experts_split else 0
-            return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset), MESH_AXIS)
+            return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset, impl=impl), MESH_AXIS)
         return jax.shard_map(local, mesh=placement.mesh, in_specs=(whole,) * 3 + specs, out_specs=whole,
                              check_vma=False)(x2d, indices, weights, *weights_in)

@@ -2,26 +2,32 @@
 
 Greedy speculative decoding equals plain greedy decoding token for token only if a T-row verify pass computes
 each row bit for bit as the one-token step does (tests/test_greedy_equality.py). Three things vary with the row
-count on a GPU: the attention op's KV split count (the op's `split_policy="invariant"` fixes it), XLA's choice of
-GEMM (cuBLAS algorithm, Triton tiling, split-K) by the row count M, and where XLA fuses and so where it keeps
-bfloat16 intermediates in float32 ("excess precision"), which depends on the shapes. Measured on an H200
-(ffi/tools/dense_row_invariance.py, benchmarks/results/dense_row_invariance_h200.md): with XLA_FLAGS
-`--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0` (runtime.configure(row_invariant=True) sets them)
-and the rows zero-padded to a multiple of 64 before a product, every product gave the M = 1 row's bits at every M
-in 1..528; neither alone did.
+count: the attention op's KV split count (the op's `split_policy="invariant"` fixes it), the matmul kernel XLA picks
+by the row count M (GPU: cuBLAS algorithm, Triton tiling, split-K; CPU: YNNPACK/Eigen blockings), and where XLA fuses
+and so where it keeps bfloat16 intermediates in float32 ("excess precision"), which depends on the shapes. Measured
+on an H200 (ffi/tools/dense_row_invariance.py, benchmarks/results/dense_row_invariance_h200.md): with XLA_FLAGS
+`--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0` and the rows zero-padded to a multiple of 64, every
+product gave the M = 1 row's bits at M = 1..528 for single products; in the whole target the padded row count itself
+(64 at a one-token step, 192 at B = 4 x 33) still changed layer 0's rows (H200, e95f8b0). On a CPU, products in fixed
+16-row blocks with `--xla_allow_excess_precision=false` made the root rows exact (tests/test_greedy_equality.py).
 
-`RowLayout` pads once per forward pass instead of around each product: the hidden stream runs as [P, hidden] rows,
-P = max(64, ceil(B·T / 64) · 64), so every row-wise op of a pass with B·T ≤ 64 rows (the norms, rope, the
-projections, the MLPs, the residual adds, the head) has exactly the shapes of the one-token step, whatever T is,
-and XLA compiles the same kernels for them. Only the attention op sees the real rows ([B, T] back from the rows);
-the routed experts take every row of the layout, the padding rows choosing no expert, so their sort and combine
-have the layout's shapes too while their CUDA op (row-invariant by itself) computes the real rows only. (With the
-combine at the real rows' shapes, a 1-row step and a 17-row pass of one sequence still differed: H200, 153ebf9.) Off (the default,
-and always on a CPU, whose XLA needs another scheme: tests/test_greedy_equality.py), `flat` and `unflat` are the
-identity and the traced program is exactly the plain one.
+So a row-invariant pass (`RowLayout` with `padded`) runs its hidden stream as [P, hidden] rows, P = max(128,
+ceil(B·T / 64) · 64), and computes every row-wise part (the norms, the projections with rope, the MLPs with the
+residual adds after them, the router's product, the routed and shared experts, the head) by `map`: over blocks of
+64 rows, one at a time, so each product, norm and add has the same [64, ...] shape and the same neighbours in every
+pass, whatever B and T are. At least two blocks, because XLA inlines a one-block loop and then fuses its products
+with what surrounds them (a dot with the add after it: one rounding instead of two), which a loop body never does.
+Only the attention op sees the real rows ([B, T] back from the rows); the routed experts' padding rows choose no
+expert, and their grouped MLP takes the "row_invariant" formulation (ops/moe.py). On this repository's CPU (jax
+0.10.2, the default pair in bfloat16) that made a verify pass's rows equal the one-token steps' bit for bit: root rows
+at B x T = 1 x 17, 4 x 33, 16 x 17 and every row of 1 x 16 and 4 x 16 chains, through every layer
+(tests/test_greedy_equality.py; ffi/tools/root_row_layers.py); the GPU has not run this form yet.
+runtime.configure(row_invariant=True) sets the XLA flags (Triton GEMMs, GEMM autotuning and excess precision off).
+Off (the default: `padded` None), `flat`, `unflat` and `map` are the identity and the traced program is exactly the
+plain one.
 
 Meshes: the rows ("batch", "seq") are replicated in every layout of kdtree_jax/sharding.py and only the rows are
-padded and sliced, so the feature dims keep their shardings.
+padded, sliced and blocked, so the feature dims keep their shardings.
 """
 
 from __future__ import annotations
@@ -31,17 +37,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-ROW_BLOCK = 64  # rows padded to a multiple of this, at least this many
+ROW_BLOCK = 64  # rows per block of a row-invariant pass; the rows are padded to a multiple, at least two blocks
 
 
 def padded_row_count(rows: int) -> int:
-    """max(64, ceil(rows / 64) * 64)."""
-    return max(ROW_BLOCK, -(-rows // ROW_BLOCK) * ROW_BLOCK)
-
-
-def pads_rows(row_invariant: bool) -> bool:
-    """Whether a row-invariant pass pads its rows: on a GPU only (decided when the program is traced)."""
-    return bool(row_invariant) and jax.default_backend() == "gpu"
+    """max(128, ceil(rows / 64) * 64): whole blocks, at least two (a one-block loop is inlined; module docstring)."""
+    return max(2 * ROW_BLOCK, -(-rows // ROW_BLOCK) * ROW_BLOCK)
 
 
 def _fence(x):
@@ -64,7 +65,7 @@ class RowLayout(NamedTuple):
 
     @staticmethod
     def of(batch: int, seq: int, row_invariant: bool) -> "RowLayout":
-        padded = padded_row_count(batch * seq) if pads_rows(row_invariant) else None
+        padded = padded_row_count(batch * seq) if row_invariant else None
         return RowLayout(batch, seq, padded, bool(row_invariant))
 
     @property
@@ -93,6 +94,18 @@ class RowLayout(NamedTuple):
         """[rows of the layout, ...] -> the real rows [B·T, ...] (a flattened [B, T] layout is all real)."""
         return x2d if self.padded is None else _fence(x2d)[: self.rows]
 
+    def map(self, fn, *xs):
+        """fn(*xs) for a row-wise fn (each output row a function of its input rows) on the layout's rows: as it is
+        unpadded; padded, over blocks of ROW_BLOCK rows one at a time (jax.lax.map), so that every product inside
+        fn has the [ROW_BLOCK, ...] shape in every pass. Returns fn's output (an array or a tuple of them) with the
+        layout's leading dim."""
+        if self.padded is None:
+            return fn(*xs)
+        blocks = self.padded // ROW_BLOCK
+        parts = _fence(tuple(x.reshape((blocks, ROW_BLOCK) + x.shape[1:]) for x in xs))
+        out = jax.lax.map(lambda block: fn(*block), parts)
+        return _fence(jax.tree.map(lambda y: y.reshape((self.padded,) + y.shape[2:]), out))
+
     def no_experts(self, slots):
         """[rows of the layout, k] expert slots with the padding rows' set to -1 (no expert: the routed experts sort
         them past every group, where they add zeros), so that the experts' combine runs at the layout's shapes
@@ -109,4 +122,4 @@ class RowLayout(NamedTuple):
         return _fence(jnp.pad(x2d, ((0, self.padded - self.rows),) + ((0, 0),) * (x2d.ndim - 1)))
 
 
-__all__ = ["RowLayout", "padded_row_count", "pads_rows", "ROW_BLOCK"]
+__all__ = ["RowLayout", "padded_row_count", "ROW_BLOCK"]

@@ -43,15 +43,17 @@ class DecoderLayer(nnx.Module):
         """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer). x: [B, T, hidden], or the
         rows of a row-invariant pass (`rows`, model/row_invariant.py)."""
         lw = loop_weights
-        attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, layer, batch, impl=impl,
-                                        absorbed=None if lw is None else lw.absorbed, rows=rows)
-        x = x + attn
+        rows = RowLayout(*x.shape[:2]) if rows is None else rows
+        # The residual adds happen inside the row blocks of a row-invariant pass (model/row_invariant.py), next to the
+        # products they follow, as in every pass; unpadded this is x + attn, x + mlp as usual.
+        x, kv_pages = self.self_attn(rows.map(self.input_layernorm, x), cos, sin, kv_pages, layer, batch, impl=impl,
+                                     absorbed=None if lw is None else lw.absorbed, rows=rows, residual=x)
         if self.is_moe:
-            normed = self.post_attention_layernorm(x)
+            normed = rows.map(self.post_attention_layernorm, x)
             with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
-                mlp_out, expert_counts = self.mlp(normed, None if lw is None else lw.experts, rows=rows)
-            return x + mlp_out, kv_pages, expert_counts
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages, None
+                x, expert_counts = self.mlp(normed, None if lw is None else lw.experts, rows=rows, residual=x)
+            return x, kv_pages, expert_counts
+        return rows.map(lambda h: h + self.mlp(self.post_attention_layernorm(h)), x), kv_pages, None
 
 
 class ForwardOutput(NamedTuple):
@@ -137,4 +139,4 @@ class Transformer(nnx.Module):
         else:
             hidden = jnp.zeros((0,) + tokens.shape + x.shape[-1:], x.dtype)
         counts = jnp.stack(expert_counts) if expert_counts else jnp.zeros((0, 0), jnp.int32)
-        return ForwardOutput(rows.unflat(self.head(x)), hidden, kv_pages, counts)
+        return ForwardOutput(rows.unflat(rows.map(self.head, x)), hidden, kv_pages, counts)

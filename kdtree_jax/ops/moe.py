@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - exercised only without a build
     _ext = None
 
 TARGET = "kdtree_moe_experts"
-IMPLS = ("auto", "xla", "cuda", "dense")
+IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
 # wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
@@ -73,6 +73,9 @@ MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # and down weights stay under this many bytes (the default pair: up to 10 rows; see the module docstring).
 CPU_GATHER_ROWS_PER_EXPERT = 4
 CPU_GATHER_MAX_BYTES = 8 << 20
+# "row_invariant" gathers the rows' experts up to this many bytes of gathered weights (a 64-row block of the default
+# pair: 3 MB), above it the "auto" formulation (not row-invariant on a CPU: say so where it matters).
+ROW_INVARIANT_GATHER_MAX_BYTES = 256 << 20
 
 
 @functools.cache
@@ -296,6 +299,9 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     elsewhere; "dense" = `all_experts_mlp` everywhere (every expert on every row, masked: for few experts); "auto" = "cuda" on GPU for bf16 with M <= CUDA_MAX_ROWS, `gathered_mlp` on CPU for a few rows
     (`use_cpu_gather`), else "xla", except that on a CPU, given `expert_second` (the same weights laid out
     expert axis second, see `dense_mlp`: what a decode loop computes once), "auto" runs `dense_mlp` on them.
+    "row_invariant" (what a row-invariant pass runs, model/row_invariant.py): a row's result independent of the other
+    rows and of its place among them: the CUDA op on a GPU (bf16: one GEMV chain per row), `gathered_mlp` elsewhere
+    (per-row products of the gathered weights) up to ROW_INVARIANT_GATHER_MAX_BYTES, else "auto".
     `blocks_per_sm`: the CUDA op's register budget (BLOCKS_PER_SM_CHOICES; the default everywhere but
     benchmarks and tests); the other formulations ignore it.
     """
@@ -304,6 +310,14 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     args = (rows, group_sizes, gate, up, down)
     if impl == "dense":
         return all_experts_mlp(*args)
+    if impl == "row_invariant":
+        num_experts, hidden, inter = gate.shape
+        if 3 * rows.shape[0] * hidden * inter * gate.dtype.itemsize > ROW_INVARIANT_GATHER_MAX_BYTES:
+            impl = "auto"
+        else:
+            branches = ({"cuda": functools.partial(_call_cuda, blocks_per_sm=blocks_per_sm)}
+                        if use_cuda(rows, gate, up, down, impl) else {})
+            return jax.lax.platform_dependent(*args, **branches, default=gathered_mlp)
     branches = {}
     if use_cuda(rows, gate, up, down, impl):
         branches["cuda"] = functools.partial(_call_cuda, blocks_per_sm=blocks_per_sm)
