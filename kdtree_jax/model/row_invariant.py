@@ -102,9 +102,9 @@ class RowLayout(NamedTuple):
         if self.padded is None:
             return fn(*xs)
         blocks = self.padded // ROW_BLOCK
-        parts = _fence(tuple(x.reshape((blocks, ROW_BLOCK) + x.shape[1:]) for x in xs))
+        parts = tuple(x.reshape((blocks, ROW_BLOCK) + x.shape[1:]) for x in xs)
         out = jax.lax.map(lambda block: fn(*block), parts)
-        return _fence(jax.tree.map(lambda y: y.reshape((self.padded,) + y.shape[2:]), out))
+        return jax.tree.map(lambda y: y.reshape((self.padded,) + y.shape[2:]), out)
 
     def no_experts(self, slots):
         """[rows of the layout, k] expert slots with the padding rows' set to -1 (no expert: the routed experts sort
@@ -114,12 +114,6 @@ class RowLayout(NamedTuple):
             return slots
         real = jnp.arange(self.padded)[:, None] < self.rows
         return jnp.where(real, slots, -1)
-
-    def pad_back(self, x2d):
-        """The real rows [B·T, ...] -> [rows of the layout, ...] (zeros in the padding rows)."""
-        if self.padded is None:
-            return x2d
-        return _fence(jnp.pad(x2d, ((0, self.padded - self.rows),) + ((0, 0),) * (x2d.ndim - 1)))
 
 
 __all__ = ["RowLayout", "padded_row_count", "ROW_BLOCK"]
