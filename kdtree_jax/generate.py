@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify-attention implementation")
     p.add_argument("--row-invariant", action="store_true",
                    help="compute every verify row bit for bit as plain one-token decoding would, so that greedy "
-                        "speculative output equals autoregressive output token for token on a GPU in bfloat16 "
-                        "(slower: rows padded to 64-multiples, XLA's cuBLAS heuristics instead of autotuned GEMMs)")
+                        "speculative output equals autoregressive output token for token in bfloat16 (much slower: "
+                        "every row-wise part in fixed 64-row blocks; on a GPU also untuned cuBLAS GEMMs)")
     p.add_argument("--profile", action="store_true",
                    help="first run the decode loop once under the profiler and print where a step's time goes: "
                         "kernel time per part (drafter, tree + accept + commit, the verify pass's attention, MoE and "
