@@ -45,14 +45,6 @@ def padded_row_count(rows: int) -> int:
     return max(2 * ROW_BLOCK, -(-rows // ROW_BLOCK) * ROW_BLOCK)
 
 
-def _fence(x):
-    """x, behind an optimization barrier: XLA's simplifier would otherwise move a slice of the padded rows into the
-    product that made them (slice(dot(x, w)) -> dot(slice(x), w)) or a pad out of one, and the product would run at
-    the real row count again. (H200, 456b077: without it, with the GEMM flags, a 1-row step and a 17-row pass of
-    one sequence gave different root rows.)"""
-    return jax.lax.optimization_barrier(x)
-
-
 class RowLayout(NamedTuple):
     """How a forward pass of B x T tokens lays out its rows: as [B, T, ...] (padded None) or as [P, ...] with the
     B·T real rows first and zero rows after (padded = P); `invariant`: the pass is row-invariant (its attention
@@ -82,17 +74,17 @@ class RowLayout(NamedTuple):
         if self.padded is None:
             return x
         x = x.reshape((self.rows,) + x.shape[2:])
-        return _fence(jnp.pad(x, ((0, self.padded - self.rows),) + ((0, 0),) * (x.ndim - 1)))
+        return jnp.pad(x, ((0, self.padded - self.rows),) + ((0, 0),) * (x.ndim - 1))
 
     def unflat(self, x):
         """The pass's layout -> [B, T, ...] (the real rows)."""
         if self.padded is None:
             return x
-        return _fence(x)[: self.rows].reshape((self.batch, self.seq) + x.shape[1:])
+        return x[: self.rows].reshape((self.batch, self.seq) + x.shape[1:])
 
     def real(self, x2d):
         """[rows of the layout, ...] -> the real rows [B·T, ...] (a flattened [B, T] layout is all real)."""
-        return x2d if self.padded is None else _fence(x2d)[: self.rows]
+        return x2d if self.padded is None else x2d[: self.rows]
 
     def map(self, fn, *xs):
         """fn(*xs) for a row-wise fn (each output row a function of its input rows) on the layout's rows: as it is
