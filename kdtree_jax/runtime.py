@@ -18,8 +18,8 @@ on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if th
 bit the autoregressive one, SpecConfig.row_invariant; kdtree_jax/model/row_invariant.py): Triton GEMMs and GEMM
 autotuning off (XLA then takes cuBLAS's heuristic algorithm for a shape instead of timing candidates per row count)
 and no excess precision (XLA otherwise keeps bfloat16 intermediates in float32 inside its fusions, and where it fuses
-depends on the shapes). These slow every program of the process, so they are opt-in; `row_invariant_configured()`
-says whether they are in effect.
+depends on the shapes; this one also applies on a CPU). These slow every program of the process, so they are opt-in;
+`row_invariant_configured()` says whether they are in effect.
 """
 
 from __future__ import annotations

@@ -172,12 +172,16 @@ def all_experts_mlp(rows, group_sizes, gate, up, down):
     return jnp.dot(h, down.reshape(num_experts * inter, -1), preferred_element_type=f32).astype(rows.dtype)
 
 
+def gathered_bytes(rows, gate) -> int:
+    """Bytes of expert weights `gathered_mlp` gathers for these rows (gate, up and down: one expert's each a row)."""
+    _, hidden, inter = gate.shape
+    return 3 * rows.shape[0] * hidden * inter * gate.dtype.itemsize
+
+
 def use_cpu_gather(rows, gate, impl: str) -> bool:
     """Whether the CPU branch of "auto" gathers the rows' experts (else ragged_dot, or dense_mlp in a decode loop)."""
-    num_rows = rows.shape[0]
-    num_experts, hidden, inter = gate.shape
-    gathered = 3 * num_rows * hidden * inter * gate.dtype.itemsize
-    return impl == "auto" and num_rows <= CPU_GATHER_ROWS_PER_EXPERT * num_experts and gathered <= CPU_GATHER_MAX_BYTES
+    return (impl == "auto" and rows.shape[0] <= CPU_GATHER_ROWS_PER_EXPERT * gate.shape[0]
+            and gathered_bytes(rows, gate) <= CPU_GATHER_MAX_BYTES)
 
 
 def item_slots(num_rows: int, num_experts: int, rows_per_item: int) -> int:
@@ -311,8 +315,7 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     if impl == "dense":
         return all_experts_mlp(*args)
     if impl == "row_invariant":
-        num_experts, hidden, inter = gate.shape
-        if 3 * rows.shape[0] * hidden * inter * gate.dtype.itemsize > ROW_INVARIANT_GATHER_MAX_BYTES:
+        if gathered_bytes(rows, gate) > ROW_INVARIANT_GATHER_MAX_BYTES:
             impl = "auto"
         else:
             branches = ({"cuda": functools.partial(_call_cuda, blocks_per_sm=blocks_per_sm)}

@@ -58,8 +58,8 @@ class SpecConfig:
     max_new_tokens: int = 64
     impl: str = "auto"  # verify-attention implementation
     # Every verify row computed bit for bit as the one-token step computes it, so that greedy speculative output
-    # equals autoregressive output token for token on a GPU in bfloat16 (Transformer.__call__; needs the XLA flags
-    # of kdtree_jax.runtime.configure(row_invariant=True)). Off by default: it costs speed.
+    # equals autoregressive output token for token in bfloat16 (model/row_invariant.py; on a GPU it needs the XLA
+    # flags of kdtree_jax.runtime.configure(row_invariant=True)). Off by default: it costs speed.
     row_invariant: bool = False
     expert_devices: int = 1  # expert-load statistics group the expert slots into this many devices
 
@@ -841,8 +841,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     chunk has run, then ("compile", 0, 1) and ("compile", 1, 1) around the decode loop's compile (a cache hit is
     quick), for a progress bar.
     row_invariant: every verify row computed as the one-token step computes it (SpecConfig.row_invariant), so that
-    greedy speculative output equals autoregressive output token for token on a GPU; slower. Needs
-    kdtree_jax.runtime.configure(row_invariant=True) before JAX starts (a warning says when its flags are missing).
+    greedy speculative output equals autoregressive output token for token in bfloat16; much slower. On a GPU it
+    needs kdtree_jax.runtime.configure(row_invariant=True) before JAX starts (a warning says when its flags are
+    missing).
 
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
