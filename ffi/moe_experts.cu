@@ -22,13 +22,7 @@
 // nothing depends on a host-side copy of the routing.  The item axis of each grid is the slot count capped
 // at max(min(M, E), ~8 blocks per SM) (item_blocks); blocks loop over items with the grid's stride.
 //
-// Inside a block (kWarps warps) a thread owns 8 consecutive output columns (one 16-byte weight load per
-// weight row) and one slice of the reduction dim: 8 reduction rows per step, slices interleaved by 8 rows so
-// that the kSlices slices of a block cover the reduction dim in contiguous strides.  The 8 threads of a
-// column group read one 128-byte line of a weight row; a warp reads 4 such lines.  Each step issues all its
-// 16-byte weight loads (16 in kernel 1: 8 rows of gate and of up) before any arithmetic, so every thread
-// keeps 256 bytes in flight; independent warps overlap one another's load latency with their FMAs.
-// Partial sums of the slices are reduced with warp shuffles, then across warps through shared memory.
+// Inside a block: the GEMV loops of moe_device.cuh (shared with moe_pairs.cu, the op for few pairs).
 //
 // A block processes its item's rows in chunks of up to kMaxRows (with R > kMaxRows each chunk streams the
 // expert's tile again, from L2 when it is still there): the chunk size is picked per block from the
@@ -43,21 +37,14 @@
 #include <cstdint>
 #include <string>
 
+#include "moe_device.cuh"
 #include "moe_experts.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kWarps = 4;                       // 128 threads: several blocks per SM at ~150 registers
-constexpr int kThreads = kWarps * 32;
-constexpr int kColsPerThread = 8;               // one 16-byte load of bf16 weights
-constexpr int kColGroups = 8;                   // threads sharing one reduction row: 8 x 16 B = 128 B
-constexpr int kTileCols = kColGroups * kColsPerThread;  // 64 output columns per block
-constexpr int kSlicesPerWarp = 32 / kColGroups;         // 4
-constexpr int kSlices = kWarps * kSlicesPerWarp;        // 16 slices of the reduction dim per block
-constexpr int kStep = 8;                        // reduction rows per slice step
-constexpr int kMaxRows = 4;                     // accumulator rows per chunk
+using namespace kdtree::moe;
 
 struct Params {
   const uint16_t* rows;   // [M, H] bf16 bits
@@ -76,61 +63,6 @@ struct Params {
   int splits;             // hidden-dim splits of kernel 1
   int64_t split_rows;     // hidden rows per split (a multiple of kStep)
 };
-
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-// 8 consecutive bf16 at p, of which the first `valid` exist.  kVec: one 16-byte load (the caller guarantees
-// `valid` is 0 or 8 and p is 16-byte aligned); else element by element, zeros past `valid`.
-template <bool kVec>
-__device__ __forceinline__ uint4 load_bf16x8(const uint16_t* p, int valid) {
-  if constexpr (kVec) {
-    if (valid <= 0) return make_uint4(0, 0, 0, 0);
-    return __ldg(reinterpret_cast<const uint4*>(p));
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = 2 * i < valid ? __ldg(p + 2 * i) : 0u;
-      const uint32_t hi = 2 * i + 1 < valid ? __ldg(p + 2 * i + 1) : 0u;
-      w[i] = lo | (hi << 16);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-// Element i (compile-time after unrolling) of 8 packed bf16.
-__device__ __forceinline__ float bf16_at(const uint4& raw, int i) {
-  const uint32_t w = i < 2 ? raw.x : i < 4 ? raw.y : i < 6 ? raw.z : raw.w;
-  return i & 1 ? bf16_hi(w) : bf16_lo(w);
-}
-
-__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = bf16_lo(w[i]);
-    v[2 * i + 1] = bf16_hi(w[i]);
-  }
-}
-
-// 8 consecutive floats of the hidden scratch (kVec: two 16-byte loads; rows of I floats with I % 8 == 0).
-template <bool kVec>
-__device__ __forceinline__ void load_f32x8(const float* p, int valid, float (&v)[8]) {
-  if constexpr (kVec) {
-    if (valid <= 0) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.f;
-      return;
-    }
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = i < valid ? p[i] : 0.f;
-  }
-}
 
 struct Group {
   int64_t expert, start, count;
@@ -157,83 +89,21 @@ __device__ __forceinline__ int64_t covered_rows(const Params& p, int active) {
   return last.start + last.count;
 }
 
-// Sum a thread's [kRows][8] partials over the block's kSlices slices; the totals of output column
-// (r, c) end up in red[r][c] (shared memory, [kRows][kTileCols] per matrix, summed over warps by the caller).
-template <int kRows, int kMats>
-__device__ __forceinline__ void reduce_slices(float (&acc)[kMats][kRows][8],
-                                              float (*red)[kWarps][kMaxRows][kTileCols]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cg = lane & (kColGroups - 1);
-#pragma unroll
-  for (int m = 0; m < kMats; ++m)
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float v = acc[m][r][j];
-#pragma unroll
-        for (int off = kColGroups; off < 32; off <<= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane < kColGroups) red[m][warp][r][cg * 8 + j] = v;
-      }
-}
-
 // Kernel 1, one chunk of kRows rows (n of them real) of one group: the partial sums x·Wg and x·Wu over
 // hidden rows [h_begin, h_end) for the block's 64 columns of the intermediate dim.
 template <bool kVec, int kRows>
 __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile, int split,
-                              int64_t h_begin, int64_t h_end, float (*red)[kWarps][kMaxRows][kTileCols]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cg = lane & (kColGroups - 1);
-  const int slice = warp * kSlicesPerWarp + (lane >> 3);
-  const int64_t col = int64_t{tile} * kTileCols + cg * kColsPerThread;
-  const int col_valid = static_cast<int>(col < p.I ? (p.I - col < 8 ? p.I - col : 8) : 0);
-  const uint16_t* wg = p.gate + grp.expert * p.H * p.I + col;
-  const uint16_t* wu = p.up + grp.expert * p.H * p.I + col;
-  const uint16_t* x = p.rows + row0 * p.H;
-
-  float acc[2][kRows][8] = {};
-  for (int64_t h0 = h_begin + slice * kStep; h0 < h_end; h0 += int64_t{kSlices} * kStep) {
-    // Issue every load of the step first: 16 weight lines + the rows' 8 inputs.
-    uint4 g_raw[kStep], u_raw[kStep], x_raw[kRows];
-#pragma unroll
-    for (int i = 0; i < kStep; ++i) {
-      const int v = h0 + i < h_end ? col_valid : 0;
-      g_raw[i] = load_bf16x8<kVec>(wg + (h0 + i) * p.I, v);
-      u_raw[i] = load_bf16x8<kVec>(wu + (h0 + i) * p.I, v);
-    }
-    const int h_valid = static_cast<int>(h_end - h0 < 8 ? h_end - h0 : 8);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) x_raw[r] = load_bf16x8<kVec>(x + r * p.H + h0, r < n ? h_valid : 0);
-#pragma unroll
-    for (int i = 0; i < kStep; ++i) {
-      float g[8], u[8];
-      unpack(g_raw[i], g);
-      unpack(u_raw[i], u);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float xi = bf16_at(x_raw[r], i);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc[0][r][j] = fmaf(xi, g[j], acc[0][r][j]);
-          acc[1][r][j] = fmaf(xi, u[j], acc[1][r][j]);
-        }
-      }
-    }
-  }
-  reduce_slices<kRows, 2>(acc, red);
-  __syncthreads();
+                              int64_t h_begin, int64_t h_end, Reduction<2>& red) {
+  const int64_t col0 = int64_t{tile} * kTileCols;
+  gate_up_sums<kVec, kRows>(p.rows + row0 * p.H, p.H, n, p.gate + grp.expert * p.H * p.I,
+                            p.up + grp.expert * p.H * p.I, p.I, col0, h_begin, h_end, red);
   for (int idx = threadIdx.x; idx < kRows * kTileCols; idx += kThreads) {
     const int r = idx / kTileCols, c = idx % kTileCols;
-    const int64_t out_col = int64_t{tile} * kTileCols + c;
+    const int64_t out_col = col0 + c;
     if (r >= n || out_col >= p.I) continue;
-    float g = 0.f, u = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      g += red[0][w][r][c];
-      u += red[1][w][r][c];
-    }
     float* part = p.partial + ((split * p.M + row0 + r) * 2) * p.I + out_col;
-    part[0] = g;
-    part[p.I] = u;
+    part[0] = column_sum(red, 0, r, c);
+    part[p.I] = column_sum(red, 1, r, c);
   }
   __syncthreads();  // `red` is reused by the next chunk
 }
@@ -243,7 +113,7 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
 // `blocks_per_sm` argument of kdtree_jax/ops/moe.py, default 4).
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p) {
-  __shared__ float red[2][kWarps][kMaxRows][kTileCols];
+  __shared__ Reduction<2> red;
   const int g = blockIdx.z, split = blockIdx.y;
   const int active = active_groups(p);  // blocks past it exit before touching any weight
   const int64_t h_begin = split * p.split_rows;
@@ -275,59 +145,27 @@ __global__ void __launch_bounds__(256) finish_kernel(Params p) {
       g += part[0];
       u += part[p.I];
     }
-    p.hidden[idx] = g / (1.f + __expf(-g)) * u;  // silu(g) * u
+    p.hidden[idx] = silu_mul(g, u);
   }
 }
 
 // Kernel 2, one chunk: out = hidden·Wd for the block's 64 columns of the hidden dim.
 template <bool kVec, int kRows>
-__device__ void down_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile,
-                           float (*red)[kWarps][kMaxRows][kTileCols]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cg = lane & (kColGroups - 1);
-  const int slice = warp * kSlicesPerWarp + (lane >> 3);
-  const int64_t col = int64_t{tile} * kTileCols + cg * kColsPerThread;
-  const int col_valid = static_cast<int>(col < p.H ? (p.H - col < 8 ? p.H - col : 8) : 0);
-  const uint16_t* wd = p.down + grp.expert * p.I * p.H + col;
-  const float* hid = p.hidden + row0 * p.I;
-
-  float acc[1][kRows][8] = {};
-  for (int64_t i0 = int64_t{slice} * kStep; i0 < p.I; i0 += int64_t{kSlices} * kStep) {
-    uint4 d_raw[kStep];
-#pragma unroll
-    for (int i = 0; i < kStep; ++i) d_raw[i] = load_bf16x8<kVec>(wd + (i0 + i) * p.H, i0 + i < p.I ? col_valid : 0);
-    const int i_valid = static_cast<int>(p.I - i0 < 8 ? p.I - i0 : 8);
-    float hv[kRows][8];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * p.I + i0, r < n ? i_valid : 0, hv[r]);
-#pragma unroll
-    for (int i = 0; i < kStep; ++i) {
-      float d[8];
-      unpack(d_raw[i], d);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[r][i], d[j], acc[0][r][j]);
-    }
-  }
-  reduce_slices<kRows, 1>(acc, red);
-  __syncthreads();
+__device__ void down_chunk(const Params& p, const Group& grp, int64_t row0, int n, int tile, Reduction<1>& red) {
+  const int64_t col0 = int64_t{tile} * kTileCols;
+  down_sums<kVec, kRows>(p.hidden + row0 * p.I, p.I, n, p.down + grp.expert * p.I * p.H, p.I, p.H, col0, red);
   for (int idx = threadIdx.x; idx < kRows * kTileCols; idx += kThreads) {
     const int r = idx / kTileCols, c = idx % kTileCols;
-    const int64_t out_col = int64_t{tile} * kTileCols + c;
+    const int64_t out_col = col0 + c;
     if (r >= n || out_col >= p.H) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[0][w][r][c];
-    const __nv_bfloat16 b = __float2bfloat16_rn(s);
-    p.out[(row0 + r) * p.H + out_col] = *reinterpret_cast<const uint16_t*>(&b);
+    p.out[(row0 + r) * p.H + out_col] = bf16_bits(column_sum(red, 0, r, c));
   }
   __syncthreads();
 }
 
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
-  __shared__ float red[1][kWarps][kMaxRows][kTileCols];
+  __shared__ Reduction<1> red;
   const int g = blockIdx.y;
   const int active = active_groups(p);
   if (g == 0) {
@@ -453,18 +291,6 @@ void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t str
   down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, count = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || count <= 0) {
-      count = 132;
-    }
-    return count;
-  }();
-  return n;
-}
-
 // Blocks along the item axis of a kernel with `per_item` blocks per item (its tiles x splits): every item
 // slot while that stays under ~8 blocks per SM (two waves at 4 blocks/SM) or under the one-item-per-expert
 // count min(M, E) (the grid before items); past that, blocks loop over items (stride = the grid), so that
@@ -476,8 +302,6 @@ unsigned item_blocks(const Params& p, int64_t per_item) {
   n = n < p.G ? n : p.G;
   return static_cast<unsigned>(n > 0 ? n : 1);
 }
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("moe_experts (CUDA): ") + what + ": " + cudaGetErrorString(err));

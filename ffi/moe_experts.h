@@ -18,10 +18,21 @@
 //   num_active []      int32 scratch: how many of the G columns of `groups` are used
 // Bad sizes never read or write out of bounds: negative sizes count as 0, and groups are clamped into
 // rows [0, M).
+//
+// "moe_pairs" (ffi/moe_pairs.cu): the same experts on the router's (token, choice) pairs in place, for few pairs:
+//   x       [T, H]   bf16  the tokens
+//   experts [T, K]   int32 each pair's local expert; ids outside [0, E) are held elsewhere and add nothing
+//   weights [T, K]   f32   each pair's routing weight
+//   out     [T, H]   bf16  out[t] = sum over k (in order, float32) of weights[t, k] * bf16(expert_{t,k}(x[t])),
+//                          i.e. routed_experts' result; expert(x) as above, bit-identical to the sorted op's row
+//                          at the same split count
+//   partial, hidden, pair_out, arrivals: scratch (per-split sums, SwiGLU activations, each pair's output, the
+//                          "last block" counters the op zeroes itself)
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
 #if defined(KDTREE_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_experts_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_pairs_cuda);
 #endif

@@ -12,6 +12,12 @@ every row, empty experts and rows past every group, for R = 4 (the default), 1, 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,3 +273,129 @@ def test_inside_while_loop():
     for _ in range(3):
         expected = step(expected)
     assert_close(loop(x), np.asarray(expected.astype(jnp.float32), np.float64))
+
+
+# The pairs op (ffi/moe_pairs.cu): (tokens, top_k, experts, hidden, inter, share of pairs held elsewhere).
+PAIR_CASES = [
+    (1, 8, 16, 7168 // 8, 2048 // 8, 0.0),     # an autoregressive step, K2 proportions: 16-byte path, split hidden
+    (1, 1, 4, 64, 64, 0.0),
+    (9, 8, 96, 512, 256, 0.3),                 # a verify pass under expert parallelism
+    (5, 3, 7, 37, 21, 0.2),                    # odd widths: element-wise path
+    (4, 2, 5, 1501, 24, 0.0),                  # several hidden-dim splits, element-wise path
+    (3, 4, 6, 2056, 40, 0.5),                  # several splits, the last one short
+    (70, 2, 8, 256, 256, 0.1),                 # 140 pairs on 8 experts (forced: "auto" sorts these)
+    (6, 2, 4, 128, 64, 1.0),                   # nothing held here: zeros
+]
+
+
+def routing_held_here(rng, tokens, top_k, experts, elsewhere):
+    """Random choices among 2 * experts global ids, of which [0, experts) are held here (offset 0): about `elsewhere`
+    of the pairs on ids held elsewhere (a token may repeat an expert: the op must not care)."""
+    local = rng.integers(0, experts, (tokens, top_k))
+    indices = np.where(rng.uniform(size=local.shape) < elsewhere, local + experts, local)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    return jnp.asarray(indices, jnp.int32), jnp.asarray(weights)
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("blocks_per_sm", [1, 4])
+def test_pairs_op_matches_reference(case, blocks_per_sm):
+    """routed_experts on the pairs in place (impl="pairs") against the float64 loop and the sorted CUDA op;
+    NaN-poisoned outputs; a second call bit-identical (the arrival counters are zeroed per call)."""
+    tokens, top_k, experts, hidden, inter, elsewhere = case
+    rng = np.random.default_rng(PAIR_CASES.index(case) + 100)
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    indices, weights = routing_held_here(rng, tokens, top_k, experts, elsewhere)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(routed_experts, static_argnames=("impl", "blocks_per_sm"))
+    assert moe_ops.PAIRS_TARGET in fn.lower(x, indices, weights, gate, up, down, impl="pairs").as_text()
+    poison_allocator(((tokens, hidden), jnp.bfloat16), ((tokens * top_k, hidden), jnp.bfloat16),
+                     ((tokens * top_k, inter), jnp.float32))
+    out = jax.block_until_ready(fn(x, indices, weights, gate, up, down, impl="pairs", blocks_per_sm=blocks_per_sm))
+    ref = reference_routed(x, indices, weights, gate, up, down)
+    if elsewhere == 1.0:
+        assert not np.asarray(out.astype(jnp.float32)).any()
+    else:
+        assert_close(out, ref)
+    again = fn(x, indices, weights, gate, up, down, impl="pairs", blocks_per_sm=blocks_per_sm)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+    on_sorted = fn(x, indices, weights, gate, up, down, impl="cuda", blocks_per_sm=blocks_per_sm)
+    assert_close(out, np.asarray(on_sorted.astype(jnp.float32), np.float64))
+
+
+@pytest.mark.parametrize("hidden,inter", [(7168 // 8, 2048 // 8), (2056, 40), (37, 21)])
+def test_pairs_op_equals_sorted_op_bitwise(hidden, inter):
+    """At the sorted op's split count a pair's expert output is the sorted op's row bit for bit: with one choice a
+    token and weight 1 the two ops' results are equal (each is that output, rounded once)."""
+    rng = np.random.default_rng(hidden)
+    tokens, experts = 24, 6
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    indices = jnp.asarray(rng.integers(0, experts, (tokens, 1)), jnp.int32)
+    weights = jnp.ones((tokens, 1), jnp.float32)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    splits = moe_ops.choose_splits(tokens, hidden, inter)
+    pairs = jax.jit(lambda *a: moe_ops.pair_expert_mlp(*a, splits=splits))(x, indices, weights, gate, up, down)
+    on_sorted = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, gate, up, down, impl="cuda")
+    np.testing.assert_array_equal(np.asarray(pairs), np.asarray(on_sorted))
+
+
+def test_auto_takes_pairs_op_for_few_pairs_only():
+    rng = np.random.default_rng(9)
+    gate, up, down = make_weights(rng, 16, 128, 64)
+    fn = jax.jit(routed_experts, static_argnames=("impl",))
+    for tokens, top_k in ((1, 8), (moe_ops.PAIRS_MAX // 2, 2), (moe_ops.PAIRS_MAX // 2 + 1, 2)):
+        indices, weights = random_routing(rng, tokens, top_k, 16, "random")
+        x = jnp.asarray(rng.normal(0, 1, (tokens, 128)).astype(np.float32)).astype(jnp.bfloat16)
+        hlo = fn.lower(x, indices, weights, gate, up, down, impl="auto").as_text()
+        few = tokens * top_k <= moe_ops.PAIRS_MAX
+        assert (moe_ops.PAIRS_TARGET in hlo) == few and (moe_ops.TARGET in hlo) == (not few)
+        assert_close(fn(x, indices, weights, gate, up, down, impl="auto"),
+                     reference_routed(x, indices, weights, gate, up, down))
+
+
+def test_pairs_op_inside_while_loop():
+    """Inside lax.fori_loop (a CUDA graph when XLA captures the body): the memset and the arrival counters replay."""
+    rng = np.random.default_rng(15)
+    gate, up, down = make_weights(rng, 16, 2056, 128)
+    indices, weights = random_routing(rng, 3, 8, 16, "random")
+    x = jnp.asarray(rng.normal(0, 1, (3, 2056)).astype(np.float32)).astype(jnp.bfloat16)
+
+    def step(x):
+        return x + routed_experts(x, indices, weights, gate, up, down, impl="pairs") * 1e-2
+
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 4, lambda i, x: step(x), x))
+    expected = x
+    for _ in range(4):
+        expected = jax.jit(step)(expected)
+    np.testing.assert_array_equal(np.asarray(loop(x)), np.asarray(expected))
+
+
+SANITIZER_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from kdtree_jax.model.moe import routed_experts
+    rng = np.random.default_rng(0)
+    # Both ops, the 16-byte and the element-wise paths, one and several hidden-dim splits, pairs held elsewhere.
+    for tokens, top_k, experts, hidden, inter in ((3, 4, 6, 2056, 40), (5, 3, 7, 37, 21), (2, 8, 16, 256, 128)):
+        w = [jnp.asarray(rng.normal(0, 0.05, s).astype(np.float32)).astype(jnp.bfloat16)
+             for s in ((experts, hidden, inter), (experts, hidden, inter), (experts, inter, hidden))]
+        x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+        indices = jnp.asarray(rng.integers(0, 2 * experts, (tokens, top_k)), jnp.int32)
+        weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)).astype(np.float32))
+        for impl in ("pairs", "cuda"):
+            out = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *w, impl=impl)
+            assert np.isfinite(np.asarray(out, np.float32)).all()
+    print("SANITIZER-CASE-OK")
+""")
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+def test_compute_sanitizer_is_clean(tool):
+    """Both MoE ops under compute-sanitizer (racecheck and synccheck on our kernels only: their names hold "moe_")."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    only_ours = ["--kernel-name", "kns=moe_"] if tool in ("racecheck", "synccheck") else []
+    res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
+                          sys.executable, "-c", SANITIZER_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    log = res.stdout + res.stderr
+    assert "SANITIZER-CASE-OK" in log, log[-4000:]
+    assert res.returncode == 0 and "ERROR SUMMARY: 0 errors" in log, log[-4000:]

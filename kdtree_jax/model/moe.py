@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -11,6 +12,7 @@ from flax import nnx
 from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
+from kdtree_jax.ops import moe as moe_ops
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
@@ -49,29 +51,40 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     results). The (token, expert) pairs are sorted by expert so that `ragged_dot` runs each expert over
     one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
     experts held elsewhere sort last, past every group, where ragged_dot yields zeros. `impl` picks the
-    grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts;
+    grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts; on a GPU
+    "auto" runs few pairs (ops.moe.PAIRS_MAX) unsorted through the CUDA pairs op, as "pairs" does at any count;
     `expert_second`: MoE.loop_weights(), for the CPU's dense form; `blocks_per_sm`: the CUDA op's register
     budget (ops/moe.py; benchmarks pass it for A/B runs).
     """
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
     local = indices - expert_offset
-    here = (local >= 0) & (local < num_local)
-    flat_expert = jnp.where(here, local, num_local).reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of_row = order // k
-    rows = x2d[token_of_row]
-    group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=impl, expert_second=expert_second,
-                                  blocks_per_sm=blocks_per_sm)
-    # Back to (token, choice) order by a gather, then each token's weighted sum in float32: one fusion. The
-    # scatter-add of the sorted rows into their tokens that this replaces took ~25 us per layer at T = 9
-    # on an H200 (k colliding bf16 atomic adds per element), a tenth of the layer's MoE.
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                   unique_indices=True)
-    pair_out = out_rows[position].reshape(num_tokens, k, -1).astype(jnp.float32)
-    pair_weight = jnp.where(here, weights, 0.0).astype(jnp.float32)
-    return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
+    held = jnp.where((local >= 0) & (local < num_local), local, num_local)  # num_local: held elsewhere
+    sorted_impl = "cuda" if impl == "pairs" else impl
+
+    def on_sorted_rows(x2d, held, weights, gate, up, down):
+        flat_expert = held.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        token_of_row = order // k
+        rows = x2d[token_of_row]
+        group_sizes = jnp.bincount(flat_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
+        out_rows = grouped_expert_mlp(rows, group_sizes, gate, up, down, impl=sorted_impl, expert_second=expert_second,
+                                      blocks_per_sm=blocks_per_sm)
+        # Back to (token, choice) order by a gather, then each token's weighted sum in float32: one fusion. The
+        # scatter-add of the sorted rows into their tokens that this replaces took ~25 us per layer at T = 9
+        # on an H200 (k colliding bf16 atomic adds per element), a tenth of the layer's MoE.
+        position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                       unique_indices=True)
+        pair_out = out_rows[position].reshape(num_tokens, k, -1).astype(jnp.float32)
+        pair_weight = jnp.where(held < num_local, weights, 0.0).astype(jnp.float32)
+        return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
+
+    args = (x2d, held, weights, gate, up, down)
+    if not moe_ops.use_pairs(num_tokens * k, x2d, gate, up, down, impl):
+        return on_sorted_rows(*args)
+    # Few pairs on a GPU: the pairs in place, no sort and no combine launches (ops/moe.py, pair_expert_mlp).
+    on_pairs = functools.partial(moe_ops.pair_expert_mlp, blocks_per_sm=blocks_per_sm)
+    return jax.lax.platform_dependent(*args, cuda=on_pairs, default=on_sorted_rows)
 
 
 class Router(nnx.Module):

@@ -48,7 +48,11 @@ except ImportError:  # pragma: no cover - exercised only without a build
     _ext = None
 
 TARGET = "kdtree_moe_experts"
+PAIRS_TARGET = "kdtree_moe_pairs"
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
+# What routed_experts (model/moe.py) takes besides IMPLS: "pairs" = the CUDA op on the router's pairs in place
+# (`pair_expert_mlp`) at every size on a GPU, the sorted CUDA op's fallbacks elsewhere.
+ROUTED_IMPLS = IMPLS + ("pairs",)
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
 # wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
@@ -67,6 +71,14 @@ PARTIAL_BYTES = 64 << 20
 # call_cuda_op (a large R gives back one item per expert).
 CUDA_ROWS_PER_ITEM = 4
 MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
+# "auto" on a GPU runs routed experts on the (token, choice) pairs in place (`pair_expert_mlp`: no sort, gather,
+# table or combine launches) up to this many pairs on a device, the sorted op above (where pairs share experts
+# often enough that reading an expert's weights once per 4 rows wins).
+PAIRS_MAX = 64
+# The pairs op's kernel 1 halves its hidden-dim split (from CUDA_SPLIT_ROWS down to PAIRS_MIN_SPLIT_ROWS) while
+# its grid has fewer blocks than this: a few pairs then still spread over every SM.
+PAIRS_MIN_BLOCKS = 512
+PAIRS_MIN_SPLIT_ROWS = 256
 
 
 # "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
@@ -89,6 +101,15 @@ def _register() -> bool:
 def cuda_built() -> bool:
     """True when the extension holds the CUDA grouped-MLP handler (it is registered on first use)."""
     return _register()
+
+
+@functools.cache
+def pairs_built() -> bool:
+    """True when the extension holds the CUDA pairs handler (registered here, on first use)."""
+    if not _register() or not hasattr(_ext, "moe_pairs_cuda_handler"):
+        return False
+    jax.ffi.register_ffi_target(PAIRS_TARGET, _ext.moe_pairs_cuda_handler(), platform="CUDA")
+    return True
 
 
 # Register budget of the CUDA kernels (their `blocks_per_sm` attribute): 4 blocks per SM (128 registers), the
@@ -258,6 +279,50 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
     return out, groups, num_active
 
 
+def pair_splits(num_pairs: int, hidden: int, inter: int) -> int:
+    """Hidden-dim splits of the pairs op's kernel 1, from static shapes only (see PAIRS_MIN_BLOCKS)."""
+    i_tiles = -(-inter // 64)
+    split_rows = CUDA_SPLIT_ROWS
+    while split_rows > PAIRS_MIN_SPLIT_ROWS and i_tiles * -(-hidden // split_rows) * num_pairs < PAIRS_MIN_BLOCKS:
+        split_rows //= 2
+    return int(min(-(-hidden // split_rows), 65535))
+
+
+def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = None,
+                    blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
+    """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), the CUDA pairs op (a GPU, bf16).
+
+    x2d [T, H]; experts [T, K] local expert ids (ids outside [0, E) are held elsewhere and add nothing); weights
+    [T, K]; gate, up [E, H, I]; down [E, I, H].  Each pair's expert output is rounded to bf16 and the weighted sum
+    runs in float32 in choice order (routed_experts' rounding).  `splits`: kernel 1's hidden-dim splits (default
+    `pair_splits`; at `choose_splits`' count a pair's expert output equals the sorted op's row bit for bit)."""
+    _check_blocks_per_sm(blocks_per_sm)
+    num_tokens, hidden = x2d.shape
+    num_experts, _, inter = gate.shape
+    top_k = experts.shape[1]
+    pairs = num_tokens * top_k
+    if splits is None:
+        splits = pair_splits(pairs, hidden, inter)
+    i_tiles, h_tiles = -(-inter // 64), -(-hidden // 64)
+    out_types = (jax.ShapeDtypeStruct((num_tokens, hidden), x2d.dtype),
+                 jax.ShapeDtypeStruct((splits * pairs * 2, inter), jnp.float32),
+                 jax.ShapeDtypeStruct((pairs, inter), jnp.float32),
+                 jax.ShapeDtypeStruct((pairs, hidden), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((pairs * i_tiles + num_tokens * h_tiles,), jnp.int32))
+    call = jax.ffi.ffi_call(PAIRS_TARGET, out_types, vmap_method="sequential")
+    return call(x2d, experts.astype(jnp.int32), weights.astype(jnp.float32), gate, up, down,
+                blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits))[0]
+
+
+def use_pairs(num_pairs: int, x2d, gate, up, down, impl: str) -> bool:
+    """Whether routed_experts' GPU branch runs `pair_expert_mlp` (else the experts on rows sorted by expert)."""
+    if impl not in ("auto", "pairs") or not pairs_built():
+        return False
+    if not all(a.dtype == jnp.bfloat16 for a in (x2d, gate, up, down)):
+        return False
+    return impl == "pairs" or num_pairs <= PAIRS_MAX
+
+
 def _call_cuda(rows, group_sizes, gate, up, down, blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
     return call_cuda_op(rows, group_sizes, gate, up, down, blocks_per_sm=blocks_per_sm)[0]
 
@@ -333,6 +398,6 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "pair_splits", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
            "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
            "BLOCKS_PER_SM_CHOICES"]

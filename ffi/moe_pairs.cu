@@ -1,0 +1,248 @@
+// CUDA handler of the routed experts on the router's (token, choice) pairs in place (semantics: moe_experts.h,
+// "moe_pairs"; Python side: kdtree_jax/ops/moe.py, pair_expert_mlp).
+//
+// Why a second op.  At a handful of pairs (an autoregressive step, T = 1 x top-k; a short verify pass) nearly every
+// pair has an expert of its own, so sorting the pairs by expert buys nothing, and the sorted op's bookkeeping
+// around its two GEMV kernels (the sort, the row gather, the counts, the group table, the finish kernel, the
+// gather back and the weighted sum: ~10 launches) costs more than the GEMVs: K2's TP8-rank slice at T = 1 took
+// 71-77 us against a 20 us weight-read floor.  Here the pairs are read where the router left them:
+//   memset    the arrival counters
+//   kernel 1  grid (I-tiles, H-splits, pairs): partial[s, pair, 0|1, tile] = x[pair / K][split s]·Wg|Wu[e][split s,
+//             tile]; the last of a (pair, tile)'s split blocks to finish adds the splits in order and writes
+//             hidden[pair, tile] = silu(g) * u
+//   kernel 2  grid (H-tiles, pairs): pair_out[pair, tile] = bf16(hidden[pair]·Wd[e][:, tile]); the last of a
+//             (token, tile)'s K blocks to finish writes out[t, tile] = bf16(sum over k, in order, of
+//             w[t, k] * pair_out[t K + k, tile]) in float32
+// A pair's expert output is the sorted op's row bit for bit at the same split count (the same loops,
+// moe_device.cuh, the same split order and SwiGLU); the weighted sum rounds as routed_experts' XLA combine does
+// (each pair's output rounded to bf16, products and sums in float32, one rounding at the end).  A pair whose
+// expert is not held here (expert parallelism: its id outside [0, E)) adds nothing.  A pair reads its expert's
+// weights even when another pair of the call shares them (from L2 while they are still there), which is why
+// the Python side takes this op for few pairs only.  "Last to arrive": every block publishes its writes with a
+// fence before one atomic increment of the counter; the block that takes it to the total reads the others'
+// writes past L1.  Deterministic: every sum runs in a fixed order.  No host sync, no allocation: graph-safe.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "moe_device.cuh"
+#include "moe_experts.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace kdtree::moe;
+
+struct PairParams {
+  const uint16_t* x;        // [T, H] bf16 bits
+  const int32_t* experts;   // [T, K] local expert of each pair; outside [0, E): held elsewhere
+  const float* weights;     // [T, K]
+  const uint16_t* gate;     // [E, H, I]
+  const uint16_t* up;       // [E, H, I]
+  const uint16_t* down;     // [E, I, H]
+  uint16_t* out;            // [T, H]
+  float* partial;           // [splits, P, 2, I]: kernel 1's per-split gate / up sums
+  float* hidden;            // [P, I]
+  uint16_t* pair_out;       // [P, H]: each pair's expert output, rounded to bf16
+  int32_t* arrivals;        // [P * i_tiles] then [T * h_tiles]: zero before kernel 1
+  int64_t T, K, P, H, I, E;
+  int splits;
+  int64_t split_rows;       // hidden rows per split (a multiple of kStep)
+  int64_t i_tiles, h_tiles;
+};
+
+__device__ __forceinline__ int64_t held_expert(const PairParams& p, int64_t pair) {
+  const int64_t e = p.experts[pair];
+  return e >= 0 && e < p.E ? e : -1;
+}
+
+// Whether this block is the last of `expected` blocks to arrive at *counter; all threads call it.  Every thread's
+// earlier global writes are fenced before the block arrives, and the last block fences again before it reads.
+__device__ __forceinline__ bool last_to_arrive(int32_t* counter, int expected) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == expected - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+template <bool kVec, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) pair_gate_up_kernel(PairParams p) {
+  static_assert(kThreads >= kTileCols, "a thread per column of the tile");
+  __shared__ Reduction<2> red;
+  const int split = blockIdx.y;
+  const int64_t tile = blockIdx.x, col0 = tile * kTileCols, col = col0 + threadIdx.x;
+  const bool mine = threadIdx.x < kTileCols && col < p.I;
+  const int64_t h_begin = split * p.split_rows;
+  const int64_t h_end = h_begin + p.split_rows < p.H ? h_begin + p.split_rows : p.H;
+  for (int64_t pair = blockIdx.z; pair < p.P; pair += gridDim.z) {
+    const int64_t e = held_expert(p, pair);
+    if (e < 0) continue;
+    gate_up_sums<kVec, 1>(p.x + (pair / p.K) * p.H, p.H, 1, p.gate + e * p.H * p.I, p.up + e * p.H * p.I, p.I, col0,
+                          h_begin, h_end, red);
+    float g = 0.f, u = 0.f;
+    if (mine) {
+      g = column_sum(red, 0, 0, threadIdx.x);
+      u = column_sum(red, 1, 0, threadIdx.x);
+    }
+    if (p.splits == 1) {
+      if (mine) p.hidden[pair * p.I + col] = silu_mul(g, u);
+    } else {
+      float* part = p.partial + (split * p.P + pair) * 2 * p.I + col;
+      if (mine) {
+        part[0] = g;
+        part[p.I] = u;
+      }
+      if (last_to_arrive(p.arrivals + pair * p.i_tiles + tile, p.splits) && mine) {
+        g = u = 0.f;
+        for (int s = 0; s < p.splits; ++s) {
+          const float* q = p.partial + (s * p.P + pair) * 2 * p.I + col;
+          g += __ldcg(q);
+          u += __ldcg(q + p.I);
+        }
+        p.hidden[pair * p.I + col] = silu_mul(g, u);
+      }
+    }
+    __syncthreads();  // `red` is reused by the next pair
+  }
+}
+
+template <bool kVec, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) pair_down_kernel(PairParams p) {
+  __shared__ Reduction<1> red;
+  const int64_t tile = blockIdx.x, col0 = tile * kTileCols, col = col0 + threadIdx.x;
+  const bool mine = threadIdx.x < kTileCols && col < p.H;
+  int32_t* token_arrivals = p.arrivals + p.P * p.i_tiles;
+  for (int64_t pair = blockIdx.y; pair < p.P; pair += gridDim.y) {
+    const int64_t e = held_expert(p, pair), t = pair / p.K;
+    if (e >= 0) {
+      down_sums<kVec, 1>(p.hidden + pair * p.I, p.I, 1, p.down + e * p.I * p.H, p.I, p.H, col0, red);
+      if (mine) p.pair_out[pair * p.H + col] = bf16_bits(column_sum(red, 0, 0, threadIdx.x));
+    }
+    // Pairs held elsewhere arrive too: every (token, tile) counts to K and is written once.
+    if (last_to_arrive(token_arrivals + t * p.h_tiles + tile, static_cast<int>(p.K)) && mine) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < p.K; ++k) {
+        const int64_t q = t * p.K + k;
+        if (held_expert(p, q) < 0) continue;
+        const float y = __uint_as_float(uint32_t{__ldcg(p.pair_out + q * p.H + col)} << 16);
+        acc = __fadd_rn(acc, __fmul_rn(p.weights[q], y));
+      }
+      p.out[t * p.H + col] = bf16_bits(acc);
+    }
+    __syncthreads();
+  }
+}
+
+template <bool kVec, int kMinBlocks>
+void launch(const PairParams& p, cudaStream_t stream) {
+  const unsigned pair_blocks = static_cast<unsigned>(p.P < 65535 ? p.P : 65535);
+  if (p.I > 0) {
+    pair_gate_up_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits),
+                                                 pair_blocks), kThreads, 0, stream>>>(p);
+  }
+  pair_down_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.h_tiles), pair_blocks), kThreads, 0, stream>>>(p);
+}
+
+using Pairs32 = ffi::Buffer<ffi::S32, 2>;
+using PairsF32 = ffi::Buffer<ffi::F32, 2>;
+using Scratch = ffi::Buffer<ffi::F32, 2>;
+using Arrivals = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error MoePairsCuda(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, PairsF32 weights, ffi::AnyBuffer gate,
+                        ffi::AnyBuffer up, ffi::AnyBuffer down, int64_t blocks_per_sm, int64_t splits,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<Scratch> partial, ffi::Result<Scratch> hidden,
+                        ffi::Result<ffi::AnyBuffer> pair_out, ffi::Result<Arrivals> arrivals) {
+  for (const ffi::AnyBuffer* b : {&x, &gate, &up, &down}) {
+    if (b->element_type() != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument("moe_pairs (CUDA): x, gate, up and down must be bfloat16");
+    }
+  }
+  if (out->element_type() != ffi::DataType::BF16 || pair_out->element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("moe_pairs (CUDA): out and pair_out must be bfloat16");
+  }
+  const auto xd = x.dimensions(), kd = experts.dimensions(), wd = weights.dimensions(), gd = gate.dimensions(),
+             ud = up.dimensions(), dd = down.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || od.size() != 2) {
+    return ffi::Error::InvalidArgument("moe_pairs (CUDA): x/out must be 2-D, gate/up/down 3-D");
+  }
+  const int64_t T = xd[0], H = xd[1], K = kd[1], E = gd[0], I = gd[2], P = T * K;
+  const int64_t i_tiles = (I + kTileCols - 1) / kTileCols, h_tiles = (H + kTileCols - 1) / kTileCols;
+  if (kd[0] != T || wd[0] != T || wd[1] != K || gd[1] != H || ud[0] != E || ud[1] != H || ud[2] != I ||
+      dd[0] != E || dd[1] != I || dd[2] != H || od[0] != T || od[1] != H || K < 1 ||
+      (blocks_per_sm != 1 && blocks_per_sm != 4) || splits < 1 || splits > 65535 ||
+      partial->element_count() < splits * P * 2 * I || hidden->element_count() < P * I ||
+      pair_out->element_count() < P * H || arrivals->element_count() < P * i_tiles + T * h_tiles) {
+    return ffi::Error::InvalidArgument(
+        "moe_pairs (CUDA): inconsistent shapes (x [T,H], experts/weights [T,K>=1], gate/up [E,H,I], down [E,I,H], "
+        "out [T,H], partial >= splits*T*K*2*I, hidden >= T*K*I, pair_out >= T*K*H, arrivals >= T*K*ceil(I/64) + "
+        "T*ceil(H/64)) or blocks_per_sm not 1/4");
+  }
+  if (T == 0 || H == 0) return ffi::Error::Success();
+
+  PairParams p{};
+  p.x = static_cast<const uint16_t*>(x.untyped_data());
+  p.experts = experts.typed_data();
+  p.weights = weights.typed_data();
+  p.gate = static_cast<const uint16_t*>(gate.untyped_data());
+  p.up = static_cast<const uint16_t*>(up.untyped_data());
+  p.down = static_cast<const uint16_t*>(down.untyped_data());
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  p.partial = partial->typed_data();
+  p.hidden = hidden->typed_data();
+  p.pair_out = static_cast<uint16_t*>(pair_out->untyped_data());
+  p.arrivals = arrivals->typed_data();
+  p.T = T;
+  p.K = K;
+  p.P = P;
+  p.H = H;
+  p.I = I;
+  p.E = E;
+  p.i_tiles = i_tiles;
+  p.h_tiles = h_tiles;
+  // As the sorted op splits: a multiple of kStep rows a split, none empty.
+  p.split_rows = ((H + splits - 1) / splits + kStep - 1) / kStep * kStep;
+  p.splits = static_cast<int>((H + p.split_rows - 1) / p.split_rows);
+  const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.x) && aligned16(p.gate) && aligned16(p.up) &&
+                   aligned16(p.down) && aligned16(p.hidden);
+  if (cudaError_t err = cudaMemsetAsync(p.arrivals, 0, sizeof(int32_t) * (P * i_tiles + T * h_tiles), stream);
+      err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("moe_pairs (CUDA): memset: ") + cudaGetErrorString(err));
+  }
+  if (vec && blocks_per_sm == 4) {
+    launch<true, 4>(p, stream);
+  } else if (vec) {
+    launch<true, 1>(p, stream);
+  } else {
+    launch<false, 1>(p, stream);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("moe_pairs (CUDA): kernel launch: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_pairs_cuda, MoePairsCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x [T, H]
+                                  .Arg<Pairs32>()         // experts [T, K]
+                                  .Arg<PairsF32>()        // weights [T, K]
+                                  .Arg<ffi::AnyBuffer>()  // gate
+                                  .Arg<ffi::AnyBuffer>()  // up
+                                  .Arg<ffi::AnyBuffer>()  // down
+                                  .Attr<int64_t>("blocks_per_sm")  // 1 or 4: register budget
+                                  .Attr<int64_t>("splits")         // hidden-dim splits of kernel 1
+                                  .Ret<ffi::AnyBuffer>()  // out [T, H]
+                                  .Ret<Scratch>()         // partial (scratch) [splits * P * 2, I]
+                                  .Ret<Scratch>()         // hidden (scratch) [P, I]
+                                  .Ret<ffi::AnyBuffer>()  // pair_out (scratch) [P, H] bf16
+                                  .Ret<Arrivals>(),       // arrivals (scratch) [P * ceil(I/64) + T * ceil(H/64)]
+                              {ffi::Traits::kCmdBufferCompatible});
