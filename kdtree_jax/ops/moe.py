@@ -75,8 +75,8 @@ MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # table or combine launches) up to this many pairs on a device, the sorted op above (where pairs share experts
 # often enough that reading an expert's weights once per 4 rows wins).
 PAIRS_MAX = 64
-# The pairs op's kernel 1 halves its hidden-dim split (from CUDA_SPLIT_ROWS down to PAIRS_MIN_SPLIT_ROWS) while
-# its grid has fewer blocks than this: a few pairs then still spread over every SM.
+# `pair_splits` (an A/B candidate, benchmarks/moe_experts.py "pairs_split"): kernel 1's hidden-dim split halved
+# (from CUDA_SPLIT_ROWS down to PAIRS_MIN_SPLIT_ROWS) while its grid has fewer blocks than PAIRS_MIN_BLOCKS.
 PAIRS_MIN_BLOCKS = 512
 PAIRS_MIN_SPLIT_ROWS = 256
 
@@ -280,7 +280,8 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
 
 
 def pair_splits(num_pairs: int, hidden: int, inter: int) -> int:
-    """Hidden-dim splits of the pairs op's kernel 1, from static shapes only (see PAIRS_MIN_BLOCKS)."""
+    """More hidden-dim splits for the pairs op's kernel 1 at few pairs, from static shapes only (PAIRS_MIN_BLOCKS;
+    not the default: the default, `choose_splits`, keeps a pair's result the sorted op's row bit for bit)."""
     i_tiles = -(-inter // 64)
     split_rows = CUDA_SPLIT_ROWS
     while split_rows > PAIRS_MIN_SPLIT_ROWS and i_tiles * -(-hidden // split_rows) * num_pairs < PAIRS_MIN_BLOCKS:
@@ -294,15 +295,16 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
 
     x2d [T, H]; experts [T, K] local expert ids (ids outside [0, E) are held elsewhere and add nothing); weights
     [T, K]; gate, up [E, H, I]; down [E, I, H].  Each pair's expert output is rounded to bf16 and the weighted sum
-    runs in float32 in choice order (routed_experts' rounding).  `splits`: kernel 1's hidden-dim splits (default
-    `pair_splits`; at `choose_splits`' count a pair's expert output equals the sorted op's row bit for bit)."""
+    runs in float32 in choice order (routed_experts' rounding).  `splits`: kernel 1's hidden-dim splits, by default
+    the sorted op's (`choose_splits`), at which a pair's expert output equals the sorted op's row bit for bit, so
+    a token's result does not depend on which op ran (how many pairs the call had)."""
     _check_blocks_per_sm(blocks_per_sm)
     num_tokens, hidden = x2d.shape
     num_experts, _, inter = gate.shape
     top_k = experts.shape[1]
     pairs = num_tokens * top_k
     if splits is None:
-        splits = pair_splits(pairs, hidden, inter)
+        splits = choose_splits(pairs, hidden, inter)
     i_tiles, h_tiles = -(-inter // 64), -(-hidden // 64)
     out_types = (jax.ShapeDtypeStruct((num_tokens, hidden), x2d.dtype),
                  jax.ShapeDtypeStruct((splits * pairs * 2, inter), jnp.float32),
