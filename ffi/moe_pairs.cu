@@ -36,6 +36,8 @@ namespace {
 
 using namespace kdtree::moe;
 
+constexpr int kBatch = 8;  // the last blocks' loads of partial sums / pair outputs issued together
+
 struct PairParams {
   const uint16_t* x;        // [T, H] bf16 bits
   const int32_t* experts;   // [T, K] local expert of each pair; outside [0, E): held elsewhere
@@ -100,10 +102,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) pair_gate_up_kernel(Pair
       }
       if (last_to_arrive(p.arrivals + pair * p.i_tiles + tile, p.splits) && mine) {
         g = u = 0.f;
-        for (int s = 0; s < p.splits; ++s) {
-          const float* q = p.partial + (s * p.P + pair) * 2 * p.I + col;
-          g += __ldcg(q);
-          u += __ldcg(q + p.I);
+        // kBatch splits' loads in flight at once (a loop of one load at a time waited out an L2 round trip per
+        // split), added in split order.
+        for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
+          float gs[kBatch], us[kBatch];
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const float* q = p.partial + ((s0 + j) * p.P + pair) * 2 * p.I + col;
+            gs[j] = s0 + j < p.splits ? __ldcg(q) : 0.f;
+            us[j] = s0 + j < p.splits ? __ldcg(q + p.I) : 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            if (s0 + j < p.splits) {
+              g += gs[j];
+              u += us[j];
+            }
+          }
         }
         p.hidden[pair * p.I + col] = silu_mul(g, u);
       }
@@ -127,11 +142,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) pair_down_kernel(PairPar
     // Pairs held elsewhere arrive too: every (token, tile) counts to K and is written once.
     if (last_to_arrive(token_arrivals + t * p.h_tiles + tile, static_cast<int>(p.K)) && mine) {
       float acc = 0.f;
-      for (int64_t k = 0; k < p.K; ++k) {
-        const int64_t q = t * p.K + k;
-        if (held_expert(p, q) < 0) continue;
-        const float y = __uint_as_float(uint32_t{__ldcg(p.pair_out + q * p.H + col)} << 16);
-        acc = __fadd_rn(acc, __fmul_rn(p.weights[q], y));
+      for (int64_t k0 = 0; k0 < p.K; k0 += kBatch) {  // kBatch choices' loads in flight, added in choice order
+        float ys[kBatch], ws[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int64_t q = t * p.K + k0 + j;
+          const bool used = k0 + j < p.K && held_expert(p, q) >= 0;
+          ys[j] = used ? __uint_as_float(uint32_t{__ldcg(p.pair_out + q * p.H + col)} << 16) : 0.f;
+          ws[j] = used ? p.weights[q] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (k0 + j < p.K) acc = __fadd_rn(acc, __fmul_rn(ws[j], ys[j]));  // a pair held elsewhere adds 0 * 0, as in XLA
+        }
       }
       p.out[t * p.H + col] = bf16_bits(acc);
     }
