@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.model.moe import routed_experts
+from kdtree_jax.ops import moe as moe_ops
 
 parser = argparse.ArgumentParser()
 parser.add_argument("tokens", nargs="+", type=int)
@@ -22,6 +23,8 @@ parser.add_argument("--hidden", type=int, default=7168)
 parser.add_argument("--inter", type=int, default=256)
 parser.add_argument("--top-k", type=int, default=8)
 parser.add_argument("--impl", default="cuda")
+parser.add_argument("--splits", type=int, default=None,
+                    help="impl pairs: kernel 1's hidden-dim splits (default: the op's; the pairs op alone, no routing)")
 args = parser.parse_args()
 
 e, h, inter = args.experts, args.hidden, args.inter
@@ -29,7 +32,10 @@ kg, ku, kd = jax.random.split(jax.random.key(0), 3)
 gate = (jax.random.normal(kg, (e, h, inter), jnp.bfloat16) * h ** -0.5).astype(jnp.bfloat16)
 up = (jax.random.normal(ku, (e, h, inter), jnp.bfloat16) * h ** -0.5).astype(jnp.bfloat16)
 down = (jax.random.normal(kd, (e, inter, h), jnp.bfloat16) * inter ** -0.5).astype(jnp.bfloat16)
-call = jax.jit(lambda x, i, w, g, u, d: routed_experts(x, i, w, g, u, d, impl=args.impl))
+if args.splits is not None:  # the pairs op as routed_experts runs it (every id held here), at a given split count
+    call = jax.jit(lambda x, i, w, g, u, d: moe_ops.pair_expert_mlp(x, i, w, g, u, d, splits=args.splits))
+else:
+    call = jax.jit(lambda x, i, w, g, u, d: routed_experts(x, i, w, g, u, d, impl=args.impl))
 try:
     cuda = ctypes.CDLL("libcuda.so.1")
     start, stop = cuda.cuProfilerStart, cuda.cuProfilerStop
