@@ -196,3 +196,14 @@ def test_benchmark_smoke(tmp_path):
     assert {r["layout"] for r in data["rows"]} == {"ep", "tp"}
     assert all(r["xla_us"] > 0 and r["cuda_bps4_us"] > 0 for r in data["rows"])
     assert (tmp_path / "moe_experts_smoke.md").read_text().startswith("# Routed MoE")
+
+
+def test_pair_expert_mlp_without_cuda_build_says_so():
+    """The pairs op is CUDA-only: without it in the extension, a direct call fails with a one-line reason (with it,
+    a first direct call registers the target: tests/test_moe_experts_gpu.py)."""
+    if moe_ops.pairs_built():
+        pytest.skip("this build has the CUDA pairs op")
+    x = jnp.zeros((1, 8), jnp.bfloat16)
+    w = jnp.zeros((2, 8, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="CUDA extension"):
+        moe_ops.pair_expert_mlp(x, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), w, w, w)

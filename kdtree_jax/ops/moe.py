@@ -299,6 +299,8 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
     the sorted op's (`choose_splits`), at which a pair's expert output equals the sorted op's row bit for bit, so
     a token's result does not depend on which op ran (how many pairs the call had)."""
     _check_blocks_per_sm(blocks_per_sm)
+    if not pairs_built():  # also registers the target: a first call here must find it
+        raise ValueError("pair_expert_mlp needs the CUDA extension (built with nvcc): this one has no pairs op")
     num_tokens, hidden = x2d.shape
     num_experts, _, inter = gate.shape
     top_k = experts.shape[1]
