@@ -171,10 +171,8 @@ __device__ __forceinline__ void gate_up_sums(const uint16_t* x, int64_t x_stride
 
 // Down sums of kRows activation rows (hid, hid + hid_stride, ...: float32 [I] each; the first n real) for the
 // block's 64 hidden columns starting at `col0`: wd is one expert's [I, H] weights. On return (after a block
-// barrier) red[0] holds the per-warp sums. kUnroll steps' loads are issued before their FMAs (the pairs op, one row:
-// with I = 256 a thread has two steps, and a second round trip to DRAM was half of its kernel); the steps are
-// added in the same order whatever kUnroll is.
-template <bool kVec, int kRows, int kUnroll = 1>
+// barrier) red[0] holds the per-warp sums.
+template <bool kVec, int kRows>
 __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, int n, const uint16_t* wd, int64_t I,
                                           int64_t H, int64_t col0, Reduction<1>& red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -182,34 +180,25 @@ __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, 
   const int slice = warp * kSlicesPerWarp + (lane >> 3);
   const int64_t col = col0 + cg * kColsPerThread;
   const int col_valid = static_cast<int>(col < H ? (H - col < 8 ? H - col : 8) : 0);
-  constexpr int64_t kStride = int64_t{kSlices} * kStep;  // between one slice's consecutive steps
   wd += col;
 
   float acc[1][kRows][8] = {};
-  for (int64_t i_first = int64_t{slice} * kStep; i_first < I; i_first += kUnroll * kStride) {
-    uint4 d_raw[kUnroll][kStep];
-    float hv[kUnroll][kRows][8];
+  for (int64_t i0 = int64_t{slice} * kStep; i0 < I; i0 += int64_t{kSlices} * kStep) {
+    uint4 d_raw[kStep];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i0 = i_first + u * kStride;
+    for (int i = 0; i < kStep; ++i) d_raw[i] = load_bf16x8<kVec>(wd + (i0 + i) * H, i0 + i < I ? col_valid : 0);
+    const int i_valid = static_cast<int>(I - i0 < 8 ? I - i0 : 8);
+    float hv[kRows][8];
 #pragma unroll
-      for (int i = 0; i < kStep; ++i) d_raw[u][i] = load_bf16x8<kVec>(wd + (i0 + i) * H, i0 + i < I ? col_valid : 0);
-      const int i_valid = static_cast<int>(I - i0 < 8 ? I - i0 : 8);
+    for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + i0, r < n ? i_valid : 0, hv[r]);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + i0, r < n ? i_valid : 0, hv[u][r]);
-    }
+    for (int i = 0; i < kStep; ++i) {
+      float d[8];
+      unpack(d_raw[i], d);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (i_first + u * kStride >= I) break;  // a step past the end adds nothing (not even a signed zero)
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int i = 0; i < kStep; ++i) {
-        float d[8];
-        unpack(d_raw[u][i], d);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[u][r][i], d[j], acc[0][r][j]);
-      }
+        for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[r][i], d[j], acc[0][r][j]);
     }
   }
   reduce_slices<kRows, 1>(acc, red);

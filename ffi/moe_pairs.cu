@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) pair_down_kernel(PairPar
   for (int64_t pair = blockIdx.y; pair < p.P; pair += gridDim.y) {
     const int64_t e = held_expert(p, pair), t = pair / p.K;
     if (e >= 0) {
-      down_sums<kVec, 1, 2>(p.hidden + pair * p.I, p.I, 1, p.down + e * p.I * p.H, p.I, p.H, col0, red);
+      down_sums<kVec, 1>(p.hidden + pair * p.I, p.I, 1, p.down + e * p.I * p.H, p.I, p.H, col0, red);
       if (mine) p.pair_out[pair * p.H + col] = bf16_bits(column_sum(red, 0, 0, threadIdx.x));
     }
     // Pairs held elsewhere arrive too: every (token, tile) counts to K and is written once.
