@@ -21,7 +21,13 @@ Only the attention op sees the real rows ([B, T] back from the rows); the routed
 expert, and their grouped MLP takes the "row_invariant" formulation (ops/moe.py). On this repository's CPU (jax
 0.10.2, the default pair in bfloat16) that made a verify pass's rows equal the one-token steps' bit for bit: root rows
 at B x T = 1 x 17, 4 x 33, 16 x 17 and every row of 1 x 16 and 4 x 16 chains, through every layer
-(tests/test_greedy_equality.py; ffi/tools/root_row_layers.py); the GPU has not run this form yet.
+(tests/test_greedy_equality.py; ffi/tools/root_row_layers.py). On an H200 (745bb64) the root rows of those passes are
+exact too and so is every row of a 1 x 16 chain, but rows 12-15 of a 4 x 16 chain are not: the attention op's invariant
+split partition is cut from the root row's length, so a non-root row's KV splits differ from the one-token call's at
+its position. End to end 12-14 of 16 greedy outputs equal autoregressive ones, and the step costs 4.5-7.8x the
+default's: on a GPU each `lax.map` is a while loop the host drives
+(benchmarks/results/spec_decode_row_invariant_h200.md). A partition of fixed position chunks (every row's splits then
+those of its own one-token call) and loops the device runs itself are what this form lacks there.
 runtime.configure(row_invariant=True) sets the XLA flags (Triton GEMMs, GEMM autotuning and excess precision off).
 Off (the default: `padded` None), `flat`, `unflat` and `map` are the identity and the traced program is exactly the
 plain one.
