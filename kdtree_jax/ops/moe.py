@@ -16,6 +16,16 @@ its own blocks; `group_table` in jnp) from group_sizes, gate/up partial sums ove
 dim, their sum + SwiGLU, and the down projection.  With many rows per expert (prefill) a tensor-core GEMM wins, so "auto" keeps ragged_dot above
 `CUDA_MAX_ROWS` rows.
 
+A third path skips the sort altogether: `pair_expert_mlp` (ffi/moe_pairs.cu) takes the router's (token, choice)
+pairs where they are and returns each token's weighted sum, in a memset and two kernels.  With few pairs (an
+autoregressive step, a short verify pass) nearly every pair has its own expert, and the sorted op's bookkeeping (the
+sort, the row gather, the counts, the table, the finish kernel, the gather back and the combine: ~10 launches) cost
+more than its GEMVs: on an H200, K2's TP8-rank slice at T = 1 went from 79 to 57 us a call in-loop (kernels 38 us
+against a 20.5 us floor), the default pair's autoregressive step from 200 to 170 kernels and 12-22% more tok/s
+(benchmarks/results/moe_pairs_h200.md, spec_decode_moe_ab_*_h200.md).  routed_experts (model/moe.py) takes it on a
+GPU up to PAIRS_MAX pairs; above that pairs share experts often enough that reading an expert's weights once per 4
+rows wins (K2 T = 33: 644 vs 757 us).
+
 The table and the count of active groups are device data, so nothing syncs with the host and the call
 can sit inside `lax.while_loop` / CUDA graphs.  Its grid has a static number of item slots (`item_slots`:
 the most items M rows can fill); slots past the active count exit at once.  `jax.lax.platform_dependent` picks the CUDA
