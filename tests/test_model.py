@@ -137,13 +137,18 @@ def _random_prompts(rng, batch, length):
     return rng.integers(0, TINY.vocab_size, (batch, length)).astype(np.int32)
 
 
+# The two prefill / decode tests below run one set of shapes (3 sequences, a 32-position pool, chunks of 4): one
+# compiled prefill chunk and one decode step serve both (~3 s of compile each).
+BATCH, POOL, CHUNK = 3, 32, 4
+
+
 def test_prefill_then_decode_equals_full_prefill(model):
     rng = np.random.default_rng(2)
-    b, total, prompt = 3, 21, 11
+    b, total, prompt = BATCH, 21, 11
     toks = _random_prompts(rng, b, total)
     full = np.asarray(kdtree_jax.forward_logits(model, toks))
-    cache = kv_pool.init_cache(TINY, b, 32, dtype=jnp.float32)
-    last, _, cache = kdtree_jax.prefill(model, cache, toks[:, :prompt], chunk_size=4)
+    cache = kv_pool.init_cache(TINY, b, POOL, dtype=jnp.float32)
+    last, _, cache = kdtree_jax.prefill(model, cache, toks[:, :prompt], chunk_size=CHUNK)
     np.testing.assert_allclose(np.asarray(last), full[:, prompt - 1], rtol=1e-4, atol=1e-4)
     for pos in range(prompt, total):
         logits, cache = kdtree_jax.decode_step(model, cache, toks[:, pos])
@@ -156,14 +161,14 @@ def test_ragged_prompts_and_permuted_slots(model):
     sequence the logits it gets alone in a contiguous pool; the padding's slots are given back."""
     rng = np.random.default_rng(3)
     lens = np.array([13, 4, 9], np.int32)
-    toks = _random_prompts(rng, 3, 13)
-    cache = kv_pool.init_cache(TINY, 3, 24, num_slots=3 * 24 + 5, dtype=jnp.float32)
+    toks = _random_prompts(rng, BATCH, 13)
+    cache = kv_pool.init_cache(TINY, BATCH, POOL, dtype=jnp.float32)
     cache = cache._replace(free_slots=jnp.asarray(rng.permutation(cache.num_slots).astype(np.int32)))
-    last, _, cache = kdtree_jax.prefill(model, cache, toks, lens, chunk_size=4)
+    last, _, cache = kdtree_jax.prefill(model, cache, toks, lens, chunk_size=CHUNK)
     assert int(cache.num_free) == cache.num_slots - lens.sum()
-    nxt = _random_prompts(rng, 3, 1)[:, 0]
+    nxt = _random_prompts(rng, BATCH, 1)[:, 0]
     step_logits, cache = kdtree_jax.decode_step(model, cache, nxt)
-    for b in range(3):
+    for b in range(BATCH):
         seq = np.concatenate([toks[b, : lens[b]], nxt[b:b + 1]])[None]
         # Right-padded to one length, so the three references are one compiled shape: the forward is causal, and
         # what follows the sequence changes none of its logits.
