@@ -57,11 +57,13 @@ class OracleDrafter(nnx.Module):
     second (so only a tree with siblings recovers it). `hopeless` ranks the right token last, far below.
     `hopeless` is an array, not a Python attribute: a hopeless oracle is the same program as a noisy one (the
     graph is static, only the arrays differ), so it runs a decode loop compiled for the parametrised test.
+    It asks the target for the random drafter's hidden layers (and ignores them): the prefill is then the same
+    program for both drafters.
     """
 
     def __init__(self, sequences, vocab: int, depth: int, wrong=None, hopeless: bool = False):
         self.cfg = DrafterConfig(block_size=depth + 1)
-        self.target_layer_ids = (0,)
+        self.target_layer_ids = DRAFTER.layer_ids(TINY)
         self.vocab = vocab
         self.hopeless = nnx.Variable(jnp.asarray(hopeless, bool))
         self.table = nnx.Variable(jnp.asarray(sequences, jnp.int32))
