@@ -86,7 +86,7 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     ref_ab = engine.generate(target, drafter, [prompts[0], prompts[1]], **kwargs).tokens
     ref_ac = engine.generate(target, drafter, [prompts[0], prompts[2]], **kwargs).tokens
 
-    spec = engine.SpecConfig(budget=16, max_new_tokens=24)  # the tree temperature is the state's (req's 0.6)
+    spec = engine.SpecConfig(budget=16, tree_temperature=0.6, max_new_tokens=24)
     req = engine._validate(target, drafter, [prompts[0], prompts[1]], max_new_tokens=24, budget=16, topk=4,
                            tree_temperature=0.6, temperature=0.0, stop_ids=(), tree="ddtree")
     state, loop_drafter, _ = engine._setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,

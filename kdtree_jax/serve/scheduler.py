@@ -234,7 +234,8 @@ class Bucket:
         temperature, top_p = sampling
         s = sched.settings
         self.spec = engine.SpecConfig(tree="ddtree", budget=s.budget if drafter is not None else 0, topk=s.topk,
-                                      temperature=temperature, top_p=top_p, max_new_tokens=sched.max_new_tokens)
+                                      tree_temperature=s.tree_temperature, temperature=temperature, top_p=top_p,
+                                      max_new_tokens=sched.max_new_tokens)
         self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
         self.batch, self.max_len = s.max_batch, s.max_len
         depth = self.drafter.cfg.depth if self.drafter is not None else 0
@@ -247,7 +248,7 @@ class Bucket:
             cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
             width=depth + 1, stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
             expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
-            active=np.zeros((self.batch,), bool), tree_temperature=s.tree_temperature)
+            active=np.zeros((self.batch,), bool))
         # Committed to the device like every state a jitted call returns: a program's cache key includes that, so an
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
         self.state = jax.device_put(self.state, jax.devices()[0])

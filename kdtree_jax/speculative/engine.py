@@ -47,8 +47,11 @@ class SpecConfig:
     tree: TreeShape = "ddtree"
     budget: int = 16  # DDTree nodes besides the root; 0: autoregressive
     topk: int = 4  # drafter candidates per depth
-    # The DDTree's tree temperature is no setting of the program: it is the state's `tree_temperature` (LoopState),
-    # so one compiled loop serves every tree temperature.
+    # DDTree ranks prefixes by the drafter's probabilities divided by this temperature (< 1 sharpens).
+    # A drafter distilled on soft labels learns the target's spread, but greedy verification accepts a
+    # token whenever it is the target's argmax, which happens far more often than its probability says;
+    # sharpening makes the tree trust the drafter's top choice deeper. 1.0: the probabilities as they are.
+    tree_temperature: float = 1.0
     temperature: float = 0.0
     top_k: int = 0  # target sampling filters (temperature > 0)
     top_p: float = 1.0
@@ -100,12 +103,6 @@ class LoopState(NamedTuple):
     accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
     stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
     expert_load: ExpertLoad
-    # [] float32. DDTree ranks prefixes by the drafter's probabilities divided by this temperature (< 1 sharpens). A
-    # drafter distilled on soft labels learns the target's spread, but greedy verification accepts a token whenever
-    # it is the target's argmax, which happens far more often than its probability says; sharpening makes the tree
-    # trust the drafter's top choice deeper. 1.0: the probabilities as they are. A value of the state, not of the
-    # compiled program: every tree temperature runs one compiled loop.
-    tree_temperature: jnp.ndarray
 
 
 @dataclasses.dataclass
@@ -120,12 +117,8 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
         return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
     with jax.named_scope("drafter"):
         logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
-        if spec.tree == "ddtree":
-            # At 1.0 the drafter's log-probs exactly as they are (normalising them again would round them). Times the
-            # reciprocal: what XLA makes of a division by a constant, so a runtime temperature ranks bit for bit as a
-            # compiled-in one did.
-            t = state.tree_temperature
-            logprobs = jnp.where(t == 1.0, logprobs, jax.nn.log_softmax(logprobs * (1.0 / t), axis=-1))
+        if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
+            logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
         top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
     with jax.named_scope("tree"):
         if spec.tree == "ddtree":
@@ -483,7 +476,6 @@ class _Request(NamedTuple):
     use_drafter: bool  # False: autoregressive (no drafter, or ddtree with budget 0)
     depth: int  # the drafter's D (0 without one)
     num_nodes: int  # T, tree nodes per step (1 without the drafter)
-    tree_temperature: float  # DDTree's (LoopState.tree_temperature)
 
 
 # Tree nodes a step may verify (root included). The tree builders themselves stop only at the number of distinct
@@ -639,18 +631,17 @@ def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, ma
                          f"{num_nodes}-node trees need about {_format_bytes(need)} (KV pool, drafter context, a "
                          f"step's logits) but the device has {_format_bytes(available)} free: lower max_new_tokens, "
                          "budget or the number of prompts")
-    return _Request(prompts, stop, use_drafter, depth, num_nodes, float(tree_temperature))
+    return _Request(prompts, stop, use_drafter, depth, num_nodes)
 
 
 def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
-                  stop_ids, key, expert_load: ExpertLoad, active=None, tree_temperature: float = 1.0) -> LoopState:
+                  stop_ids, key, expert_load: ExpertLoad, active=None) -> LoopState:
     """The decode loop's starting state (the public way to build a LoopState, for `decode_loop`).
 
     cache: the target's pool after the prompts (the first token not yet in it); dcache: the drafter's
     context over the same positions (None without a drafter); first_tokens [B]: each sequence's first
     generated token (the first tree's root), already emitted; width: D + 1 (tokens a step can emit; 1
-    without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence);
-    tree_temperature: DDTree's (> 0; LoopState.tree_temperature).
+    without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence).
     """
     first_tokens = jnp.asarray(first_tokens, jnp.int32)
     batch = first_tokens.shape[0]
@@ -666,7 +657,6 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
         accepted_hist=jnp.zeros((width,), jnp.int32),
         stop_ids=jnp.asarray(stop_ids, jnp.int32),
         expert_load=expert_load,
-        tree_temperature=jnp.asarray(tree_temperature, jnp.float32),
     )
 
 
@@ -708,8 +698,7 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
     active = ~np.isin(first_np, req.stop) & (spec.max_new_tokens > 1)
     state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,
                           width=(req.depth if req.use_drafter else 0) + 1, stop_ids=req.stop, key=key,
-                          expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active,
-                          tree_temperature=req.tree_temperature)
+                          expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active)
     return state, (drafter if req.use_drafter else None), t_prefill
 
 
@@ -779,7 +768,7 @@ def _host_driven_loops(compiled, key) -> Optional[int]:
 
 
 def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, t_prefill: float, t_compile: float,
-           t_decode: float, step_profile: Optional[dict], tree_temperature: float) -> dict:
+           t_decode: float, step_profile: Optional[dict]) -> dict:
     """`GenerateResult.stats` from the loop's final state and the timings."""
     width = final.accepted_hist.shape[0]
     hist = np.asarray(final.accepted_hist).astype(np.int64)
@@ -800,7 +789,7 @@ def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, 
         "tokens_per_second": (new_tokens - len(tokens)) / t_decode if t_decode > 0 else float("nan"),
         "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
         "budget": num_nodes - 1,  # tree nodes besides the root
-        "tree_temperature": tree_temperature,
+        "tree_temperature": spec.tree_temperature,
         "num_nodes": num_nodes,
         "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
     }
@@ -869,8 +858,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     if slots % devices:
         raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
     spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
-                      budget=budget if req.use_drafter else 0, topk=topk, temperature=float(temperature), top_k=top_k,
-                      top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
+                      budget=budget if req.use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
+                      temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                      max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
                       row_invariant=bool(row_invariant))
     if row_invariant and jax.default_backend() == "gpu" and not runtime.row_invariant_configured():
         warnings.warn("generate(row_invariant=True) without the XLA flags of kdtree_jax.runtime.configure("
@@ -913,7 +903,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
     tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
     stats = _stats(final, tokens, spec, req.num_nodes, t_prefill=t_prefill, t_compile=t_compile, t_decode=t_decode,
-                   step_profile=step_profile, tree_temperature=req.tree_temperature)
+                   step_profile=step_profile)
     # The host's reads of the loop's output: one per chunk (one for the whole loop with chunk_steps 0). On a GPU,
     # XLA adds a read of the loop predicate per step unless a command buffer captures the loop (runtime.py).
     # host_driven_loops (GPU only, else None): the compiled loop's while loops outside command buffers.
