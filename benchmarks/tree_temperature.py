@@ -1,7 +1,7 @@
 """Choose a pair's DDTree tree temperature: tau of DDTree per (budget, tree temperature), beside the chain.
 
     python benchmarks/tree_temperature.py                   # the embedded pair, 16 prompts (seed 7), budget 32
-    python benchmarks/tree_temperature.py --smoke           # 2 prompts x 8 tokens, seconds
+    python benchmarks/tree_temperature.py --smoke           # 2 prompts x 8 tokens, seconds (flags given override it)
 
 The prompts are cut from the held-out files like benchmarks/default_pair.py's, at the offsets of another
 --prompt-seed (default 7; default_pair evaluates seed 0), so a temperature chosen here is not tuned on the
@@ -56,13 +56,20 @@ def main(argv=None) -> int:
     add_dtype_argument(p)
     p.add_argument("--out", default=None, help="results path without extension (default: "
                    "benchmarks/results/tree_temperature_cpu; --smoke: a temp dir)")
-    p.add_argument("--smoke", action="store_true", help="2 prompts x 8 new tokens, budget 4, two temperatures")
+    p.add_argument("--smoke", action="store_true",
+                   help="2 prompts x 8 new tokens, budget 4, two temperatures (each unless given)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.out is None:
         args.out = (os.path.join(smoke_dir("tree_temperature"), "tree_temperature_smoke") if args.smoke
                     else os.path.join(ROOT, "benchmarks", "results", "tree_temperature_cpu"))
-    if args.smoke:
-        args.prompts, args.prompt_len, args.max_new, args.budgets, args.temperatures = 2, 24, 8, "4", "1.0,0.5"
+    if args.smoke:  # the smoke's settings, except those given (a flag given as --flag or --flag=value)
+        given = {a.split("=")[0] for a in argv}
+        for flags, dest, value in ((("--prompts",), "prompts", 2), (("--prompt-len",), "prompt_len", 24),
+                                   (("--max-new-tokens", "--max-new"), "max_new", 8), (("--budgets",), "budgets", "4"),
+                                   (("--temperatures",), "temperatures", "1.0,0.5")):
+            if not given & set(flags):
+                setattr(args, dest, value)
 
     target, drafter, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype)
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len, seed=args.prompt_seed, pack=args.corpus)

@@ -245,13 +245,17 @@ def test_decode_context_layers_that_fit(monkeypatch):
 
 
 def test_tree_temperature_smoke(tmp_path):
+    """Both sampling temperatures, one tree temperature (every (sampling, tree) temperature pair is a decode loop of
+    its own: the smoke's second tree temperature cost two compiles, ~11 s); --temperatures overrides the smoke's."""
     import tree_temperature
 
-    tree_temperature.main(["--smoke", "--sampling-temperatures", "0,0.7", "--out", str(tmp_path / "tt")])
+    tree_temperature.main(["--smoke", "--sampling-temperatures", "0,0.7", "--temperatures", "0.5",
+                           "--out", str(tmp_path / "tt")])
     data = json.loads((tmp_path / "tt.json").read_text())
     assert data["chain_tau"] >= 1.0 and data["prompt_seed"] == 7
+    assert data["prompts"] == 2 and data["max_new_tokens"] == 8  # the smoke's settings that were not given
     assert [(r["sampling_temperature"], r["budget"], r["tree_temperature"]) for r in data["rows"]] == [
-        (0.0, 4, 1.0), (0.0, 4, 0.5), (0.7, 4, 1.0), (0.7, 4, 0.5)]
+        (0.0, 4, 0.5), (0.7, 4, 0.5)]
     assert set(data["chain_tau_by_sampling_temperature"]) == {"0.0", "0.7"} and set(data["best"]) == {"greedy", "T=0.7"}
     assert all(r["tau"] >= 1.0 for r in data["rows"]) and (tmp_path / "tt.md").exists()
 
