@@ -50,7 +50,7 @@ GEOMETRIES = {
 SMOKE = {"k2": dict(GEOMETRIES["k2"], hidden=64, inter=32, experts=16, top_k=4),
          "default_pair": dict(GEOMETRIES["default_pair"], hidden=32, inter=32)}
 K2 = GEOMETRIES["k2"]
-IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "pairs_split", "dense", "auto")
+IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "dense", "auto")
 DENSE_MAX_EXPERTS = 64  # dense does E x the grouped FLOPs: pointless (and huge) at K2's 96-384 local experts
 
 
@@ -79,11 +79,7 @@ def make_loop(impl, iters, scope, blocks_per_sm=moe_ops.CUDA_BLOCKS_PER_SM):
     @jax.jit
     def run(x, indices, weights, gate, up, down):
         def body(i, x):
-            if impl == "pairs_split":  # the pairs op as routed_experts runs it, with more hidden-dim splits
-                held = jnp.where(indices < gate.shape[0], indices, -1)
-                out = moe_ops.pair_expert_mlp(x, held, weights, gate, up, down, blocks_per_sm=blocks_per_sm,
-                                              splits=moe_ops.pair_splits(held.size, x.shape[1], gate.shape[2]))
-            elif scope == "op":
+            if scope == "op":
                 out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
             else:
                 out = routed_experts(x, indices, weights, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
@@ -130,7 +126,7 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
         ref = None  # ragged_dot's final x
         for name in impls:
             impl, bps = impl_of(name)
-            if (impl == "dense" and e_local > DENSE_MAX_EXPERTS) or (impl.startswith("pairs") and scope == "op"):
+            if (impl == "dense" and e_local > DENSE_MAX_EXPERTS) or (impl == "pairs" and scope == "op"):
                 continue  # "pairs" runs on the routed pairs, never on sorted rows
             run = make_loop(impl, iters, scope, bps)
             seconds, final = median_per_call(run, args, iters, reps)
@@ -157,8 +153,7 @@ def markdown(meta, rows):
              f"carry. Floor = bytes of the experts active on this device / 4.3 TB/s. `cuda bps4` / `bps1`: the CUDA op at "
              f"128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM), R = {meta['cuda_rows_per_item']} rows of an "
              f"expert per work item (each its own blocks); `pairs`: the CUDA op on the router's pairs in place (no sort, "
-             f"gather or combine launches; `auto` takes it up to {moe_ops.PAIRS_MAX} pairs), `pairs split` the same with more hidden-dim splits at few "
-             f"pairs (ops.moe.pair_splits); `dense`: every expert on every row, masked (≤ "
+             f"gather or combine launches; `auto` takes it up to {moe_ops.PAIRS_MAX} pairs); `dense`: every expert on every row, masked (≤ "
              f"{DENSE_MAX_EXPERTS} local experts); `auto`: the dispatch (CUDA op up to {meta['cuda_max_rows']} rows). "
              f"Last column: largest |difference| of the loop's final x (≈ unit scale) from ragged_dot's, over the impls.",
              "", "| geometry / layout | T | rows | active experts | max rows / expert | items | floor µs | "

@@ -60,9 +60,6 @@ except ImportError:  # pragma: no cover - exercised only without a build
 TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
-# What routed_experts (model/moe.py) takes besides IMPLS: "pairs" = the CUDA op on the router's pairs in place
-# (`pair_expert_mlp`) at every size on a GPU, the sorted CUDA op's fallbacks elsewhere.
-ROUTED_IMPLS = IMPLS + ("pairs",)
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
 # wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
@@ -85,10 +82,6 @@ MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # table or combine launches) up to this many pairs on a device, the sorted op above (where pairs share experts
 # often enough that reading an expert's weights once per 4 rows wins).
 PAIRS_MAX = 64
-# `pair_splits` (an A/B candidate, benchmarks/moe_experts.py "pairs_split"): kernel 1's hidden-dim split halved
-# (from CUDA_SPLIT_ROWS down to PAIRS_MIN_SPLIT_ROWS) while its grid has fewer blocks than PAIRS_MIN_BLOCKS.
-PAIRS_MIN_BLOCKS = 512
-PAIRS_MIN_SPLIT_ROWS = 256
 
 
 # "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
@@ -289,16 +282,6 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
     return out, groups, num_active
 
 
-def pair_splits(num_pairs: int, hidden: int, inter: int) -> int:
-    """More hidden-dim splits for the pairs op's kernel 1 at few pairs, from static shapes only (PAIRS_MIN_BLOCKS;
-    not the default: the default, `choose_splits`, keeps a pair's result the sorted op's row bit for bit)."""
-    i_tiles = -(-inter // 64)
-    split_rows = CUDA_SPLIT_ROWS
-    while split_rows > PAIRS_MIN_SPLIT_ROWS and i_tiles * -(-hidden // split_rows) * num_pairs < PAIRS_MIN_BLOCKS:
-        split_rows //= 2
-    return int(min(-(-hidden // split_rows), 65535))
-
-
 def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = None,
                     blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
     """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), the CUDA pairs op (a GPU, bf16).
@@ -412,6 +395,6 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "pair_splits", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
            "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
            "BLOCKS_PER_SM_CHOICES"]
