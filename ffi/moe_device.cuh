@@ -121,6 +121,20 @@ __device__ __forceinline__ float column_sum(const Reduction<kMats>& red, int m, 
   return s;
 }
 
+// This thread's part of a block's work: its slice of the reduction dim, its first output column of the block's 64
+// starting at col0, and how many of its 8 columns exist in a row of `width`.
+struct ThreadPart {
+  int slice;
+  int64_t col;
+  int col_valid;
+};
+__device__ __forceinline__ ThreadPart thread_part(int64_t col0, int64_t width) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t col = col0 + (lane & (kColGroups - 1)) * kColsPerThread;
+  return ThreadPart{warp * kSlicesPerWarp + (lane >> 3), col,
+                    static_cast<int>(col < width ? (width - col < 8 ? width - col : 8) : 0)};
+}
+
 // Gate/up sums of kRows input rows (x, x + x_stride, ...; the first n real) over hidden rows [h_begin, h_end)
 // for the block's 64 intermediate columns starting at `col0`: wg and wu are one expert's [H, I] weights. On
 // return (after a block barrier) red[0|1] holds the per-warp sums.
@@ -128,13 +142,10 @@ template <bool kVec, int kRows>
 __device__ __forceinline__ void gate_up_sums(const uint16_t* x, int64_t x_stride, int n, const uint16_t* wg,
                                              const uint16_t* wu, int64_t I, int64_t col0, int64_t h_begin,
                                              int64_t h_end, Reduction<2>& red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cg = lane & (kColGroups - 1);
-  const int slice = warp * kSlicesPerWarp + (lane >> 3);
-  const int64_t col = col0 + cg * kColsPerThread;
-  const int col_valid = static_cast<int>(col < I ? (I - col < 8 ? I - col : 8) : 0);
-  wg += col;
-  wu += col;
+  const ThreadPart t = thread_part(col0, I);
+  const int slice = t.slice, col_valid = t.col_valid;
+  wg += t.col;
+  wu += t.col;
 
   float acc[2][kRows][8] = {};
   for (int64_t h0 = h_begin + slice * kStep; h0 < h_end; h0 += int64_t{kSlices} * kStep) {
@@ -175,12 +186,9 @@ __device__ __forceinline__ void gate_up_sums(const uint16_t* x, int64_t x_stride
 template <bool kVec, int kRows>
 __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, int n, const uint16_t* wd, int64_t I,
                                           int64_t H, int64_t col0, Reduction<1>& red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int cg = lane & (kColGroups - 1);
-  const int slice = warp * kSlicesPerWarp + (lane >> 3);
-  const int64_t col = col0 + cg * kColsPerThread;
-  const int col_valid = static_cast<int>(col < H ? (H - col < 8 ? H - col : 8) : 0);
-  wd += col;
+  const ThreadPart t = thread_part(col0, H);
+  const int slice = t.slice, col_valid = t.col_valid;
+  wd += t.col;
 
   float acc[1][kRows][8] = {};
   for (int64_t i0 = int64_t{slice} * kStep; i0 < I; i0 += int64_t{kSlices} * kStep) {

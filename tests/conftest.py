@@ -2,6 +2,8 @@ import atexit
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Eight CPU devices for the sharding tests; must be set before jax is imported anywhere.
@@ -68,6 +70,17 @@ def _bounded_memory_maps():
 # Tests marked `slow` are deselected in a local run; CI runs them (.ci/run sets KDTREE_JAX_SLOW=1, as does any
 # environment with CI set), and so does a run that names them (`-m slow`, or KDTREE_JAX_SLOW=1 by hand).
 RUN_SLOW = bool(os.environ.get("KDTREE_JAX_SLOW") or os.environ.get("CI"))
+
+
+def run_compute_sanitizer(tool: str, script: str, kernel_name: str) -> tuple[int, str]:
+    """(exit status, output) of `python -c script` under compute-sanitizer's `tool` (exit status 3 on an error it
+    finds); racecheck (shared-memory hazards) and synccheck (barrier misuse) instrument only the kernels whose names
+    hold `kernel_name` (ours), memcheck every kernel. JAX allocates on demand, so the sanitizer sees real bounds."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    only_ours = ["--kernel-name", f"kns={kernel_name}"] if tool in ("racecheck", "synccheck") else []
+    res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
+                          sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    return res.returncode, res.stdout + res.stderr
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,10 +12,7 @@ every row, empty experts and rows past every group, for R = 4 (the default), 1, 
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -23,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_compute_sanitizer
 from kdtree_jax.model.moe import routed_experts
 from kdtree_jax.ops import moe as moe_ops
 
@@ -392,10 +390,6 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_compute_sanitizer_is_clean(tool):
     """Both MoE ops under compute-sanitizer (racecheck and synccheck on our kernels only: their names hold "moe_")."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-    only_ours = ["--kernel-name", "kns=moe_"] if tool in ("racecheck", "synccheck") else []
-    res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
-                          sys.executable, "-c", SANITIZER_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
-    log = res.stdout + res.stderr
+    returncode, log = run_compute_sanitizer(tool, SANITIZER_SCRIPT, "moe_")
     assert "SANITIZER-CASE-OK" in log, log[-4000:]
-    assert res.returncode == 0 and "ERROR SUMMARY: 0 errors" in log, log[-4000:]
+    assert returncode == 0 and "ERROR SUMMARY: 0 errors" in log, log[-4000:]

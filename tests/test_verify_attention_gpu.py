@@ -13,8 +13,6 @@ import functools
 import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_compute_sanitizer
 from kdtree_jax.ops import ffi as vffi
 from test_verify_attention import check_against_reference, jitted, make_case, reference_f32
 
@@ -197,20 +196,15 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_compute_sanitizer_is_clean(tool):
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     script = SANITIZER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    # racecheck (shared-memory hazards) and synccheck (barrier misuse) instrument only our kernels, whose names all hold "verify_attention"; memcheck checks every kernel.
-    only_ours = ["--kernel-name", "kns=verify_attention"] if tool in ("racecheck", "synccheck") else []
-    res = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", *only_ours,
-                          sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    log = res.stdout + res.stderr
+    returncode, log = run_compute_sanitizer(tool, script, "verify_attention")  # our kernels' names hold it
     assert "SANITIZER-CASE-OK" in log, log[-4000:]
     if tool == "racecheck":
         sites = racecheck_hazard_sites(log)
         unexplained = [site for site in sites if site not in hopper_scale_handover_sites()]
-        assert not unexplained and (res.returncode == 0 or sites), log[-4000:]
+        assert not unexplained and (returncode == 0 or sites), log[-4000:]
         return
-    assert res.returncode == 0, log[-4000:]
+    assert returncode == 0, log[-4000:]
     assert "ERROR SUMMARY: 0 errors" in log, log[-4000:]
 
 
