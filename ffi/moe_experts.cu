@@ -52,7 +52,7 @@ struct Params {
   const uint16_t* up;     // [E, H, I]
   const uint16_t* down;   // [E, I, H]
   const int32_t* group_sizes;  // [E]
-  int32_t* groups;        // [3, G]: the work items group_table_kernel writes (scratch)
+  int32_t* groups;        // [3, G]: the work items moe_group_table_kernel writes (scratch)
   int32_t* num_active;    // items in use
   uint16_t* out;          // [M, H]
   float* partial;         // [splits, M, 2, I]: kernel 1's per-split gate / up sums
@@ -112,7 +112,7 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
 // per SM: more loads in flight, a few bytes of spill); the Python side picks (the
 // `blocks_per_sm` argument of kdtree_jax/ops/moe.py, default 4).
 template <bool kVec, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(Params p) {
   __shared__ Reduction<2> red;
   const int g = blockIdx.z, split = blockIdx.y;
   const int active = active_groups(p);  // blocks past it exit before touching any weight
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gate_up_kernel(Params p)
 
 // hidden = silu(gate) * up of the rows in groups, each sum taken over the splits in a fixed order (so the
 // result is deterministic, unlike atomics).
-__global__ void __launch_bounds__(256) finish_kernel(Params p) {
+__global__ void __launch_bounds__(256) moe_finish_kernel(Params p) {
   const int64_t total = covered_rows(p, active_groups(p)) * p.I;
   for (int64_t idx = blockIdx.x * int64_t{256} + threadIdx.x; idx < total; idx += int64_t{gridDim.x} * 256) {
     const int64_t r = idx / p.I, c = idx % p.I;
@@ -164,7 +164,7 @@ __device__ void down_chunk(const Params& p, const Group& grp, int64_t row0, int 
 }
 
 template <bool kVec, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) down_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(Params p) {
   __shared__ Reduction<1> red;
   const int g = blockIdx.y;
   const int active = active_groups(p);
@@ -230,7 +230,7 @@ __device__ __forceinline__ int64_t block_exclusive_scan(int64_t v, int64_t* warp
   return before + inc - v;
 }
 
-__global__ void __launch_bounds__(kTableThreads) group_table_kernel(const int32_t* sizes, int32_t* groups,
+__global__ void __launch_bounds__(kTableThreads) moe_group_table_kernel(const int32_t* sizes, int32_t* groups,
                                                                     int32_t* num_active, int64_t E, int64_t M, int G,
                                                                     int64_t R) {
   __shared__ int64_t warp_sums[32];
@@ -280,15 +280,15 @@ __global__ void __launch_bounds__(kTableThreads) group_table_kernel(const int32_
 
 template <bool kVec, int kMinBlocks>
 void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t stream) {
-  group_table_kernel<<<1, kTableThreads, 0, stream>>>(p.group_sizes, p.groups, p.num_active, p.E, p.M, p.G,
+  moe_group_table_kernel<<<1, kTableThreads, 0, stream>>>(p.group_sizes, p.groups, p.num_active, p.E, p.M, p.G,
                                                      p.rows_per_item);
   if (p.G > 0 && p.I > 0) {
-    gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
+    moe_gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
     const int64_t blocks = (p.M * p.I + 255) / 256;
-    finish_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(p);
+    moe_finish_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(p);
   }
   // Always launched: it also writes the zeros of rows outside every group.
-  down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
+  moe_down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
 }
 
 // Blocks along the item axis of a kernel with `per_item` blocks per item (its tiles x splits): every item

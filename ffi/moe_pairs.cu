@@ -74,7 +74,7 @@ __device__ __forceinline__ bool last_to_arrive(int32_t* counter, int expected) {
 }
 
 template <bool kVec, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) pair_gate_up_kernel(PairParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_gate_up_kernel(PairParams p) {
   static_assert(kThreads >= kTileCols, "a thread per column of the tile");
   __shared__ Reduction<2> red;
   const int split = blockIdx.y;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) pair_gate_up_kernel(Pair
 }
 
 template <bool kVec, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) pair_down_kernel(PairParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(PairParams p) {
   __shared__ Reduction<1> red;
   const int64_t tile = blockIdx.x, col0 = tile * kTileCols, col = col0 + threadIdx.x;
   const bool mine = threadIdx.x < kTileCols && col < p.H;
@@ -166,10 +166,10 @@ template <bool kVec, int kMinBlocks>
 void launch(const PairParams& p, cudaStream_t stream) {
   const unsigned pair_blocks = static_cast<unsigned>(p.P < 65535 ? p.P : 65535);
   if (p.I > 0) {
-    pair_gate_up_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits),
+    moe_pair_gate_up_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits),
                                                  pair_blocks), kThreads, 0, stream>>>(p);
   }
-  pair_down_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.h_tiles), pair_blocks), kThreads, 0, stream>>>(p);
+  moe_pair_down_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.h_tiles), pair_blocks), kThreads, 0, stream>>>(p);
 }
 
 using Pairs32 = ffi::Buffer<ffi::S32, 2>;

@@ -40,7 +40,7 @@ SCOPES = (("drafter", "drafter"), ("attention_op", "attention"), ("moe", "moe"),
 COMPONENTS = ("attention", "moe", "dense", "drafter", "head", "tree_accept_commit", "other")
 # This project's CUDA kernels (FFI custom calls: XLA names no instruction after them).
 OWN_KERNELS = ((re.compile(r"verify_attention|merge_splits"), "attention"),
-               (re.compile(r"gate_up_kernel|down_kernel|finish_kernel|group_table_kernel"), "moe"))
+               (re.compile(r"\bmoe_\w*kernel"), "moe"))
 
 _ANNOTATION_NAME = re.compile(r"[#,]name=([^,#]+)")
 _ANNOTATION_OP = re.compile(r"hlo_op=([^,#]+)")
@@ -178,14 +178,23 @@ def kernel_family(name: str) -> str:
     return re.sub(r"([._]\d+)+$", "", name)[:80]  # GPU kernels "fusion_12", CPU thunks "fusion.12"
 
 
+def op_family(op_name: str, keep: int = 4) -> str:
+    """An op_name path's last `keep` scopes without instance or layer numbers ("jit(f)/while/body/layers_3/
+    mla/q_a_proj/dot_general" -> "layers/mla/q_a_proj/dot_general"), so one op's kernels in every layer add up."""
+    parts = [re.sub(r"[._]?\d+$", "", p) for p in op_name.split("/") if p and not p.startswith(("jit(", "pjit("))]
+    return "/".join(parts[-keep:])
+
+
 def attribute(events, hlo: HloIndex):
-    """({component: kernel ns}, {how: kernel ns}, {component: {kernel family: [ns, count]}}) over the events.
+    """({component: kernel ns}, {how: kernel ns}, {component: {kernel family: [ns, count]}},
+    {component: {"kernel family <- op family": [ns, count]}}) over the events.
 
     A kernel that names nothing (a library GEMM that a custom call ran inside a CUDA graph) is placed by the
     schedule: between the instructions of the nearest resolved kernels before and after it on its stream,
     the library calls scheduled there; if they all belong to one part, it is that part's ("schedule").
     Failing that, it takes the part of the next resolved kernel on its stream (else the previous one)."""
     out, how_ns, families = dict.fromkeys(COMPONENTS, 0.0), {}, {c: {} for c in COMPONENTS}
+    ops = {c: {} for c in COMPONENTS}
     by_line = {}
     for ev in sorted(events, key=lambda e: (e[0], e[1])):
         by_line.setdefault(ev[0], []).append(ev)
@@ -218,7 +227,12 @@ def attribute(events, hlo: HloIndex):
             family = families[component].setdefault(kernel_family(line_events[i][3]), [0.0, 0])
             family[0] += ns
             family[1] += 1
-    return out, how_ns, families
+            instr = resolved[i][2]
+            op = op_family(hlo.op_name[instr]) if instr in hlo.op_name else "?"
+            key = ops[component].setdefault(f"{kernel_family(line_events[i][3])} <- {op}", [0.0, 0])
+            key[0] += ns
+            key[1] += 1
+    return out, how_ns, families, ops
 
 
 def trace_kernels(compiled, args, sample: int = 0):
@@ -254,7 +268,7 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")
-    by_component, how_ns, families = attribute(events, index)
+    by_component, how_ns, families, ops = attribute(events, index)
     top = {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
                for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:6]]
            for c, fam in families.items() if fam}
@@ -265,7 +279,10 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
               "steps": steps,
               "kernels_per_step": len(events) / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
-              "top_kernels": top}
+              "top_kernels": top,
+              "top_ops": {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
+                              for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:12]]
+                          for c, fam in ops.items() if fam}}
     if sample:
         result["stats_sample"] = stats_sample
     return result

@@ -83,6 +83,11 @@ def run_compute_sanitizer(tool: str, script: str, kernel_name: str) -> tuple[int
     return res.returncode, res.stdout + res.stderr
 
 
+# What each tool prints when it found nothing (racecheck has a summary line of its own; memcheck and synccheck share one).
+SANITIZER_CLEAN = {"memcheck": "ERROR SUMMARY: 0 errors", "synccheck": "ERROR SUMMARY: 0 errors",
+                   "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"}
+
+
 def pytest_collection_modifyitems(config, items):
     if not RUN_SLOW and "slow" not in (config.getoption("markexpr") or ""):
         slow = [item for item in items if "slow" in item.keywords]
