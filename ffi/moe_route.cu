@@ -4,8 +4,8 @@
 // Why an op.  XLA runs DeepSeek-V3 / Kimi K2 routing (scores, bias, group top-2 sums, the best groups, the top-k, the
 // chosen scores normalised) as 6-10 small kernels a layer: a sort for every top_k, a scatter for the group mask,
 // reductions and element-wise fusions.  On the H200 at a K2 TP8-rank decode step (T = 1) those took ~14 us of kernels
-// a layer plus a launch gap each, more than half the routed experts' own weight-read time.  Here one block routes
-// one token, its scores in shared memory:
+// a layer plus a launch gap each, more than half the routed experts' own weight-read time.  Here one warp routes
+// one token, its experts spread over the lanes' registers (no shared memory but the group ranking's few words):
 //   1. scores = sigmoid(logits) (or softmax over the experts); choice = scores + bias when `use_bias`
 //   2. n_group > topk_group: each group's score is the sum of its two best choices; the topk_group best groups
 //      stay, the other groups' experts leave the race
@@ -25,8 +25,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int64_t kMaxExperts = 4096;  // shared memory: 9 bytes an expert (37 KB at most, under 48 KB)
+constexpr int kWarps = kThreads / 32;     // a warp routes a token: no block barrier anywhere
+constexpr int kMaxPerLane = 32;           // experts a lane holds (bits of its mask)
+constexpr int64_t kMaxExperts = 32 * kMaxPerLane;
 constexpr int64_t kMaxGroups = 256;
 constexpr int64_t kMaxTopK = 64;
 
@@ -35,15 +36,17 @@ struct RouteParams {
   const float* bias;    // [E]
   int32_t* indices;     // [N, k]
   float* weights;       // [N, k]
+  int64_t N;
   int E, k, n_group, topk_group;
   bool softmax, use_bias, norm;
   float scaling;
 };
 
-// (value, id) with jax.lax.top_k's order: the larger value first, equal values by the lower id. id < 0: none.
+// A candidate with jax.lax.top_k's order: the larger value first, equal values by the lower id.  id < 0: none.
 struct Best {
   float value;
   int id;
+  float score;  // the expert's unbiased score, carried along for the weights
 };
 
 __device__ __forceinline__ bool before(const Best& a, const Best& b) {
@@ -52,137 +55,152 @@ __device__ __forceinline__ bool before(const Best& a, const Best& b) {
   return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
+// Every lane gets the warp's best candidate.
 __device__ __forceinline__ Best warp_best(Best b) {
   for (int offset = 16; offset > 0; offset >>= 1) {
-    Best o{__shfl_xor_sync(0xffffffffu, b.value, offset), __shfl_xor_sync(0xffffffffu, b.id, offset)};
+    const Best o{__shfl_xor_sync(0xffffffffu, b.value, offset), __shfl_xor_sync(0xffffffffu, b.id, offset),
+                 __shfl_xor_sync(0xffffffffu, b.score, offset)};
     if (before(o, b)) b = o;
   }
   return b;
 }
 
-// The block's best candidate; every thread gets it.  `slots`: kWarps Best of shared memory.
-__device__ __forceinline__ Best block_best(Best b, Best* slots) {
-  b = warp_best(b);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) slots[warp] = b;
-  __syncthreads();
-  Best all = lane < kWarps ? slots[lane] : Best{0.f, -1};
-  all = warp_best(all);
-  __syncthreads();  // the slots are free again
-  return all;
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
-__device__ __forceinline__ float block_reduce(float v, float* slots, bool take_max) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float o = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = take_max ? fmaxf(v, o) : v + o;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) slots[warp] = v;
-  __syncthreads();
-  float all = slots[0];
-  for (int w = 1; w < kWarps; ++w) all = take_max ? fmaxf(all, slots[w]) : all + slots[w];
-  __syncthreads();
-  return all;
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
 }
 
+// Lane l holds experts l, l + 32, l + 64, ... (kPerLane of them): loads coalesce, and every step below is a few
+// register compares and warp shuffles.
+template <int kPerLane>
 __global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteParams p) {
-  extern __shared__ float shared[];
-  float* scores = shared;                                          // [E]
-  float* choice = scores + p.E;                                    // [E]
-  float* group_score = choice + p.E;                               // [n_group]
-  int* group_kept = reinterpret_cast<int*>(group_score + p.n_group);  // [n_group]
-  bool* taken = reinterpret_cast<bool*>(group_kept + p.n_group);   // [E]
-  __shared__ Best best_slots[kWarps];
-  __shared__ float reduce_slots[kWarps];
-  __shared__ int chosen[kMaxTopK];
-
-  const int64_t token = blockIdx.x;
+  __shared__ float group_score[kWarps][kMaxGroups];
+  __shared__ int kept[kWarps][kMaxGroups];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (token >= p.N) return;
   const float* logits = p.logits + token * p.E;
   const int E = p.E;
 
-  // 1. scores and the choice
+  // 1. scores and the choice; `live` marks the experts still in the race
+  float score[kPerLane], choice[kPerLane];
+  unsigned live = 0;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = j * 32 + lane;
+    score[j] = e < E ? logits[e] : -INFINITY;
+    if (e < E) live |= 1u << j;
+  }
   if (p.softmax) {
     float m = -INFINITY;
-    for (int e = threadIdx.x; e < E; e += kThreads) m = fmaxf(m, logits[e]);
-    m = block_reduce(m, reduce_slots, true);
-    float s = 0.f;
-    for (int e = threadIdx.x; e < E; e += kThreads) {
-      const float v = expf(logits[e] - m);
-      scores[e] = v;
-      s += v;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) m = fmaxf(m, score[j]);
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      score[j] = (live >> j) & 1u ? expf(score[j] - m) : 0.f;
+      sum += score[j];
     }
-    s = block_reduce(s, reduce_slots, false);
-    for (int e = threadIdx.x; e < E; e += kThreads) scores[e] /= s;
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) score[j] /= sum;
   } else {
-    for (int e = threadIdx.x; e < E; e += kThreads) scores[e] = 1.f / (1.f + expf(-logits[e]));
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) score[j] = 1.f / (1.f + expf(-score[j]));
   }
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    choice[e] = p.use_bias ? scores[e] + p.bias[e] : scores[e];
-    taken[e] = false;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = j * 32 + lane;
+    choice[j] = p.use_bias && e < E ? score[j] + p.bias[e] : score[j];
   }
-  __syncthreads();
 
-  // 2. the best groups (a thread a group: groups are small)
+  // 2. the best groups: each group's two best choices summed; the topk_group best groups keep their experts
   if (p.n_group > 1 && p.topk_group < p.n_group) {
     const int size = E / p.n_group;
-    for (int g = threadIdx.x; g < p.n_group; g += kThreads) {
-      Best first{0.f, -1}, second{0.f, -1};
-      for (int j = 0; j < size; ++j) {
-        const Best c{choice[g * size + j], g * size + j};
-        if (before(c, first)) {
-          second = first;
-          first = c;
-        } else if (before(c, second)) {
-          second = c;
-        }
+    for (int g = 0; g < p.n_group; ++g) {
+      // the group's best, then its best other than that one
+      Best first{0.f, -1, 0.f}, runner{0.f, -1, 0.f};
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const Best c{choice[j], j * 32 + lane, 0.f};
+        if (c.id < E && c.id / size == g && before(c, first)) first = c;
       }
-      group_score[g] = size > 1 ? first.value + second.value : first.value;
+      first = warp_best(first);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const Best c{choice[j], j * 32 + lane, 0.f};
+        if (c.id < E && c.id / size == g && c.id != first.id && before(c, runner)) runner = c;
+      }
+      runner = warp_best(runner);
+      if (lane == 0) group_score[warp][g] = size > 1 ? first.value + runner.value : first.value;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {  // the topk_group best groups, ties to the lower group id
-      for (int g = 0; g < p.n_group; ++g) group_kept[g] = 0;
+    __syncwarp();
+    if (lane == 0) {  // ties to the lower group id, as jax.lax.top_k ranks them
+      for (int g = 0; g < p.n_group; ++g) kept[warp][g] = 0;
       for (int round = 0; round < p.topk_group; ++round) {
-        Best b{0.f, -1};
+        Best b{0.f, -1, 0.f};
         for (int g = 0; g < p.n_group; ++g) {
-          const Best c{group_score[g], g};
-          if (!group_kept[g] && before(c, b)) b = c;
+          const Best c{group_score[warp][g], g, 0.f};
+          if (!kept[warp][g] && before(c, b)) b = c;
         }
-        group_kept[b.id] = 1;
+        kept[warp][b.id] = 1;
       }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += kThreads) {
-      if (!group_kept[e / size]) choice[e] = -INFINITY;  // as the XLA formulation masks them
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = j * 32 + lane;
+      if (e < E && !kept[warp][e / size]) live &= ~(1u << j);
     }
-    __syncthreads();
   }
 
-  // 3. top-k: k rounds of the block's best untaken choice
+  // 3. top-k: k rounds of the warp's best live choice; 4. the weights from the chosen experts' scores
+  float sum = 0.f;
+  int my_id = -1;  // lane r keeps round r's expert and score (k <= 64: two per lane at most)
+  float my_score = 0.f;
+  int my_id2 = -1;
+  float my_score2 = 0.f;
   for (int round = 0; round < p.k; ++round) {
-    Best b{0.f, -1};
-    for (int e = threadIdx.x; e < E; e += kThreads) {
-      const Best c{choice[e], e};
-      if (!taken[e] && before(c, b)) b = c;
+    Best b{0.f, -1, 0.f};
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const Best c{choice[j], j * 32 + lane, score[j]};
+      if ((live >> j) & 1u && before(c, b)) b = c;
     }
-    b = block_best(b, best_slots);
-    if (threadIdx.x == 0) {
-      chosen[round] = b.id;
-      taken[b.id] = true;
+    b = warp_best(b);
+    if (b.id % 32 == lane) live &= ~(1u << (b.id / 32));
+    sum += b.score;  // in choice order, as a sequential sum
+    if (round % 32 == lane) {
+      if (round < 32) {
+        my_id = b.id;
+        my_score = b.score;
+      } else {
+        my_id2 = b.id;
+        my_score2 = b.score;
+      }
     }
-    __syncthreads();
   }
+  const float denom = sum + 1e-20f;
+  if (lane < p.k) {
+    p.indices[token * p.k + lane] = my_id;
+    p.weights[token * p.k + lane] = (p.norm ? my_score / denom : my_score) * p.scaling;
+  }
+  if (lane + 32 < p.k) {
+    p.indices[token * p.k + lane + 32] = my_id2;
+    p.weights[token * p.k + lane + 32] = (p.norm ? my_score2 / denom : my_score2) * p.scaling;
+  }
+}
 
-  // 4. the weights: the chosen experts' unbiased scores, normalised in choice order
-  if (threadIdx.x == 0) {
-    float sum = 0.f;
-    for (int j = 0; j < p.k; ++j) sum += scores[chosen[j]];
-    for (int j = 0; j < p.k; ++j) {
-      const float w = p.norm ? scores[chosen[j]] / (sum + 1e-20f) : scores[chosen[j]];
-      p.indices[token * p.k + j] = chosen[j];
-      p.weights[token * p.k + j] = w * p.scaling;
-    }
-  }
+template <int kPerLane>
+void launch(const RouteParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.N + kWarps - 1) / kWarps;
+  moe_route_kernel<kPerLane><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
 }
 
 using Logits = ffi::Buffer<ffi::F32, 2>;
@@ -203,7 +221,7 @@ ffi::Error MoeRouteCuda(cudaStream_t stream, Logits logits, Bias bias, int64_t t
       n_group > kMaxGroups || E % n_group != 0 || topk_group < 1 || topk_group > n_group ||
       (n_group > 1 && topk_group < n_group && topk_group * (E / n_group) < top_k)) {
     return ffi::Error::InvalidArgument(
-        "moe_route (CUDA): needs 1 <= E <= 4096, 1 <= top_k <= min(E, 64), 1 <= n_group <= 256 dividing E, "
+        "moe_route (CUDA): needs 1 <= E <= 1024, 1 <= top_k <= min(E, 64), 1 <= n_group <= 256 dividing E, "
         "1 <= topk_group <= n_group, and top_k experts in the kept groups");
   }
   if (N == 0) return ffi::Error::Success();
@@ -220,9 +238,21 @@ ffi::Error MoeRouteCuda(cudaStream_t stream, Logits logits, Bias bias, int64_t t
   p.use_bias = use_bias;
   p.norm = norm;
   p.scaling = scaling;
-  const size_t shared = sizeof(float) * (2 * E + 2 * n_group) + E;  // scores, choice, group score / kept, taken
-  const unsigned blocks = static_cast<unsigned>(N < 2147483647 ? N : 2147483647);
-  moe_route_kernel<<<blocks, kThreads, shared, stream>>>(p);
+  p.N = N;
+  const int per_lane = static_cast<int>((E + 31) / 32);
+  if (per_lane <= 1) {
+    launch<1>(p, stream);
+  } else if (per_lane <= 2) {
+    launch<2>(p, stream);
+  } else if (per_lane <= 4) {
+    launch<4>(p, stream);
+  } else if (per_lane <= 8) {
+    launch<8>(p, stream);
+  } else if (per_lane <= 16) {
+    launch<16>(p, stream);
+  } else {
+    launch<32>(p, stream);
+  }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return ffi::Error::Internal(std::string("moe_route (CUDA): kernel launch: ") + cudaGetErrorString(err));
   }

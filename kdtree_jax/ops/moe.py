@@ -61,7 +61,7 @@ TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
 ROUTE_TARGET = "kdtree_moe_route"
 # The routing kernel's limits (ffi/moe_route.cu): experts a token chooses among, experts it chooses, groups.
-ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K, ROUTE_MAX_GROUPS = 4096, 64, 256
+ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K, ROUTE_MAX_GROUPS = 1024, 64, 256
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
