@@ -83,8 +83,11 @@ CUDA_ROWS_PER_ITEM = 4
 MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # "auto" on a GPU runs routed experts on the (token, choice) pairs in place (`pair_expert_mlp`: no sort, gather,
 # table or combine launches) up to this many pairs on a device, the sorted op above (where pairs share experts
-# often enough that reading an expert's weights once per 4 rows wins).
-PAIRS_MAX = 64
+# often enough that reading an expert's weights once per 4 rows wins).  72 = K2's T = 9 verify pass (9 x 8): in
+# the K2 TP8-rank step (H200, 25 layers, 64k, T = 9, 01282aa) the pairs op took the step from 9.56 to 9.35 ms
+# (MoE 5.72 -> 5.52 ms, 1,052 -> 836 kernels a step); at T = 33 (264 pairs) the sorted op wins (644 vs 757 us a
+# layer in-loop, moe_pairs_h200.md).
+PAIRS_MAX = 72
 
 
 # "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
