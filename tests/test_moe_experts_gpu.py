@@ -321,6 +321,20 @@ def test_pairs_op_matches_reference(case, blocks_per_sm):
     assert_close(out, np.asarray(on_sorted.astype(jnp.float32), np.float64))
 
 
+def test_pairs_op_with_expert_offset():
+    """Expert parallelism's second device (expert_offset = E): ids below the offset are negative locally and ids
+    past E + E held elsewhere; routed_experts hands the pairs op the local ids unmasked, which skips both."""
+    rng = np.random.default_rng(7)
+    tokens, top_k, experts, hidden, inter = 5, 4, 6, 256, 64
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    indices = jnp.asarray(rng.integers(0, 3 * experts, (tokens, top_k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32))
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(routed_experts, static_argnames=("impl", "expert_offset"))
+    out = fn(x, indices, weights, gate, up, down, expert_offset=experts, impl="pairs")
+    assert_close(out, reference_routed(x, indices, weights, gate, up, down, expert_offset=experts))
+
+
 @pytest.mark.parametrize("hidden,inter", [(7168 // 8, 2048 // 8), (2056, 40), (37, 21)])
 def test_pairs_op_equals_sorted_op_bitwise(hidden, inter):
     """At the sorted op's split count a pair's expert output is the sorted op's row bit for bit: with one choice a

@@ -77,10 +77,10 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
     local = indices - expert_offset
-    held = jnp.where((local >= 0) & (local < num_local), local, num_local)  # num_local: held elsewhere
     sorted_impl = "cuda" if impl == "pairs" else impl
 
-    def on_sorted_rows(x2d, held, weights, gate, up, down):
+    def on_sorted_rows(x2d, local, weights, gate, up, down):
+        held = jnp.where((local >= 0) & (local < num_local), local, num_local)  # num_local: held elsewhere
         flat_expert = held.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
         token_of_row = order // k
@@ -97,10 +97,11 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
         pair_weight = jnp.where(held < num_local, weights, 0.0).astype(jnp.float32)
         return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
 
-    args = (x2d, held, weights, gate, up, down)
+    args = (x2d, local, weights, gate, up, down)
     if not moe_ops.use_pairs(num_tokens * k, x2d, gate, up, down, impl):
         return on_sorted_rows(*args)
-    # Few pairs on a GPU: the pairs in place, no sort and no combine launches (ops/moe.py, pair_expert_mlp).
+    # Few pairs on a GPU: the pairs in place, no sort and no combine launches (ops/moe.py, pair_expert_mlp); the op
+    # itself skips pairs whose expert is not held here (ids outside [0, E)), so they need no mask (a kernel less).
     on_pairs = functools.partial(moe_ops.pair_expert_mlp, blocks_per_sm=blocks_per_sm)
     return jax.lax.platform_dependent(*args, cuda=on_pairs, default=on_sorted_rows)
 
