@@ -16,21 +16,20 @@ One bucket's cycle (when its batch is full, with one chunk in flight: the host r
 chunk i + 1; with a free row, chunk by chunk, so that a new request waits for one chunk at most):
 
     admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket), copy
-        it into its row (`_adopt`), stream its first token;
+        it into its row (engine.prefill_row, engine.adopt_row), stream its first token;
     launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
         (client gone, stop string), is reset (engine.reset_row: its KV slots back to the pool) and its row is free.
 
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
-max_tokens tokens (`_adopt`), with no extra steps and no per-request compile.
+max_tokens tokens (engine.adopt_row), with no extra steps and no per-request compile.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import gc
 import itertools
 import threading
@@ -43,9 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
-from kdtree_jax.decode import prefill
-from kdtree_jax.ops.argmax import argmax_last
-from kdtree_jax.speculative import accept as acceptance
 from kdtree_jax.speculative import engine
 
 # --- compile counting ---------------------------------------------------------------------------------------------
@@ -69,9 +65,6 @@ def compile_count() -> int:
 
 
 compile_count()  # listen from import on
-
-PREFILL_CHUNK = 64  # prefill tokens per pass (engine.generate's default chunk_size)
-
 
 # --- releasing the programs of dropped buckets ----------------------------------------------------------------------
 # Each sampling setting compiles its own chunk program (the temperature and top_p are compiled in), and JAX's
@@ -146,73 +139,6 @@ class Request:
         return (0.0, 1.0) if self.temperature == 0 else (float(self.temperature), float(self.top_p))
 
 
-def prompt_bucket(n: int, max_len: int) -> int:
-    """The padded prefill length for an n-token prompt: a power of two from 16, so that a handful of prefill programs
-    serve every prompt (a prompt's padding costs compute only, not pool positions)."""
-    length = 16
-    while length < n:
-        length *= 2
-    return min(length, max_len)
-
-
-@jax.jit
-def _first_token_greedy(last_logits):
-    return argmax_last(last_logits)
-
-
-@jax.jit
-def _first_token_sampled(last_logits, seed, temperature, top_p):
-    # The request's own seed: its first token does not depend on the batch it joins.
-    filtered = acceptance.filter_logits(last_logits, temperature, 0, top_p)
-    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
-    return jax.random.categorical(key, filtered).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _adopt(state: engine.LoopState, fresh: kv_pool.KVCache, fresh_dcache, row, first, max_tokens) -> engine.LoopState:
-    """Batch row `row` takes over a prompt prefilled alone (`fresh`: a one-row pool as long as the prompt's bucket;
-    `fresh_dcache`: its drafter context or None; `first` [1]: its first token), and stops after `max_tokens` tokens.
-
-    engine._adopt_row does the same from a pool of the batch's own shape (prefilling every row); prefilling one row is
-    max_batch times cheaper, and admission stalls every running row for as long as it takes. The prompt's latent rows
-    are copied into slots popped from the batch's pool; its slot table row points at them.
-
-    max_tokens: the loop ends a row once its output count reaches the out buffer's width (max_new); this row's
-    output starts at offset max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step.
-    `row` and `max_tokens` are device scalars: one program per prompt bucket, whatever the row and the length."""
-    state = engine._reset_row_state(state, row)
-    cache = state.cache
-    count = fresh.seq_lens[0]
-    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (the API checked it against max_len)
-    j = jnp.arange(n, dtype=jnp.int32)
-    valid = j < count
-    short = cache.num_free < count
-    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
-    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
-    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0, :n]], mode="drop")
-    table = jnp.zeros((cache.max_len,), jnp.int32).at[:n].set(slots)
-    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
-                           seq_lens=cache.seq_lens.at[row].set(count),
-                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
-                           overflow=cache.overflow | short)
-    dcache = state.dcache
-    if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
-        n = min(fresh_dcache.k.shape[2], dcache.k.shape[2])
-        dcache = engine.DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0, :n]),
-                                     dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0, :n]),
-                                     dcache.lens.at[row].set(fresh_dcache.lens[0]))
-    token = first[0]
-    width = state.accepted_hist.shape[0]
-    max_new = state.out.shape[1] - width
-    offset = max_new - max_tokens
-    num_out = offset + 1
-    live = ~(token == state.stop_ids).any() & (num_out < max_new)
-    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
-    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
-                          out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
-                          active=state.active.at[row].set(live))
-
-
 @jax.jit
 def _counters(state: engine.LoopState):
     """Copies of what /metrics reads after a chunk (the chunk's state itself is donated to the next chunk)."""
@@ -277,30 +203,13 @@ class Bucket:
         sched, target = self.sched, self.sched.target
         if self.busy() == 0 and self.spec.temperature > 0 and reqs[0].seed is not None:
             self.state = _with_key(self.state, jnp.int32(reqs[0].seed & 0x7FFFFFFF))
-        hidden_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
         firsts = []
         for req, row in zip(reqs, self.free_rows()):
-            n = len(req.prompt)
-            length = prompt_bucket(n, self.max_len)
-            ids = np.zeros((1, length), np.int32)
-            ids[0, :n] = req.prompt
-            chunk = min(PREFILL_CHUNK, length)
-            # room for whole prefill chunks (a chunk takes its slots before the padding's are given back)
-            fresh = kv_pool.init_cache(target.cfg, 1, engine._round_up(length, chunk),
-                                       dtype=self.state.cache.pages.dtype)
-            last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32), chunk_size=chunk,
-                                                 hidden_layers=hidden_layers, impl=self.spec.impl)
-            fresh_dcache = None
-            if self.drafter is not None:
-                fresh_dcache = engine._extend_drafter(self.drafter, self.drafter.init_cache(1, length), hidden,
-                                                      jnp.asarray([n], jnp.int32))
-            if self.spec.temperature == 0:
-                first = _first_token_greedy(last_logits)
-            else:
-                seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
-                first = _first_token_sampled(last_logits, jnp.int32(seed), jnp.float32(self.spec.temperature),
-                                             jnp.float32(self.spec.top_p))
-            self.state = _adopt(self.state, fresh, fresh_dcache, jnp.int32(row), first, jnp.int32(req.max_tokens))
+            seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF  # sampling only
+            prefilled = engine.prefill_row(target, self.drafter, req.prompt, spec=self.spec, max_len=self.max_len,
+                                           kv_dtype=self.state.cache.pages.dtype, seed=seed)
+            self.state = engine.adopt_row(self.state, prefilled, row, req.max_tokens)
+            first = prefilled.first
             self.owner[row] = req
             firsts.append((req, row, first))
         for req, row, first in firsts:

@@ -226,6 +226,7 @@ class ChunkOutput(NamedTuple):
     start: jnp.ndarray  # [B] state.num_out before the chunk: tokens[b, i] is output position start[b] + i
     num_out: jnp.ndarray  # [B] state.num_out after it
     any_active: jnp.ndarray  # [] bool: some sequence is still decoding
+    active: jnp.ndarray  # [B] bool: which are (a row that is not is done: free for the next prompt, adopt_row)
 
 
 @jax.jit
@@ -249,7 +250,7 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
     index = start[:, None] + jnp.arange(steps * width, dtype=jnp.int32)[None, :]
     tokens = jnp.take_along_axis(state.out, jnp.minimum(index, state.out.shape[1] - 1), axis=1)
     tokens = jnp.where(index < state.num_out[:, None], tokens, -1)
-    return ChunkOutput(state, tokens, start, state.num_out, state.active.any())
+    return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active)
 
 
 class ChunkedLoop:
@@ -257,7 +258,7 @@ class ChunkedLoop:
 
         loop = ChunkedLoop(target, drafter, spec, steps=8)
         out = loop(state)            # one chunk (asynchronous): ChunkOutput
-        state = out.state            # donated by the next call; replace_row / reset_row work on it in between
+        state = out.state            # donated by the next call; adopt_row / reset_row work on it in between
         final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
 
     drafter: None for autoregressive decoding (a root-only tree).
@@ -346,77 +347,160 @@ def reset_row(state: LoopState, row) -> LoopState:
     return _reset_row_state(state, jnp.asarray(row, jnp.int32))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _adopt_row(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first) -> LoopState:
-    """Row `row` of the state becomes row `row` of a freshly prefilled pool (same shapes): its latent rows are
-    copied into slots popped from the state's pool, its drafter context copied, `first` its first token."""
-    state = _reset_row_state(state, row)
-    cache = state.cache
-    count = fresh.seq_lens[row]
-    j = jnp.arange(cache.max_len, dtype=jnp.int32)
-    valid = j < count
-    short = cache.num_free < count
-    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
-    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
-    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[row]], mode="drop")
-    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(slots),
-                           seq_lens=cache.seq_lens.at[row].set(count),
-                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
-                           overflow=cache.overflow | short)
-    dcache = state.dcache
-    if dcache is not None:
-        dcache = DrafterCache(dcache.k.at[:, row].set(fresh_dcache.k[:, row]),
-                              dcache.v.at[:, row].set(fresh_dcache.v[:, row]),
-                              dcache.lens.at[row].set(fresh_dcache.lens[row]))
-    token = first[row]
-    width = state.accepted_hist.shape[0]
-    max_new = state.out.shape[1] - width
-    live = ~(token == state.stop_ids).any() & (max_new > 1)
-    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
-                          out=state.out.at[row, 0].set(token), num_out=state.num_out.at[row].set(1),
-                          active=state.active.at[row].set(live))
+# Row admission: a new prompt in one batch row between chunks -------------------------------------------------------
+# Continuous batching (the server, spec_decode.py --refill) gives a finished row the next prompt while the other rows
+# keep decoding. The prompt is prefilled alone, in a one-row pool as long as its padded length (`prefill_row`), and
+# copied into the batch's pool (`adopt_row`): prefilling a pool of the batch's shape would cost B times the work, and
+# the other rows wait for it (they share the state). Shapes stay fixed (the prompt padded to a power-of-two bucket,
+# the row and the length device scalars), so a steady stream of admissions compiles nothing.
+
+PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
 
 
-def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
-                spec: SpecConfig, chunk_size: int = 64, seed: int = 0) -> LoopState:
-    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): prefill it, pick its
-    first token, and give the row its KV rows, drafter context and output; the other rows go on untouched.
+def prompt_bucket(n: int, max_len: int) -> int:
+    """The padded prefill length of an n-token prompt admitted alone: a power of two from 16 (at most max_len), so
+    that a handful of prefill programs serve every prompt (the padding costs compute, not pool positions)."""
+    length = 16
+    while length < n:
+        length *= 2
+    return min(length, max_len)
 
-    The prefill runs on a second pool of the state's shapes (every row holding the prompt), so it reuses the
-    prefill the batch compiled, and the row is copied in: no shape changes, so neither this nor the next chunk
-    compiles anything. (A memory-lean insertion, prefilling only this row, is for later.) drafter: the one the loop
-    runs (None when autoregressive). The prompt plus spec.max_new_tokens must fit the pool's max_len.
-    """
-    cache = state.cache
-    batch = cache.batch
+
+class PrefilledRow(NamedTuple):
+    """One prompt prefilled alone (`prefill_row`): what `adopt_row` copies into a batch row. On the device."""
+
+    cache: KVCache  # a one-row pool holding the prompt's latent rows
+    dcache: Optional[DrafterCache]  # the drafter's context over the prompt (None when autoregressive)
+    first: jnp.ndarray  # [1] int32: the first generated token (the prefill's pick)
+
+
+@jax.jit
+def _first_token_greedy(last_logits):
+    return argmax_last(last_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _first_token_sampled(last_logits, seed, temperature, top_p, top_k: int = 0):
+    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins. The
+    # temperature and top_p are traced: every sampling setting shares this program.
+    filtered = acceptance.filter_logits(last_logits, temperature, top_k, top_p)
+    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
+    return jax.random.categorical(key, filtered).astype(jnp.int32)
+
+
+def prefill_row(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, spec: SpecConfig, max_len: int,
+                kv_dtype=None, seed: int = 0, chunk_size: int = PREFILL_CHUNK) -> PrefilledRow:
+    """Prefill one prompt alone for `adopt_row`: its latent rows in a one-row pool padded to `prompt_bucket`, the
+    drafter's context over them, and its first token (greedy, or sampled with `seed` at spec.temperature).
+
+    drafter: the one the loop runs (None when autoregressive). max_len: the batch pool's positions per row (the
+    prompt must fit it). kv_dtype: the batch pool's dtype (default the target's). Nothing here reads the device:
+    the work queues behind the chunk in flight, and the caller reads the first token when it wants it."""
     prompt = validate_tokens(np.asarray(prompt_ids), target.cfg.vocab_size, "prompt_ids")
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError("prompt_ids must be one non-empty prompt")
-    if not 0 <= row < batch:
-        raise ValueError(f"row must be in [0, {batch}); got {row}")
+    n = prompt.size
+    if n > max_len:
+        raise ValueError(f"a prompt of {n} tokens does not fit the batch's {max_len} positions per sequence")
+    length = prompt_bucket(n, max_len)
+    chunk = min(chunk_size, length)
+    ids = np.zeros((1, length), np.int32)
+    ids[0, :n] = prompt
+    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
+    # overflow, and its flag is carried into the batch's by adopt_row all the same.
+    fresh = kv_pool.init_cache(target.cfg, 1, _round_up(length, chunk), dtype=kv_dtype or target.dtype)
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:  # a sharded target: the pool lives whole on every device
+        fresh = replicate(fresh, mesh)
+    hidden_layers = drafter.target_layer_ids if drafter is not None else ()
+    last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32), chunk_size=chunk,
+                                         hidden_layers=hidden_layers, impl=spec.impl, host_checks=False)
+    dcache = None
+    if drafter is not None:
+        dcache = _extend_drafter(drafter, drafter.init_cache(1, length), hidden, jnp.asarray([n], jnp.int32))
+    if spec.temperature == 0:
+        first = _first_token_greedy(last_logits)
+    else:
+        first = _first_token_sampled(last_logits, jnp.int32(seed & 0x7FFFFFFF), jnp.float32(spec.temperature),
+                                     jnp.float32(spec.top_p), top_k=spec.top_k)
+    return PrefilledRow(fresh, dcache, first)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _adopt_row(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
+               max_tokens) -> LoopState:
+    """`adopt_row` on device scalars `row` and `max_tokens`: one program per prompt bucket, whatever the row."""
+    state = _reset_row_state(state, row)
+    cache = state.cache
+    count = fresh.seq_lens[0]
+    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (prefill_row checked it against max_len)
+    j = jnp.arange(n, dtype=jnp.int32)
+    valid = j < count
+    short = cache.num_free < count
+    # The prompt's latent rows go to slots popped from the batch's pool (its slot table row points at them).
+    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
+    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
+    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0, :n]], mode="drop")
+    table = jnp.zeros((cache.max_len,), jnp.int32).at[:n].set(slots)
+    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
+                           seq_lens=cache.seq_lens.at[row].set(count),
+                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
+                           overflow=cache.overflow | short | fresh.overflow)
+    dcache = state.dcache
+    if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
+        n = min(fresh_dcache.k.shape[2], dcache.k.shape[2])
+        dcache = DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0, :n]),
+                              dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0, :n]),
+                              dcache.lens.at[row].set(fresh_dcache.lens[0]))
+    # The loop ends a row once its output count reaches the out buffer's width (max_new); this row's output starts
+    # at max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step and no compile.
+    token = first[0]
+    width = state.accepted_hist.shape[0]
+    max_new = state.out.shape[1] - width
+    offset = max_new - max_tokens
+    num_out = offset + 1
+    live = ~(token == state.stop_ids).any() & (num_out < max_new)
+    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
+    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
+                          out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
+                          active=state.active.at[row].set(live))
+
+
+def adopt_row(state: LoopState, prefilled: PrefilledRow, row: int, max_tokens: Optional[int] = None) -> LoopState:
+    """Batch row `row` takes over a prompt prefilled alone (`prefill_row`), between chunks; the state is donated.
+
+    The row's old sequence is dropped (its KV slots back to the pool, its drafter context and output cleared), the
+    prompt's latent rows are copied into slots popped from the batch's pool, its drafter context copied, and its
+    first token becomes the row's bonus and first output; the row is active unless that token is a stop id.
+    max_tokens: the row stops after this many tokens, the first included (default: the out buffer's max_new_tokens);
+    its output then sits at out[row, max_new - max_tokens:]. The other rows go on untouched, and no shape changes:
+    neither this (one program per prompt bucket) nor the next chunk compiles anything."""
+    max_new = state.out.shape[1] - state.accepted_hist.shape[0]
+    max_tokens = max_new if max_tokens is None else int(max_tokens)
+    if not 1 <= max_tokens <= max_new:
+        raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
+    return _adopt_row(state, prefilled.cache, prefilled.dcache, jnp.int32(row), prefilled.first,
+                      jnp.int32(max_tokens))
+
+
+def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
+                spec: SpecConfig, chunk_size: int = PREFILL_CHUNK, seed: int = 0) -> LoopState:
+    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): `prefill_row` then
+    `adopt_row`, after checking that the row exists and that the prompt, spec.max_new_tokens and a verify tree fit
+    the pool's rows. drafter: the one the loop runs (None when autoregressive). No compile after the first."""
+    cache = state.cache
+    prompt = np.asarray(prompt_ids)
+    if not 0 <= row < cache.batch:
+        raise ValueError(f"row must be in [0, {cache.batch}); got {row}")
     depth = drafter.cfg.depth if drafter is not None else 0
     nodes = (1 if drafter is None else spec.budget + 1 if spec.tree == "ddtree" else depth + 1 if spec.tree == "chain"
              else trees.static_tree_structure(tuple(spec.tree))[0].shape[0])
-    chunk = min(chunk_size, _round_up(prompt.size, 16))
-    padded = _round_up(prompt.size, chunk)
-    if padded + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
+    if prompt.size + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
         raise ValueError(f"a prompt of {prompt.size} tokens and {spec.max_new_tokens} new ones do not fit the "
                          f"batch's {cache.max_len} positions per sequence")
-    ids = np.zeros((batch, padded), np.int32)
-    ids[:, :prompt.size] = prompt
-    lens = np.full((batch,), prompt.size, np.int32)
-    fresh = kv_pool.init_cache(target.cfg, batch, cache.max_len, num_slots=cache.num_slots, dtype=cache.pages.dtype)
-    mesh = getattr(target, "mesh", None)
-    if mesh is not None:
-        fresh = replicate(fresh, mesh)
-    hidden_layers = drafter.target_layer_ids if drafter is not None else ()
-    last_logits, hidden, fresh = prefill(target, fresh, ids, lens, chunk_size=chunk, hidden_layers=hidden_layers,
-                                         impl=spec.impl)
-    fresh_dcache = None
-    if drafter is not None:
-        fresh_dcache = _extend_drafter(drafter, drafter.init_cache(batch, cache.max_len), hidden, jnp.asarray(lens))
-    first = _first_token(last_logits, spec, jax.random.fold_in(jax.random.key(seed), 1 << 30))
-    return _adopt_row(state, fresh, fresh_dcache, jnp.asarray(row, jnp.int32), first)
+    prefilled = prefill_row(target, drafter, prompt, spec=spec, max_len=cache.max_len, kv_dtype=cache.pages.dtype,
+                            seed=seed, chunk_size=chunk_size)
+    return adopt_row(state, prefilled, row)
 
 
 @jax.jit
@@ -712,13 +796,7 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
     if on_progress is not None:
         on_progress("compile", 0, 1)
     if chunk_steps:
-        # The last call's loop is reused while the models' arrays and the settings are the same: its loop weights
-        # and its compiled program (a fresh ChunkedLoop would recompute the weights and run a new program object,
-        # ~10 ms of a CPU decode). It holds the models' arrays until a call with others replaces it.
-        runner = _LAST_LOOP[0]
-        if runner is None or not runner.uses(target, drafter, spec, chunk_steps):
-            _LAST_LOOP[0] = None
-            runner = _LAST_LOOP[0] = ChunkedLoop(target, drafter, spec, chunk_steps)
+        runner = chunked_loop(target, drafter, spec, chunk_steps)
         loop, args = runner.compile(state), (runner.leaves, runner.loop_weights)
         steps_of = lambda out: out.state.step  # noqa: E731 - the profiled call is one chunk
     else:
@@ -747,7 +825,20 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
     return final, t_compile, t_decode, step_profile, host_syncs, host_loops
 
 
-_LAST_LOOP: list = [None]  # the ChunkedLoop of the last generate call
+_LAST_LOOP: list = [None]  # the ChunkedLoop of the last generate (or chunked_loop) call
+
+
+def chunked_loop(target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> ChunkedLoop:
+    """The ChunkedLoop of the last call (generate's, or this function's) while it runs these very models and
+    settings, else a new one that replaces it. Reusing it reuses its loop weights and its programs compiled ahead
+    (`ChunkedLoop.compile`: jax caches no ahead-of-time compile, and a fresh ChunkedLoop would also recompute the
+    weights and run a new program object, ~10 ms of a CPU decode). It holds the models' arrays until a call with
+    others replaces it."""
+    runner = _LAST_LOOP[0]
+    if runner is None or not runner.uses(target, drafter, spec, steps):
+        _LAST_LOOP[0] = None
+        runner = _LAST_LOOP[0] = ChunkedLoop(target, drafter, spec, steps)
+    return runner
 _HOST_LOOPS: dict = {}  # (models' structure, spec, chunk steps, state shapes) -> runtime.host_driven_loops
 
 
