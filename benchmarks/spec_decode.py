@@ -30,6 +30,15 @@ kdtree_jax.runtime.configure() before JAX starts (command buffers capture the lo
 GPU comparison: `python benchmarks/spec_decode.py --batch 1,16 --chunk-steps 0,1,8,16 --temperatures 0`, once with
 and once with --no-command-buffers.
 
+--refill N: continuous batching, as a server runs. A static batch decodes until its slowest sequence is done (a
+speculative sequence's steps vary with what the target accepts, so its rows finish apart); with --refill, N held-out
+prompts stream through each batch size's rows, and a row whose sequence is done takes the next waiting prompt between
+chunks (prefilled alone and copied into the row: engine.prefill_row + engine.adopt_row, the server's admission path;
+nothing compiles after an untimed warm-up). Each decoder gets a refill row per batch size, chunk size and temperature:
+tok/s = every generated token / wall seconds from the first admission to the last token on the host (prefills
+included), batch steps, tau, row occupancy, speed-up vs the autoregressive refill run and, greedy, how many outputs
+equal that run's. H200 example: `python benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 --budgets 16,32`.
+
 Writes <out>/spec_decode_<device>.{json,md} (--smoke: spec_decode_smoke_<device>.*), with the device
 kind, date and commit.
 """
@@ -37,6 +46,7 @@ kind, date and commit.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -67,6 +77,9 @@ from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
+from kdtree_jax import kv_pool  # noqa: E402
+from kdtree_jax.serve.scheduler import compile_count  # noqa: E402
+from kdtree_jax.speculative import engine  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -241,6 +254,149 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
     return stats, [t for r in results for t in r.tokens]
 
 
+# Refill mode (--refill N): continuous batching -------------------------------------------------------------------
+# A static batch decodes until its slowest sequence is done, so speculative decoding's ragged finish (a sequence's
+# steps vary with how much of its drafts the target accepts) leaves rows idle; a server gives a finished row the next
+# prompt instead. Here N prompts stream through B rows of one loop state: between chunks of the chunked loop, each
+# row whose sequence is done takes the next waiting prompt, prefilled alone and copied in (engine.prefill_row and
+# engine.adopt_row, the server's admission path), so nothing compiles after the warm-up.
+def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_tokens: int):
+    """Stream `prompts` through the rows of `state` (every row free): -> (tokens per prompt, the final state, wall
+    seconds from the first admission to the last token on the host, chunks, host seconds spent admitting).
+
+    admit(prompt, i) -> engine.PrefilledRow for prompts[i]. The host keeps one chunk in flight: it launches chunk
+    c + 1 before it reads chunk c, and a row that chunk c shows done takes its next prompt in the state chunk c + 1
+    returns (the state is donated chunk to chunk), so the admission's prefill and copy queue behind chunk c + 1 and
+    the device does not wait for the host. The price: a finished row idles through the rest of its chunk and the
+    next one (the occupancy figure of the report says how much that costs)."""
+    batch = state.bonus.shape[0]
+    waiting = collections.deque(range(len(prompts)))
+    owner = [None] * batch  # the prompt each row decodes (None: free)
+    tokens = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    firsts = []  # (prompt, its first token on the device) admitted since the last read
+    admit_seconds = [0.0]
+    max_chunks = len(prompts) * (-(-max_new_tokens // loop.steps) + 2) + 2  # a bug's bound, far beyond any run
+
+    def fill(state, rows):
+        t = time.perf_counter()
+        for row in rows:
+            if not waiting:
+                break
+            i = waiting.popleft()
+            prefilled = admit(prompts[i], i)
+            state = engine.adopt_row(state, prefilled, row)
+            owner[row] = i
+            firsts.append((i, prefilled.first))
+        admit_seconds[0] += time.perf_counter() - t
+        return state
+
+    t0 = time.perf_counter()
+    current = loop(fill(state, range(batch)))
+    current_owners = list(owner)
+    chunks = finished = 0
+    while True:
+        following = loop(current.state)  # enqueued behind `current`
+        following_owners = list(owner)  # a row admitted below joins after `following`: it has no tokens there
+        got = jax.device_get((current.tokens, current.start, current.num_out, current.active, [f for _, f in firsts]))
+        chunk_tokens, start, num_out, active, first_tokens = got
+        chunks += 1
+        for (i, _), first in zip(firsts, first_tokens):
+            tokens[i].append(int(first[0]))
+        firsts.clear()
+        for row, i in enumerate(current_owners):
+            if i is None or done[i]:
+                continue
+            end = min(int(num_out[row]), max_new_tokens)  # a step may write past max_new_tokens: not output
+            tokens[i] += chunk_tokens[row, :max(end - int(start[row]), 0)].tolist()
+            if not active[row]:
+                done[i], owner[row] = True, None
+                finished += 1
+        if finished == len(prompts):
+            break
+        free = [row for row in range(batch) if owner[row] is None]
+        if free and waiting:
+            following = following._replace(state=fill(following.state, free))
+        current, current_owners = following, following_owners
+        if chunks >= max_chunks:
+            raise RuntimeError(f"the refill run did not finish within {max_chunks} chunks")
+    wall = time.perf_counter() - t0
+    return tokens, following.state, wall, chunks, admit_seconds[0]
+
+
+def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk, temperature, top_k, top_p, seed,
+               max_new_tokens, impl, tree_temperature: float = 1.0, chunk_steps: int = DEFAULT_CHUNK_STEPS,
+               row_invariant: bool = False):
+    """One decoder in refill mode: `prompts` (more than `batch`) through `batch` rows, chunks of `chunk_steps`
+    steps. An untimed warm-up (the first batch + 1 prompts through the same rows) compiles the prefill, the admission
+    and the chunk program; then the timed pass. -> (stats, tokens per prompt). Prompt i's first token is sampled with
+    seed + i (T > 0); the steps share the loop's random stream (seed)."""
+    use = None if tree == "ar" else drafter
+    tree, budget = ("ddtree", 0) if tree == "ar" else (tree, budget)
+    req = engine._validate(target, use, prompts[:batch], max_new_tokens=max_new_tokens, budget=budget, topk=topk,
+                           tree_temperature=tree_temperature, temperature=temperature, stop_ids=(), tree=tree,
+                           top_k=top_k, top_p=top_p)
+    # The SpecConfig and the pool generate() builds for a batch of these prompts: the chunk program is then the one
+    # the static run of the same decoder compiled, when it ran last (engine.chunked_loop).
+    spec = engine.SpecConfig(tree=tree if isinstance(tree, str) else tuple(tree),
+                             budget=budget if req.use_drafter else 0, topk=topk,
+                             tree_temperature=float(tree_temperature), temperature=float(temperature),
+                             top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
+                             row_invariant=bool(row_invariant))
+    use = use if req.use_drafter else None
+    depth = req.depth if req.use_drafter else 0
+    longest = max(len(p) for p in prompts)
+    chunk = min(engine.PREFILL_CHUNK, engine._round_up(longest, 16))
+    max_len = engine._round_up(engine._round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
+    moe = [layer.mlp for layer in target.layers if layer.is_moe]
+
+    def empty_state():
+        cache = kv_pool.init_cache(target.cfg, batch, max_len, dtype=target.dtype)
+        dcache = use.init_cache(batch, max_len) if use is not None else None
+        return engine.initial_state(cache, dcache, np.zeros((batch,), np.int32), max_new_tokens=max_new_tokens,
+                                     width=depth + 1, stop_ids=req.stop, key=jax.random.key(seed),
+                                     expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
+                                     active=np.zeros((batch,), bool))
+
+    def admit(prompt, i):
+        return engine.prefill_row(target, use, prompt, spec=spec, max_len=max_len, seed=seed + i)
+
+    loop = engine.chunked_loop(target, use, spec, min(chunk_steps, max_new_tokens))
+    t0 = time.perf_counter()
+    loop.compile(empty_state())  # a hit when the static run of this decoder just compiled it (generate's loop)
+    # The warm-up admits into a fresh state, into the state an admission returns and into the one a chunk returns
+    # (jax keys its programs on where the arguments live, and these differ): every program the timed pass runs.
+    refill_pass(loop, empty_state(), prompts[:batch + 1], admit, max_new_tokens)
+    warmup_seconds = time.perf_counter() - t0
+    compiles = compile_count()
+    tokens, final, wall, chunks, admit_seconds = refill_pass(loop, empty_state(), prompts, admit, max_new_tokens)
+    compiles = compile_count() - compiles
+    kv_pool.check_overflow(final.cache)
+    hist = np.asarray(final.accepted_hist).astype(np.int64)
+    seq_steps, steps = int(hist.sum()), int(final.step)
+    new_tokens = sum(len(t) for t in tokens)
+    stats = {
+        "mode": "refill",
+        "prompts": len(prompts),
+        "tau": float((hist * (np.arange(hist.size) + 1)).sum() / seq_steps) if seq_steps else float("nan"),
+        "acceptance_by_depth": [float(hist[d:].sum() / seq_steps) if seq_steps else float("nan")
+                                for d in range(1, hist.size)],
+        # Every generated token, the first included: its prefill is inside the wall time here.
+        "new_tokens": new_tokens,
+        "timed_seconds": wall,
+        "tokens_per_second": new_tokens / wall,
+        "target_forwards": steps,  # the batch's steps
+        "sequence_steps": seq_steps,  # steps summed over the prompts
+        "occupancy": seq_steps / (steps * batch) if steps else float("nan"),  # rows decoding per batch step
+        "chunks": chunks,
+        "chunk_steps": loop.steps,
+        "admission_host_seconds": admit_seconds,
+        "warmup_seconds": warmup_seconds,
+        "compiles_after_warmup": compiles,
+        "num_nodes": req.num_nodes,
+    }
+    return stats, tokens
+
 def parse_batch_sizes(value) -> list[int]:
     """--batch: one size or several comma-separated, each >= 1."""
     try:
@@ -303,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
                    help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
                         "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep")
+    p.add_argument("--refill", type=int, default=0, metavar="N",
+                   help="also measure continuous batching: N held-out prompts (N larger than every --batch size; "
+                        "the first --prompts of them are the static run's) stream through each batch size's rows, "
+                        "and a row whose sequence is done takes the next waiting prompt between chunks (prefilled "
+                        "alone and copied in, as the server admits requests; nothing compiles after an untimed "
+                        "warm-up). Every decoder, batch size, --chunk-steps value (>= 1) and temperature gets a "
+                        "refill row: tok/s = all generated tokens / wall seconds from the first admission to the "
+                        "last token on the host (prefills included), batch steps, tau, row occupancy, speed-up vs "
+                        "autoregressive refill and, greedy, outputs identical to the autoregressive refill run's. "
+                        "0 (default): off; --smoke: 2 x the largest batch + 1 unless given")
     p.add_argument("--no-command-buffers", action="store_true",
                    help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
                         "which lets a CUDA graph capture the decode loop on a GPU)")
@@ -320,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.argv = argv
+    given = {a.split("=")[0] for a in argv}
     if args.smoke:
-        given = {a.split("=")[0] for a in argv}
         for flag, value in (("--prompts", 2), ("--prompt-len", 24), ("--max-new-tokens", 8), ("--budgets", "4,8")):
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
@@ -334,6 +501,24 @@ def main(argv=None) -> int:
 
         atexit.register(shutil.rmtree, out_dir, True)
     enable_compilation_cache(args.cache_dir)
+
+    batch_sizes = parse_batch_sizes(args.batch)
+    try:
+        chunk_list = [int(k) for k in str(args.chunk_steps).split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}") from None
+    if not chunk_list or min(chunk_list) < 0:
+        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}")
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1; got {args.prompts}")
+    if args.smoke and "--refill" not in given:
+        args.refill = 2 * max(batch_sizes) + 1
+    if args.refill < 0 or 0 < args.refill <= max(batch_sizes):
+        parser.error(f"--refill must be larger than every --batch size (the largest is {max(batch_sizes)}: the rows "
+                     f"need prompts waiting to take), or 0 (off); got {args.refill}")
+    if args.refill and min(chunk_list) < 1:
+        parser.error(f"--refill needs every --chunk-steps value >= 1 (rows take new prompts between chunks); got "
+                     f"{args.chunk_steps}")
 
     t_all = time.perf_counter()
     target, drafter, tokenizer, pair = load_pair(args)
@@ -346,16 +531,9 @@ def main(argv=None) -> int:
     if bad:
         raise ValueError(f"--budgets must be in [1, {limit}] for block_size {drafter.cfg.block_size} and "
                          f"--topk {args.topk}; got {bad}")
-    batch_sizes = parse_batch_sizes(args.batch)
-    try:
-        chunk_list = [int(k) for k in str(args.chunk_steps).split(",") if k.strip()]
-    except ValueError:
-        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}") from None
-    if not chunk_list or min(chunk_list) < 0:
-        raise ValueError(f"--chunk-steps must be integers >= 0 separated by commas; got {args.chunk_steps!r}")
-    if args.prompts < 1:
-        raise ValueError(f"--prompts must be >= 1; got {args.prompts}")
     prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    refill_prompts, refill_where = (heldout_prompts(tokenizer, args.refill, args.prompt_len) if args.refill
+                                    else ([], []))
 
     decoders = [("autoregressive", "ar", 0)]
     if not args.no_chain:
@@ -369,10 +547,12 @@ def main(argv=None) -> int:
                  "tree_temperature": args.tree_temperature,
                  "budgets": budgets, "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p,
                  "seed": args.seed, "impl": args.impl, "depth": depth, "chunk_steps": chunk_list,
+                 "refill": args.refill, "refill_prompt_cuts": refill_where,
                  "row_invariant": args.row_invariant, "row_invariant_flags": runtime.row_invariant_configured(),
                  "command_buffers": runtime.command_buffers_configured(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
     log(f"{meta['device']} ({meta['backend']}): {pair}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-        f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}")
+        f"batch {','.join(map(str, batch_sizes))}, block size {drafter.cfg.block_size}"
+        + (f"; refill: {args.refill} prompts" if args.refill else ""))
 
     rows = []
     first_ar = {}  # temperature -> autoregressive outputs at the first batch size
@@ -380,6 +560,7 @@ def main(argv=None) -> int:
         prompt_batches = batches([p.tolist() for p in prompts], batch)
         for temperature in temperatures:
             ar_tokens, ar_tps = None, None
+            refill_ar_tokens, refill_ar_tps = None, None
             for name, tree, budget in decoders:
                 stats, tokens = run_config(target, drafter, prompt_batches, tree=tree, budget=budget, topk=args.topk,
                                            temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -389,7 +570,8 @@ def main(argv=None) -> int:
                 if tree == "ar":
                     ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
                     first_ar.setdefault(temperature, tokens)
-                row = {"decoder": name, "tree": tree, "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
+                row = {"mode": "static", "decoder": name, "tree": tree,
+                       "budget": budget if tree == "ddtree" else stats["num_nodes"] - 1,
                        "batch": batch, "temperature": temperature, **stats,
                        "speedup_vs_ar": stats["tokens_per_second"] / ar_tps if ar_tps else float("nan")}
                 if temperature == 0 and ar_tokens is not None:
@@ -410,6 +592,34 @@ def main(argv=None) -> int:
                     f"host syncs/step {stats['host_syncs_per_step']:.3f}"
                     f"{'' if stats['host_driven_loops'] is None else ' host-driven loops %d' % stats['host_driven_loops']}  "
                     f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s){same}")
+                if not args.refill:
+                    continue
+                # The same decoder in refill mode, right after its static run: its chunk program is compiled.
+                stats, tokens = run_refill(target, drafter, [p.tolist() for p in refill_prompts], batch=batch,
+                                           tree=tree, budget=budget, topk=args.topk, temperature=temperature,
+                                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                           max_new_tokens=args.max_new_tokens, impl=args.impl,
+                                           tree_temperature=args.tree_temperature, chunk_steps=chunk,
+                                           row_invariant=args.row_invariant)
+                if tree == "ar":
+                    refill_ar_tokens, refill_ar_tps = tokens, stats["tokens_per_second"]
+                speedup = stats["tokens_per_second"] / refill_ar_tps if refill_ar_tps else float("nan")
+                refill_row = {**stats, "decoder": name, "tree": tree, "budget": row["budget"], "batch": batch,
+                              "temperature": temperature, "speedup_vs_ar": speedup,
+                              "static_speedup_vs_ar": row["speedup_vs_ar"]}
+                if temperature == 0 and refill_ar_tokens is not None:
+                    refill_row.update(identity_report(refill_ar_tokens, tokens))
+                else:
+                    refill_row["mismatches_vs_ar"] = None
+                rows.append(refill_row)
+                same = (f"  identical {refill_row['identical_to_ar']}/{len(tokens)}"
+                        f" (first differences at {summarize_differences(refill_row['first_difference'])})"
+                        if refill_row.get("identical_to_ar") is not None and tree != "ar" else "")
+                log(f"B={batch} k={chunk} T={temperature:g} {name:16s} refill {args.refill} prompts: "
+                    f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{speedup:.2f}  "
+                    f"{stats['target_forwards']} steps, occupancy {stats['occupancy']:.3f}  (warm-up "
+                    f"{stats['warmup_seconds']:.1f} s, timed {stats['timed_seconds']:.2f} s, compiles after it "
+                    f"{stats['compiles_after_warmup']}){same}")
     meta["seconds"] = time.perf_counter() - t_all
 
     name = f"spec_decode_{'smoke_' if args.smoke else ''}{device_slug()}"
@@ -452,7 +662,9 @@ def step_cells(r: dict, m: dict) -> list:
 
 
 def render(result: dict) -> str:
-    m, rows = result["meta"], result["rows"]
+    m = result["meta"]
+    rows = [r for r in result["rows"] if r.get("mode", "static") == "static"]
+    refill_rows = [r for r in result["rows"] if r.get("mode") == "refill"]
     shown = min(m["depth"], 8)
     lines = [f"# Speculative decoding: autoregressive vs chain vs DDTree ({m['device']})", "",
              f"{m['date']}, commit {m['commit']}, jax {m['jax']} ({m['backend']}, {m['cpu_count']} CPU cores visible). "
@@ -544,7 +756,51 @@ def render(result: dict) -> str:
                              + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |")
                              + f" {prof['kernels_per_step']:.0f} |")
             lines.append("")
+    if refill_rows:
+        lines += render_refill(m, refill_rows, chunk_list)
     return "\n".join(lines)
+
+
+def render_refill(m: dict, rows: list, chunk_list: list) -> list:
+    """The refill sections: one table per batch size, chunk size and temperature."""
+    n = m["refill"]
+    lines = ["## Refill (continuous batching)", "",
+             f"{n} held-out prompts (the first {m['prompts']} are the ones above) stream through the batch's rows: "
+             f"a row whose sequence is done takes the next waiting prompt between chunks (prefilled alone and copied "
+             f"into the row: `engine.prefill_row` + `engine.adopt_row`, the server's admission), with one chunk in "
+             f"flight, so a row that finishes idles through the rest of its chunk and the next one. tok/s: every "
+             f"generated token "
+             f"(the first included) / wall seconds from the first admission to the last token on the host, prefills "
+             f"included, after an untimed warm-up that compiled everything (compiles: XLA compiles during the timed "
+             f"run). batch steps: target forwards of the batch; occupancy: rows decoding per batch step / batch size "
+             f"(what the idle rows cost). speed-up vs AR: against the autoregressive refill run of the same table; "
+             f"static: the static batch's speed-up above, for comparison. Greedy: identical = outputs equal to the "
+             f"autoregressive refill run's, prompt by prompt.", ""]
+    for batch, chunk, temperature in [(b, k, t) for b in m.get("batch_sizes", [m["batch"]]) for k in chunk_list
+                                      for t in m["temperatures"]]:
+        sub = [r for r in rows if r["batch"] == batch and r["chunk_steps"] == min(chunk, m["max_new_tokens"])
+               and r["temperature"] == temperature]
+        if not sub:
+            continue
+        greedy = temperature == 0
+        label = "greedy" if greedy else f"T = {temperature:g}"
+        lines += [f"### Refill, {label}, batch {batch}, {chunk} steps a chunk", "",
+                  "| decoder | nodes | tau | tok/s | speed-up vs AR | static speed-up vs AR | batch steps | occupancy "
+                  "| chunks | admission host ms | compiles |"
+                  + (" identical to AR | first differences |" if greedy else ""),
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if greedy else "")]
+        for r in sub:
+            cells = [r["decoder"], str(r["num_nodes"]), _fmt(r["tau"], ".3f"), _fmt(r["tokens_per_second"], ".1f"),
+                     _fmt(r["speedup_vs_ar"], ".2f") + "×", _fmt(r.get("static_speedup_vs_ar"), ".2f") + "×",
+                     str(r["target_forwards"]), _fmt(r["occupancy"], ".3f"), str(r["chunks"]),
+                     _fmt(1e3 * r["admission_host_seconds"], ".1f"), str(r["compiles_after_warmup"])]
+            if greedy:
+                cells += (["(reference)", "–"] if r["tree"] == "ar" else
+                          ["–", "–"] if r.get("identical_to_ar") is None else
+                          [f"{r['identical_to_ar']}/{n}", summarize_differences(r["first_difference"])])
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

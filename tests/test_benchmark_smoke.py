@@ -33,11 +33,14 @@ def _one(path, pattern):
 def test_spec_decode_smoke(tmp_path):
     # One DDTree budget: every decoder kind (autoregressive, chain, DDTree) at both temperatures, 6 decode loops instead
     # of 8 (the sweep over several budgets is tree_shapes' below, whose DDTree 4 loop this run compiles for it).
+    # --smoke adds the refill mode (--refill 5 at --batch 2): each decoder right after its static run, on its loop.
     assert spec_decode.main(["--smoke", "--out", str(tmp_path), "--batch", "2", "--profile", "--budgets", "4"]
                             + NO_CACHE) == 0
     data = json.loads(_one(tmp_path, "spec_decode_smoke_*.json").read_text())
     assert _one(tmp_path, "spec_decode_smoke_*.md").read_text().startswith("# Speculative decoding")
-    meta, rows = data["meta"], data["rows"]
+    meta = data["meta"]
+    rows = [r for r in data["rows"] if r["mode"] == "static"]
+    refill = [r for r in data["rows"] if r["mode"] == "refill"]
     for key in ("date", "commit", "device", "backend", "prompts", "max_new_tokens", "batch", "topk", "block_size"):
         assert key in meta
     assert meta["prompts"] == 2 and meta["max_new_tokens"] == 8 and meta["budgets"] == [4]
@@ -58,6 +61,18 @@ def test_spec_decode_smoke(tmp_path):
     assert all(r["step_profile"]["kernels_per_step"] > 0 for r in rows)
     assert all((r["step_profile"]["components_ms"]["drafter"] > 0) == (r["tree"] != "ar") for r in rows)
     assert "Where a step goes" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
+    # Refill: 5 prompts through the 2 rows, every decoder and temperature, nothing compiled after the warm-up, and
+    # greedy outputs equal to the autoregressive refill run's (tests/test_chunked_loop.py checks them against each
+    # prompt decoded alone).
+    assert meta["refill"] == 5 and len(meta["refill_prompt_cuts"]) == 5
+    assert [(r["decoder"], r["temperature"]) for r in refill] == [(r["decoder"], r["temperature"]) for r in rows]
+    for r in refill:
+        assert r["compiles_after_warmup"] == 0 and r["new_tokens"] == 5 * 8 and r["batch"] == 2
+        assert 1.0 <= r["tau"] <= depth + 1 and 0 < r["occupancy"] <= 1 and r["tokens_per_second"] > 0
+        assert r["target_forwards"] >= 3 * 7  # three waves of 2 rows, 7 steps each (the first token is the prefill's)
+        if r["temperature"] == 0:
+            assert r["mismatches_vs_ar"] == 0
+    assert "## Refill (continuous batching)" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
 
 
 def test_verify_kernel_smoke_and_resume(tmp_path):

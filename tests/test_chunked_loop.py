@@ -1,6 +1,7 @@
 """The device-resident loop in chunks (issue 23, deliverable 1): k steps per host iteration, output handed to the
-host after each chunk (streaming, issue 25), a batch row replaced between chunks without compiling anything, and
-what `kdtree_jax.runtime` sets before JAX starts. CPU, the embedded default pair in float32."""
+host after each chunk (streaming, issue 25), a batch row replaced between chunks without compiling anything, prompts
+streamed through a batch's rows (spec_decode.py --refill), and what `kdtree_jax.runtime` sets before JAX starts. CPU,
+the embedded default pair in float32."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from kdtree_jax.speculative import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
+if os.path.join(ROOT, "benchmarks") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import spec_decode  # noqa: E402 - benchmarks/spec_decode.py: its --refill loop
+
 needs_default = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json")),
                                    reason="checkpoints/default is not there")
 LENGTH = 16  # every prompt is cut to this many tokens: a replaced row then has the shapes of the batch's prompts
@@ -117,6 +123,27 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     state = engine.reset_row(state, 0)
     assert int(state.cache.num_free) == state.cache.num_slots - int(np.asarray(state.cache.seq_lens).sum())
     assert not bool(state.active[0]) and int(state.num_out[0]) == 0
+
+
+@needs_default
+def test_refill_gives_each_prompt_its_tokens_alone_without_compiling(pair, prompts):
+    """spec_decode.py --refill's loop: 5 prompts stream through 2 DDTree rows, a row that is done taking the next
+    prompt between chunks (engine.prefill_row + adopt_row, one chunk in flight). The rows finish at different steps,
+    so prompts are admitted mid-run, in different chunks; each prompt gets exactly the greedy tokens it gets decoded
+    alone at batch 1 (float32), and nothing compiles after the warm-up. The settings and shapes of the replacement
+    test's loop above (its chunk program is compiled: engine.chunked_loop reuses it)."""
+    target, drafter, _ = pair
+    five = prompts + [prompts[0][:11], prompts[2][3:]]
+    kwargs = dict(max_new_tokens=24, budget=16, topk=4, tree_temperature=0.6, temperature=0.0)
+    stats, tokens = spec_decode.run_refill(target, drafter, five, batch=2, tree="ddtree", top_k=0, top_p=1.0,
+                                           seed=0, impl="auto", chunk_steps=3, **kwargs)
+    # Alone: autoregressively, the cheaper loop to compile (greedy speculative output is autoregressive output: in
+    # float32 on the CPU, token for token, tests/test_engine.py).
+    alone = [engine.generate(target, None, p, max_new_tokens=24, budget=0, chunk_steps=0).tokens[0] for p in five]
+    assert tokens == alone
+    assert stats["compiles_after_warmup"] == 0
+    assert stats["new_tokens"] == 5 * 24 and stats["tau"] > 1.5
+    assert stats["sequence_steps"] < 2 * stats["target_forwards"]  # some row steps idle: the rows finished apart
 
 
 @needs_default
