@@ -23,7 +23,6 @@ NB_MODULE(_verify_attention_ext, m) {
   m.def("cuda_handler", []() { return encapsulate(kdtree_verify_attention_cuda); });
   m.def("moe_experts_cuda_handler", []() { return encapsulate(kdtree_moe_experts_cuda); });
   m.def("moe_pairs_cuda_handler", []() { return encapsulate(kdtree_moe_pairs_cuda); });
-  m.def("moe_route_cuda_handler", []() { return encapsulate(kdtree_moe_route_cuda); });
   m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
         "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");
   m.def("resolve_variant", &kdtree::cuda_resolve_variant, nb::arg("variant"), nb::arg("rows"), nb::arg("device") = 0,

@@ -28,14 +28,6 @@
 //                          at the same split count
 //   partial, hidden, pair_out, arrivals: scratch (per-split sums, SwiGLU activations, each pair's output, the
 //                          "last block" counters the op zeroes itself)
-//
-// "moe_route" (ffi/moe_route.cu): the router's expert choice, model/moe.py `route` in one kernel:
-//   logits  [N, E]   f32   router logits; bias [E] f32 (e_score_correction_bias)
-//   indices [N, k]   int32 the k chosen experts, best first (jax.lax.top_k's order: ties to the lower id), chosen
-//                          on score + bias (use_bias) among the topk_group best groups (by the sum of each group's
-//                          two best biased scores) when n_group > topk_group
-//   weights [N, k]   f32   their unbiased scores (sigmoid, or softmax over E), divided by the k scores' sum + 1e-20
-//                          when norm, times scaling
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -43,5 +35,4 @@
 #if defined(KDTREE_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_experts_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_pairs_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_route_cuda);
 #endif

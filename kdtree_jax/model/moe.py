@@ -23,25 +23,7 @@ def route(router_logits, bias, cfg: ModelConfig):
     Experts are *chosen* on `score + e_score_correction_bias` (first the best `topk_group` groups,
     ranked by the sum of each group's top-2 biased scores), but *weighted* by the unbiased scores of
     the chosen experts, normalised, times `routed_scaling_factor`.
-
-    On a GPU one CUDA kernel does it all (ops.moe.route_experts; XLA ran it as 6-10 small kernels a layer: a sort
-    for each top_k, the group mask's scatter, reductions); elsewhere `route_xla`.  The two agree on the indices (both
-    rank by jax.lax.top_k's order) and on the weights up to float32 rounding (their sums add in other orders).
     """
-    num_experts = router_logits.shape[-1]
-    if not moe_ops.route_supported(num_experts, cfg.num_experts_per_tok, cfg.n_group):
-        return route_xla(router_logits, bias, cfg)
-    grouped = cfg.n_group > 1 and cfg.topk_group < cfg.n_group
-    fused = functools.partial(moe_ops.route_experts, top_k=cfg.num_experts_per_tok,
-                              n_group=cfg.n_group if grouped else 1, topk_group=cfg.topk_group if grouped else 1,
-                              softmax=cfg.scoring_func != "sigmoid", use_bias=cfg.topk_method == "noaux_tc",
-                              norm=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
-    return jax.lax.platform_dependent(router_logits.astype(jnp.float32), bias, cuda=fused,
-                                      default=lambda x, b: route_xla(x, b, cfg))
-
-
-def route_xla(router_logits, bias, cfg: ModelConfig):
-    """`route` in XLA ops (the CPU's path, and the reference of the CUDA routing op)."""
     logits = router_logits.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     choice = scores + bias.astype(jnp.float32) if cfg.topk_method == "noaux_tc" else scores

@@ -59,9 +59,6 @@ except ImportError:  # pragma: no cover - exercised only without a build
 
 TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
-ROUTE_TARGET = "kdtree_moe_route"
-# The routing kernel's limits (ffi/moe_route.cu): experts a token chooses among, experts it chooses, groups.
-ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K, ROUTE_MAX_GROUPS = 1024, 64, 256
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
@@ -119,36 +116,6 @@ def pairs_built() -> bool:
         return False
     jax.ffi.register_ffi_target(PAIRS_TARGET, _ext.moe_pairs_cuda_handler(), platform="CUDA")
     return True
-
-
-@functools.cache
-def route_built() -> bool:
-    """True when the extension holds the CUDA routing handler (registered here, on first use)."""
-    if not _register() or not hasattr(_ext, "moe_route_cuda_handler"):
-        return False
-    jax.ffi.register_ffi_target(ROUTE_TARGET, _ext.moe_route_cuda_handler(), platform="CUDA")
-    return True
-
-
-def route_supported(num_experts: int, top_k: int, n_group: int) -> bool:
-    """Whether `route_experts` can route among `num_experts` experts (the extension holds it; within its limits)."""
-    return (route_built() and num_experts <= ROUTE_MAX_EXPERTS and top_k <= ROUTE_MAX_TOP_K
-            and n_group <= ROUTE_MAX_GROUPS)
-
-
-def route_experts(logits, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, softmax: bool = False,
-                  use_bias: bool = True, norm: bool = True, scaling: float = 1.0):
-    """(indices [N, top_k] int32, weights [N, top_k] float32) of the router's choice, one CUDA kernel (a GPU):
-    model/moe.py `route`'s semantics (ffi/moe_experts.h, "moe_route").  logits [N, E] and bias [E] float32."""
-    if not route_built():
-        raise ValueError("route_experts needs the CUDA extension (built with nvcc): this one has no routing op")
-    num_tokens = logits.shape[0]
-    out_types = (jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
-                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32))
-    call = jax.ffi.ffi_call(ROUTE_TARGET, out_types, vmap_method="sequential")
-    return call(logits.astype(jnp.float32), bias.astype(jnp.float32), top_k=np.int64(top_k),
-                n_group=np.int64(n_group), topk_group=np.int64(topk_group), softmax=bool(softmax),
-                use_bias=bool(use_bias), norm=bool(norm), scaling=np.float32(scaling))
 
 
 # Register budget of the CUDA kernels (their `blocks_per_sm` attribute): 4 blocks per SM (128 registers), the
