@@ -33,7 +33,7 @@ and once with --no-command-buffers.
 --refill N: continuous batching, as a server runs. A static batch decodes until its slowest sequence is done (a
 speculative sequence's steps vary with what the target accepts, so its rows finish apart); with --refill, N held-out
 prompts stream through each batch size's rows, and a row whose sequence is done takes the next waiting prompt between
-chunks (prefilled alone and copied into the row: engine.prefill_row + engine.adopt_row, the server's admission path;
+chunks (prefilled alone and copied into the row in one dispatch: engine.ChunkedLoop.admit, the server's admission path;
 nothing compiles after an untimed warm-up). Each decoder gets a refill row per batch size, chunk size and temperature:
 tok/s = every generated token / wall seconds from the first admission to the last token on the host (prefills
 included), batch steps, tau, row occupancy, speed-up vs the autoregressive refill run and, greedy, how many outputs
@@ -258,17 +258,18 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
 # A static batch decodes until its slowest sequence is done, so speculative decoding's ragged finish (a sequence's
 # steps vary with how much of its drafts the target accepts) leaves rows idle; a server gives a finished row the next
 # prompt instead. Here N prompts stream through B rows of one loop state: between chunks of the chunked loop, each
-# row whose sequence is done takes the next waiting prompt, prefilled alone and copied in (engine.prefill_row and
-# engine.adopt_row, the server's admission path), so nothing compiles after the warm-up.
+# row whose sequence is done takes the next waiting prompt, prefilled alone and copied in (engine.ChunkedLoop.admit:
+# one dispatch of one program, the server's admission path), so nothing compiles after the warm-up.
 def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_tokens: int):
     """Stream `prompts` through the rows of `state` (every row free): -> (tokens per prompt, the final state, wall
     seconds from the first admission to the last token on the host, chunks, host seconds spent admitting).
 
-    admit(prompt, i) -> engine.PrefilledRow for prompts[i]. The host keeps one chunk in flight: it launches chunk
-    c + 1 before it reads chunk c, and a row that chunk c shows done takes its next prompt in the state chunk c + 1
-    returns (the state is donated chunk to chunk), so the admission's prefill and copy queue behind chunk c + 1 and
-    the device does not wait for the host. The price: a finished row idles through the rest of its chunk and the
-    next one (the occupancy figure of the report says how much that costs)."""
+    admit(state, row, prompt, i) -> (state, first token [1]): prompts[i] in batch row `row`. The host keeps one
+    chunk in flight: it launches chunk c + 1 before it reads chunk c, and a row that chunk c shows done takes its
+    next prompt in the state chunk c + 1 returns (the state is donated chunk to chunk), so the admission's prefill
+    and copy queue behind chunk c + 1 and the device does not wait for the host. The price: a finished row idles
+    through the rest of its chunk and the next one (the occupancy figure of the report says how much that costs).
+    """
     batch = state.bonus.shape[0]
     waiting = collections.deque(range(len(prompts)))
     owner = [None] * batch  # the prompt each row decodes (None: free)
@@ -284,10 +285,9 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
             if not waiting:
                 break
             i = waiting.popleft()
-            prefilled = admit(prompts[i], i)
-            state = engine.adopt_row(state, prefilled, row)
+            state, first = admit(state, row, prompts[i], i)
             owner[row] = i
-            firsts.append((i, prefilled.first))
+            firsts.append((i, first))
         admit_seconds[0] += time.perf_counter() - t
         return state
 
@@ -358,10 +358,11 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
                                      expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
                                      active=np.zeros((batch,), bool))
 
-    def admit(prompt, i):
-        return engine.prefill_row(target, use, prompt, spec=spec, max_len=max_len, seed=seed + i)
-
     loop = engine.chunked_loop(target, use, spec, min(chunk_steps, max_new_tokens))
+
+    def admit(state, row, prompt, i):
+        return loop.admit(state, prompt, row, seed=seed + i)
+
     t0 = time.perf_counter()
     loop.compile(empty_state())  # a hit when the static run of this decoder just compiled it (generate's loop)
     # The warm-up admits into a fresh state, into the state an admission returns and into the one a chunk returns
@@ -767,7 +768,7 @@ def render_refill(m: dict, rows: list, chunk_list: list) -> list:
     lines = ["## Refill (continuous batching)", "",
              f"{n} held-out prompts (the first {m['prompts']} are the ones above) stream through the batch's rows: "
              f"a row whose sequence is done takes the next waiting prompt between chunks (prefilled alone and copied "
-             f"into the row: `engine.prefill_row` + `engine.adopt_row`, the server's admission), with one chunk in "
+             f"into the row in one dispatch: `engine.ChunkedLoop.admit`, the server's admission), with one chunk in "
              f"flight, so a row that finishes idles through the rest of its chunk and the next one. tok/s: every "
              f"generated token "
              f"(the first included) / wall seconds from the first admission to the last token on the host, prefills "

@@ -62,14 +62,11 @@ def decode_step(model: Transformer, cache: KVCache, tokens, *, impl: str = "auto
 
 
 def prefill(model: Transformer, cache: KVCache, prompt_ids, prompt_lens=None, *, chunk_size: int = 64,
-            hidden_layers=(), impl: str = "auto", on_progress=None, host_checks: bool = True):
+            hidden_layers=(), impl: str = "auto", on_progress=None):
     """Feed right-padded prompts [B, L] (real lengths `prompt_lens`) in causal chunks of `chunk_size`.
 
     on_progress("prefill", tokens done, tokens in all) after each chunk has run (given one, the host waits for
     each chunk instead of queueing them all: the count is what the device did).
-    host_checks=False skips the two reads of the pool on the host (its lengths before, its overflow flag after), so
-    that the call only queues work, behind whatever the device runs: for a caller that sized the pool for the
-    prompts itself and checks the overflow flag later (engine.prefill_row, admitting a prompt mid-decode).
     Every chunk has the same static shape, so one compile serves any prompt length. Returns the logits
     at each prompt's last token [B, V], the requested hidden states of every prompt token
     [len(hidden_layers), B, L, hidden] and the cache.
@@ -84,7 +81,7 @@ def prefill(model: Transformer, cache: KVCache, prompt_ids, prompt_lens=None, *,
         raise ValueError(f"prompt_lens must be [B={batch}] with values in [1, {length}]; got {prompt_lens}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    seq_lens = np.asarray(cache.seq_lens) if host_checks else np.zeros((batch,), np.int32)
+    seq_lens = np.asarray(cache.seq_lens)
     if (seq_lens + prompt_lens).max() > cache.max_len:
         raise ValueError(f"prompt of {int(prompt_lens.max())} tokens does not fit: the cache holds at most "
                          f"{cache.max_len} positions per sequence ({int(seq_lens.max())} already used)")
@@ -111,8 +108,7 @@ def prefill(model: Transformer, cache: KVCache, prompt_ids, prompt_lens=None, *,
             last_logits.block_until_ready()
             total = int(prompt_lens.max())  # the longest prompt (the padding past it is not counted)
             on_progress("prefill", min(start + chunk, total), total)
-    if host_checks:
-        kv_pool.check_overflow(cache)
+    kv_pool.check_overflow(cache)
     hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
     return last_logits, hidden, cache
 

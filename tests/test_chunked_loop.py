@@ -103,7 +103,7 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     traces, programs = engine._TRACES["decode_chunk"], engine._decode_chunk._cache_size()
     first_out = np.asarray(out.state.out[0])
     state = engine.replace_row(target, loop_drafter, out.state, 1, prompts[2], spec=spec)
-    adopt_programs = engine._adopt_row._cache_size()
+    admit_programs = engine._admit._cache_size()
     while True:
         out = loop(state)
         state = out.state
@@ -115,9 +115,9 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     assert final_out[1, :min(num_out[1], 24)].tolist() == ref_ac[1]
     assert (first_out == final_out[0])[first_out >= 0].all()
     assert not bool(state.cache.overflow)
-    # A second replacement (another row) reuses the row-adoption program; the pool's accounting holds.
+    # A second replacement (another row) reuses the admission program; the pool's accounting holds.
     state = engine.replace_row(target, loop_drafter, state, 0, prompts[1], spec=spec)
-    assert engine._adopt_row._cache_size() == adopt_programs
+    assert engine._admit._cache_size() == admit_programs
     live = int(np.asarray(state.cache.seq_lens).sum())
     assert int(state.cache.num_free) == state.cache.num_slots - live
     state = engine.reset_row(state, 0)
@@ -128,7 +128,7 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
 @needs_default
 def test_refill_gives_each_prompt_its_tokens_alone_without_compiling(pair, prompts):
     """spec_decode.py --refill's loop: 5 prompts stream through 2 DDTree rows, a row that is done taking the next
-    prompt between chunks (engine.prefill_row + adopt_row, one chunk in flight). The rows finish at different steps,
+    prompt between chunks (ChunkedLoop.admit, one chunk in flight). The rows finish at different steps,
     so prompts are admitted mid-run, in different chunks; each prompt gets exactly the greedy tokens it gets decoded
     alone at batch 1 (float32), and nothing compiles after the warm-up. The settings and shapes of the replacement
     test's loop above (its chunk program is compiled: engine.chunked_loop reuses it)."""

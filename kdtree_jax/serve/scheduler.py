@@ -15,15 +15,15 @@ nothing: `compile_count()` counts XLA compiles (the /metrics line `kdtree_serve_
 One bucket's cycle (when its batch is full, with one chunk in flight: the host reads chunk i while the device runs
 chunk i + 1; with a free row, chunk by chunk, so that a new request waits for one chunk at most):
 
-    admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket), copy
-        it into its row (engine.prefill_row, engine.adopt_row), stream its first token;
+    admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket) and
+        copy it into its row, one dispatch of one program (engine.ChunkedLoop.admit), stream its first token;
     launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
         (client gone, stop string), is reset (engine.reset_row: its KV slots back to the pool) and its row is free.
 
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
-max_tokens tokens (engine.adopt_row), with no extra steps and no per-request compile.
+max_tokens tokens (engine.admit_row), with no extra steps and no per-request compile.
 """
 
 from __future__ import annotations
@@ -200,16 +200,13 @@ class Bucket:
     def admit(self, reqs: list[Request]) -> None:
         """Give each request a free row (the caller checked there are enough): prefill it alone, copy it in, stream
         its first token. The other rows wait meanwhile (the state is theirs too), so this is kept to one row's work."""
-        sched, target = self.sched, self.sched.target
+        sched = self.sched
         if self.busy() == 0 and self.spec.temperature > 0 and reqs[0].seed is not None:
             self.state = _with_key(self.state, jnp.int32(reqs[0].seed & 0x7FFFFFFF))
         firsts = []
         for req, row in zip(reqs, self.free_rows()):
             seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF  # sampling only
-            prefilled = engine.prefill_row(target, self.drafter, req.prompt, spec=self.spec, max_len=self.max_len,
-                                           kv_dtype=self.state.cache.pages.dtype, seed=seed)
-            self.state = engine.adopt_row(self.state, prefilled, row, req.max_tokens)
-            first = prefilled.first
+            self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed)
             self.owner[row] = req
             firsts.append((req, row, first))
         for req, row, first in firsts:

@@ -26,9 +26,10 @@ from typing import NamedTuple, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax import kv_pool, profiling, runtime
-from kdtree_jax.decode import prefill, validate_tokens
+from kdtree_jax.decode import _forward_chunk, prefill, validate_tokens
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
@@ -215,6 +216,7 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 # buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
 # `kdtree_jax.runtime.configure()` sets that up (README, "Device-resident loop").
 DEFAULT_CHUNK_STEPS = 8
+PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
 _TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
 
 
@@ -226,7 +228,7 @@ class ChunkOutput(NamedTuple):
     start: jnp.ndarray  # [B] state.num_out before the chunk: tokens[b, i] is output position start[b] + i
     num_out: jnp.ndarray  # [B] state.num_out after it
     any_active: jnp.ndarray  # [] bool: some sequence is still decoding
-    active: jnp.ndarray  # [B] bool: which are (a row that is not is done: free for the next prompt, adopt_row)
+    active: jnp.ndarray  # [B] bool: which are (a row that is not is done: free for the next prompt, ChunkedLoop.admit)
 
 
 @jax.jit
@@ -258,7 +260,7 @@ class ChunkedLoop:
 
         loop = ChunkedLoop(target, drafter, spec, steps=8)
         out = loop(state)            # one chunk (asynchronous): ChunkOutput
-        state = out.state            # donated by the next call; adopt_row / reset_row work on it in between
+        state = out.state            # donated by the next call; loop.admit / reset_row work on it in between
         final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
 
     drafter: None for autoregressive decoding (a root-only tree).
@@ -273,6 +275,10 @@ class ChunkedLoop:
         self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
         self.compiled = None
         self._programs = {}  # the state's shapes -> Compiled
+        # What admit's program needs besides the leaves; its static plan per prefill chunk size.
+        self.vocab_size, self.mesh = target.cfg.vocab_size, getattr(target, "mesh", None)
+        self.hidden_layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self._plans = {}
 
     def _kwargs(self):
         return dict(structure=self.structure, spec=self.spec, steps=self.steps)
@@ -299,6 +305,16 @@ class ChunkedLoop:
         if self.compiled is not None:
             return self.compiled(self.leaves, self.loop_weights, state)
         return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
+
+    def admit(self, state: LoopState, prompt_ids, row: int, *, max_tokens: Optional[int] = None, seed: int = 0,
+              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
+        """`admit_row` with this loop's models and settings, flattened once: a new prompt in batch row `row`
+        between chunks, one host dispatch of one compiled program. -> (the state, the first token [1] on device)."""
+        plan = self._plans.get(chunk_size)
+        if plan is None:
+            plan = self._plans[chunk_size] = _AdmitPlan(self.structure, self.hidden_layers, self.spec, chunk_size,
+                                                        self.mesh)
+        return _admit_call(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec, self.vocab_size)
 
     def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
         """Chunks until no sequence is active: -> (final state, chunks the host read).
@@ -349,12 +365,13 @@ def reset_row(state: LoopState, row) -> LoopState:
 
 # Row admission: a new prompt in one batch row between chunks -------------------------------------------------------
 # Continuous batching (the server, spec_decode.py --refill) gives a finished row the next prompt while the other rows
-# keep decoding. The prompt is prefilled alone, in a one-row pool as long as its padded length (`prefill_row`), and
-# copied into the batch's pool (`adopt_row`): prefilling a pool of the batch's shape would cost B times the work, and
-# the other rows wait for it (they share the state). Shapes stay fixed (the prompt padded to a power-of-two bucket,
-# the row and the length device scalars), so a steady stream of admissions compiles nothing.
-
-PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
+# keep decoding. The prompt is prefilled alone, in a one-row pool as long as its padded length, and copied into the
+# batch's pool: prefilling a pool of the batch's shape would cost B times the work, and the other rows wait for it
+# (they share the state). Shapes stay fixed (the prompt padded to a power-of-two bucket, the row and the length device
+# scalars), so a steady stream of admissions compiles nothing. An admission is one host dispatch of one program
+# (`_admit`: the pool, the prefill chunks, the drafter's context, the first token and the copy), the models passed as
+# leaves flattened once (`ChunkedLoop.admit`): as ~25 separate jitted calls, each flattening the models again, it
+# cost the host 8.6-16.8 ms an admission, which bounded a refill run's tokens/s on an H200.
 
 
 def prompt_bucket(n: int, max_len: int) -> int:
@@ -366,74 +383,45 @@ def prompt_bucket(n: int, max_len: int) -> int:
     return min(length, max_len)
 
 
-class PrefilledRow(NamedTuple):
-    """One prompt prefilled alone (`prefill_row`): what `adopt_row` copies into a batch row. On the device."""
+class _AdmitPlan:
+    """The static part of the admission program (`_admit`): the models' structure and what the prefill, the drafter
+    and the first token's pick compile in. Its hash is computed once: jax hashes a static argument at every call,
+    and hashing the models' structure (two NNX graphs) each time would cost the host what the fused call saves.
+    Equal plans share programs: the server's buckets of every sampling setting share one per prompt bucket and
+    sampling mode (the temperature and top_p are traced)."""
 
-    cache: KVCache  # a one-row pool holding the prompt's latent rows
-    dcache: Optional[DrafterCache]  # the drafter's context over the prompt (None when autoregressive)
-    first: jnp.ndarray  # [1] int32: the first generated token (the prefill's pick)
+    __slots__ = ("structure", "hidden_layers", "impl", "sampled", "top_k", "chunk_size", "mesh", "_key", "_hash")
+
+    def __init__(self, structure, hidden_layers: tuple, spec: SpecConfig, chunk_size: int, mesh):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+        self.structure, self.hidden_layers, self.impl, self.mesh = structure, tuple(hidden_layers), spec.impl, mesh
+        self.sampled, self.top_k, self.chunk_size = spec.temperature != 0, int(spec.top_k), int(chunk_size)
+        self._key = (structure, self.hidden_layers, self.impl, self.sampled, self.top_k, self.chunk_size, mesh)
+        self._hash = hash(self._key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _AdmitPlan) and self._hash == other._hash
+                                 and self._key == other._key)
 
 
-@jax.jit
-def _first_token_greedy(last_logits):
-    return argmax_last(last_logits)
-
-
-@functools.partial(jax.jit, static_argnames=("top_k",))
-def _first_token_sampled(last_logits, seed, temperature, top_p, top_k: int = 0):
-    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins. The
-    # temperature and top_p are traced: every sampling setting shares this program.
+def _sample_first(last_logits, seed, temperature, top_p, top_k: int):
+    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins.
     filtered = acceptance.filter_logits(last_logits, temperature, top_k, top_p)
     key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
     return jax.random.categorical(key, filtered).astype(jnp.int32)
 
 
-def prefill_row(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, spec: SpecConfig, max_len: int,
-                kv_dtype=None, seed: int = 0, chunk_size: int = PREFILL_CHUNK) -> PrefilledRow:
-    """Prefill one prompt alone for `adopt_row`: its latent rows in a one-row pool padded to `prompt_bucket`, the
-    drafter's context over them, and its first token (greedy, or sampled with `seed` at spec.temperature).
-
-    drafter: the one the loop runs (None when autoregressive). max_len: the batch pool's positions per row (the
-    prompt must fit it). kv_dtype: the batch pool's dtype (default the target's). Nothing here reads the device:
-    the work queues behind the chunk in flight, and the caller reads the first token when it wants it."""
-    prompt = validate_tokens(np.asarray(prompt_ids), target.cfg.vocab_size, "prompt_ids")
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError("prompt_ids must be one non-empty prompt")
-    n = prompt.size
-    if n > max_len:
-        raise ValueError(f"a prompt of {n} tokens does not fit the batch's {max_len} positions per sequence")
-    length = prompt_bucket(n, max_len)
-    chunk = min(chunk_size, length)
-    ids = np.zeros((1, length), np.int32)
-    ids[0, :n] = prompt
-    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
-    # overflow, and its flag is carried into the batch's by adopt_row all the same.
-    fresh = kv_pool.init_cache(target.cfg, 1, _round_up(length, chunk), dtype=kv_dtype or target.dtype)
-    mesh = getattr(target, "mesh", None)
-    if mesh is not None:  # a sharded target: the pool lives whole on every device
-        fresh = replicate(fresh, mesh)
-    hidden_layers = drafter.target_layer_ids if drafter is not None else ()
-    last_logits, hidden, fresh = prefill(target, fresh, ids, np.array([n], np.int32), chunk_size=chunk,
-                                         hidden_layers=hidden_layers, impl=spec.impl, host_checks=False)
-    dcache = None
-    if drafter is not None:
-        dcache = _extend_drafter(drafter, drafter.init_cache(1, length), hidden, jnp.asarray([n], jnp.int32))
-    if spec.temperature == 0:
-        first = _first_token_greedy(last_logits)
-    else:
-        first = _first_token_sampled(last_logits, jnp.int32(seed & 0x7FFFFFFF), jnp.float32(spec.temperature),
-                                     jnp.float32(spec.top_p), top_k=spec.top_k)
-    return PrefilledRow(fresh, dcache, first)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _adopt_row(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
-               max_tokens) -> LoopState:
-    """`adopt_row` on device scalars `row` and `max_tokens`: one program per prompt bucket, whatever the row."""
+def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
+                     max_tokens) -> LoopState:
+    """Batch row `row` (a traced scalar) takes over the one-row pool `fresh` (and drafter context): see `admit_row`."""
     state = _reset_row_state(state, row)
     cache = state.cache
     count = fresh.seq_lens[0]
-    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (prefill_row checked it against max_len)
+    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (the caller checked it against max_len)
     j = jnp.arange(n, dtype=jnp.int32)
     valid = j < count
     short = cache.num_free < count
@@ -466,28 +454,92 @@ def _adopt_row(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterC
                           active=state.active.at[row].set(live))
 
 
-def adopt_row(state: LoopState, prefilled: PrefilledRow, row: int, max_tokens: Optional[int] = None) -> LoopState:
-    """Batch row `row` takes over a prompt prefilled alone (`prefill_row`), between chunks; the state is donated.
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: _AdmitPlan):
+    """One admission, one program (per plan and prompt bucket): the one-row pool, the prompt's prefill chunks, the
+    drafter's context, the first token and the adoption into batch row `row`. ids [1, bucket] (the prompt, zero
+    padded); ints [4] = (prompt length, row, max_tokens, seed); floats [2] = (temperature, top_p), for sampling.
+    -> (the state, the first token [1])."""
+    _TRACES["admit"] = _TRACES.get("admit", 0) + 1
+    target, drafter = jax.tree.unflatten(plan.structure, leaves)
+    n, row, max_tokens, seed = ints[0], ints[1], ints[2], ints[3]
+    length = ids.shape[1]
+    chunk = min(plan.chunk_size, length)
+    padded = _round_up(length, chunk)
+    tokens = jnp.pad(ids, ((0, 0), (0, padded - length)))
+    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
+    # overflow, and its flag is carried into the batch's all the same. Its dtype: the batch pool's.
+    fresh = kv_pool.init_cache(target.cfg, 1, padded, dtype=state.cache.pages.dtype)
+    if plan.mesh is not None:  # a sharded target: the pool lives whole on every device
+        fresh = jax.lax.with_sharding_constraint(fresh, NamedSharding(plan.mesh, PartitionSpec()))
+    last_logits, hidden = None, []
+    for start in range(0, padded, chunk):  # decode.prefill's chunks, in one program
+        num_valid = jnp.clip(n - start, 0, chunk).astype(jnp.int32)[None]
+        logits, h, fresh = _forward_chunk(target, fresh, tokens[:, start:start + chunk], num_valid,
+                                          plan.hidden_layers, plan.impl)
+        hidden.append(h)
+        idx = n - 1 - start  # the prompt's last token lies in some chunk; its logits are picked there
+        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[None, None, None], axis=1)[:, 0]
+        last_logits = picked if last_logits is None else jnp.where((idx >= 0) & (idx < chunk), picked, last_logits)
+    dcache = None
+    if drafter is not None:
+        hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
+        dcache = drafter.extend_context(drafter.init_cache(1, length), hidden, n[None])
+    if plan.sampled:
+        first = _sample_first(last_logits, seed, floats[0], floats[1], plan.top_k)
+    else:
+        first = argmax_last(last_logits)
+    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens), first
 
-    The row's old sequence is dropped (its KV slots back to the pool, its drafter context and output cleared), the
-    prompt's latent rows are copied into slots popped from the batch's pool, its drafter context copied, and its
-    first token becomes the row's bonus and first output; the row is active unless that token is a stop id.
-    max_tokens: the row stops after this many tokens, the first included (default: the out buffer's max_new_tokens);
-    its output then sits at out[row, max_new - max_tokens:]. The other rows go on untouched, and no shape changes:
-    neither this (one program per prompt bucket) nor the next chunk compiles anything."""
+
+def _admit_call(leaves, plan: _AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
+                seed: int, spec: SpecConfig, vocab_size: int):
+    """The host's part of an admission: checks and the padded prompt, then one dispatch of `_admit`."""
+    prompt = validate_tokens(np.asarray(prompt_ids), vocab_size, "prompt_ids")
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("prompt_ids must be one non-empty prompt")
+    n, max_len = prompt.size, state.cache.max_len
+    if n > max_len:
+        raise ValueError(f"a prompt of {n} tokens does not fit the batch's {max_len} positions per sequence")
     max_new = state.out.shape[1] - state.accepted_hist.shape[0]
     max_tokens = max_new if max_tokens is None else int(max_tokens)
     if not 1 <= max_tokens <= max_new:
         raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
-    return _adopt_row(state, prefilled.cache, prefilled.dcache, jnp.int32(row), prefilled.first,
-                      jnp.int32(max_tokens))
+    ids = np.zeros((1, prompt_bucket(n, max_len)), np.int32)
+    ids[0, :n] = prompt
+    ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF], np.int32)
+    floats = np.array([spec.temperature, spec.top_p], np.float32)
+    return _admit(leaves, state, ids, ints, floats, plan=plan)
+
+
+def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
+              spec: SpecConfig, max_tokens: Optional[int] = None, seed: int = 0,
+              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
+    """Batch row `row` takes a new prompt between chunks, in one dispatch of one compiled program (per prompt
+    bucket and sampling mode); the state is donated. -> (the state, the first token [1] int32, on the device).
+
+    The prompt is prefilled alone in a one-row pool padded to `prompt_bucket` (in chunks of chunk_size), the
+    drafter's context built over it, its first token picked (greedy, or sampled with `seed` at spec.temperature,
+    top_k, top_p), and the row's old sequence dropped (its KV slots back to the pool, its drafter context and output
+    cleared); the prompt's latent rows are copied into slots popped from the batch's pool, its drafter context
+    copied, and its first token becomes the row's bonus and first output; the row is active unless that token is a
+    stop id. A pool that runs short sets the state's overflow flag. max_tokens: the row stops after this many
+    tokens, the first included (default: the out buffer's max_new_tokens); its output then sits at
+    out[row, max_new - max_tokens:]. drafter: the one the loop runs (None when autoregressive). Nothing here reads
+    the device: the work queues behind the chunk in flight. Other rows go on untouched, no shape changes, nothing
+    compiles after the first admission of a bucket. `ChunkedLoop.admit` is the same with the models flattened once
+    (this flattens them at every call: ~1 ms of host time)."""
+    leaves, structure = jax.tree.flatten((target, drafter))
+    plan = _AdmitPlan(structure, drafter.target_layer_ids if drafter is not None else (), spec, chunk_size,
+                      getattr(target, "mesh", None))
+    return _admit_call(leaves, plan, state, prompt_ids, row, max_tokens, seed, spec, target.cfg.vocab_size)
 
 
 def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
                 spec: SpecConfig, chunk_size: int = PREFILL_CHUNK, seed: int = 0) -> LoopState:
-    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): `prefill_row` then
-    `adopt_row`, after checking that the row exists and that the prompt, spec.max_new_tokens and a verify tree fit
-    the pool's rows. drafter: the one the loop runs (None when autoregressive). No compile after the first."""
+    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): `admit_row`, after
+    checking that the row exists and that the prompt, spec.max_new_tokens and a verify tree fit the pool's rows.
+    drafter: the one the loop runs (None when autoregressive). No compile after the first."""
     cache = state.cache
     prompt = np.asarray(prompt_ids)
     if not 0 <= row < cache.batch:
@@ -498,9 +550,8 @@ def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopStat
     if prompt.size + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
         raise ValueError(f"a prompt of {prompt.size} tokens and {spec.max_new_tokens} new ones do not fit the "
                          f"batch's {cache.max_len} positions per sequence")
-    prefilled = prefill_row(target, drafter, prompt, spec=spec, max_len=cache.max_len, kv_dtype=cache.pages.dtype,
-                            seed=seed, chunk_size=chunk_size)
-    return adopt_row(state, prefilled, row)
+    state, _ = admit_row(target, drafter, state, row, prompt, spec=spec, seed=seed, chunk_size=chunk_size)
+    return state
 
 
 @jax.jit
