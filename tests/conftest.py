@@ -9,7 +9,28 @@ import tempfile
 # Eight CPU devices for the sharding tests; must be set before jax is imported anywhere.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+# XLA:CPU compiled for compile time: LLVM at -O0 and the legacy elemental emitters instead of the MLIR fusion
+# emitters (at -O0 those still run their own optimization pipeline). The suite compiles ~3,400 programs and most
+# run a few steps on tiny models, so compiling was over half of a CI run: a tiny DDTree decode loop's compiles
+# took 6.3 -> 1.7 s, a whole run 1,298 -> 748 s, every test passing (the bit-for-bit ones too: both sides of each
+# comparison are compiled alike). The programs run slower (bfloat16 default-pair loops ~3x). Children (the CLI
+# tests' processes) inherit the flags. A flag the user set wins; with a CUDA plugin installed the flags are left
+# alone (-O0 would apply to GPU kernels' code generation too).
+def _cuda_plugin_installed() -> bool:
+    from importlib import metadata
+
+    return any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda")) for d in metadata.distributions())
+
+
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if not _cuda_plugin_installed():
+    for _flag in FAST_COMPILE_FLAGS:
+        if _flag.split("=")[0] not in _flags:
+            _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent compilation cache per test session, in a fresh temporary directory (removed at exit; never a
 # directory from an earlier run, so a fresh CI clone and a local run behave alike). Identical programs compiled

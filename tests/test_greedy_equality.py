@@ -29,9 +29,9 @@ matmul kernels by the row count (XLA:CPU, jax 0.10, in bfloat16: one kernel for 
 the shapes.
 
 CPU: all of the above, the whole target and end to end in row-invariant passes (marked `slow`), exact on the test
-prompts (this repository's 2-core VM, jax 0.10.2, default XLA flags). GPU (marked `gpu`): the ops, and the whole
-target's root rows (exact on the H200 at 745bb64); a chain's non-root rows and greedy end to end are expected failures
-there (GPU_WHOLE_TARGET says why).
+prompts (this repository's 2-core VM, jax 0.10.2; under default XLA flags and under the test session's fast-compile
+flags, tests/conftest.py). GPU (marked `gpu`): the ops, and the whole target's root rows (exact on the H200 at
+745bb64); a chain's non-root rows and greedy end to end are expected failures there (GPU_WHOLE_TARGET says why).
 """
 
 from __future__ import annotations
