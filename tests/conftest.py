@@ -16,20 +16,21 @@ if "xla_force_host_platform_device_count" not in _flags:
 # emitters (at -O0 those still run their own optimization pipeline). The suite compiles ~3,400 programs and most
 # run a few steps on tiny models, so compiling was over half of a CI run: a tiny DDTree decode loop's compiles
 # took 6.3 -> 1.7 s, a whole run 1,298 -> 748 s, every test passing (the bit-for-bit ones too: both sides of each
-# comparison are compiled alike). The programs run slower (bfloat16 default-pair loops ~3x). Children (the CLI
-# tests' processes) inherit the flags. A flag the user set wins; with a CUDA plugin installed the flags are left
-# alone (-O0 would apply to GPU kernels' code generation too).
+# comparison are compiled alike). The programs run slower (bfloat16 default-pair loops ~3x: the few runtime-bound
+# tests are marked `xla_optimized`, below). Children (the CLI tests' processes) inherit the flags. Neither option
+# is added when the user's XLA_FLAGS name either, or with a CUDA plugin installed (-O0 would apply to GPU kernels'
+# code generation too).
 def _cuda_plugin_installed() -> bool:
     from importlib import metadata
 
-    return any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda")) for d in metadata.distributions())
+    names = ((d.metadata["Name"] or "").lower() for d in metadata.distributions())
+    return any(name.startswith(("jax-cuda", "jax_cuda")) for name in names)
 
 
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-if not _cuda_plugin_installed():
-    for _flag in FAST_COMPILE_FLAGS:
-        if _flag.split("=")[0] not in _flags:
-            _flags += " " + _flag
+FAST_COMPILE = not _cuda_plugin_installed() and not any(f.split("=")[0] in _flags for f in FAST_COMPILE_FLAGS)
+if FAST_COMPILE:
+    _flags += " " + " ".join(FAST_COMPILE_FLAGS)
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent compilation cache per test session, in a fresh temporary directory (removed at exit; never a
@@ -47,6 +48,44 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Tests marked `xla_optimized` are runtime-bound (the bfloat16 default pair's row-invariant loops): their programs
+# compile with XLA's default optimization, the two fast-compile options back at their defaults as per-compile
+# overrides (what jax.jit(compiler_options=...) passes). JAX's caches are cleared whenever the mode changes, so no
+# executable compiled in one mode serves a test of the other (the persistent cache's keys hold the overrides).
+OPTIMIZED_OVERRIDES = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+_optimized = False
+
+
+def _compile_optimized_when_marked():
+    try:  # jax's internal: without it the marked tests run fast-compiled too (slower, same checks)
+        from jax._src import compiler
+
+        get_compile_options = compiler.get_compile_options
+    except (ImportError, AttributeError):
+        return
+
+    def compile_options(*args, env_options_overrides=None, **kwargs):
+        if _optimized:
+            env_options_overrides = {**OPTIMIZED_OVERRIDES, **(env_options_overrides or {})}
+        return get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+    compiler.get_compile_options = compile_options
+
+
+if FAST_COMPILE:
+    _compile_optimized_when_marked()
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimized_when_marked(request):
+    global _optimized
+    want = FAST_COMPILE and request.node.get_closest_marker("xla_optimized") is not None
+    if want != _optimized:
+        jax.clear_caches()
+        _optimized = want
+    yield
 
 
 # XLA:CPU maps each executable it loads into a few memory mappings of its own (code, read-only and writable

@@ -338,7 +338,8 @@ def test_cpu_fixed_row_block_products_are_row_invariant(dtype, preferred):
 @needs_default
 @pytest.mark.parametrize("check,batch,num_nodes", [
     pytest.param(check_root_row, 1, 17, id="root-1x17"), pytest.param(check_root_row, 4, 33, id="root-4x33"),
-    pytest.param(check_chain_rows, 4, 16, id="chain-4x16")])
+    # runtime-bound (17 passes of the bfloat16 default pair): compiled with XLA's default optimization (conftest.py)
+    pytest.param(check_chain_rows, 4, 16, id="chain-4x16", marks=pytest.mark.xla_optimized)])
 def test_cpu_verify_rows_are_the_one_token_steps(pair_bf16, check, batch, num_nodes):
     """The whole bfloat16 target on the CPU, row-invariant passes (model/row_invariant.py): a tree verify pass's root
     row and every row of a chain verify pass equal the one-token steps' logits bit for bit."""
@@ -360,6 +361,7 @@ def _parting_gap(target, prompt, ar, got):
 
 
 @pytest.mark.slow  # ~75 s on a 2-core machine (three decode loops compiled)
+@pytest.mark.xla_optimized  # bfloat16 decode loops of the default pair: runtime-bound
 @needs_default
 def test_cpu_greedy_speculative_is_autoregressive_bf16(pair_bf16):
     """bfloat16 greedy chain / DDTree 32 == budget 0 on the CPU, token for token, 4 prompts x 32 tokens in one batch,
