@@ -158,8 +158,8 @@ def test_validation_errors():
 @pytest.mark.skipif(not moe_ops.cuda_built(), reason="extension built without the CUDA MoE op")
 def test_cuda_lowering_calls_the_op():
     """Lowered for CUDA (no GPU needed), bf16 at decode size calls the op; float32, or above the row
-    threshold, stays on ragged_dot."""
-    x, indices, weights, gate, up, down = make_case(2, 9, 8, 16, 32, 16, jnp.bfloat16)
+    threshold, stays on ragged_dot. Past ops.moe.PAIRS_MAX pairs, so that the pairs op does not take the call."""
+    x, indices, weights, gate, up, down = make_case(2, moe_ops.PAIRS_MAX // 8 + 1, 8, 16, 32, 16, jnp.bfloat16)
 
     def lowered(*args, impl="auto", **kwargs):
         fn = jax.jit(lambda *a: routed_experts(*a, impl=impl, **kwargs))
