@@ -425,6 +425,14 @@ def identity_report(reference: list, outputs: list) -> dict:
     return {"identical_to_ar": len(firsts) - differing, "mismatches_vs_ar": differing, "first_difference": firsts}
 
 
+def identity_note(row: dict, tree: str, count: int) -> str:
+    """The log line's greedy-identity tail of a speculative row ("" for autoregressive or sampled rows)."""
+    if row.get("identical_to_ar") is None or tree == "ar":
+        return ""
+    return (f"  identical {row['identical_to_ar']}/{count}"
+            f" (first differences at {summarize_differences(row['first_difference'])})")
+
+
 def summarize_differences(firsts: list, shown: int = 8) -> str:
     """'–' when every output is identical, else the sorted first-difference indices ('2, 17, 40')."""
     at = sorted(f for f in firsts if f is not None)
@@ -585,9 +593,7 @@ def main(argv=None) -> int:
                 else:
                     row["mismatches_vs_ar"] = None
                 rows.append(row)
-                same = (f"  identical {row['identical_to_ar']}/{len(tokens)}"
-                        f" (first differences at {summarize_differences(row['first_difference'])})"
-                        if row.get("identical_to_ar") is not None and tree != "ar" else "")
+                same = identity_note(row, tree, len(tokens))
                 log(f"B={batch} k={chunk} T={temperature:g} {name:16s} nodes {stats['num_nodes']:4d}  "
                     f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
                     f"host syncs/step {stats['host_syncs_per_step']:.3f}"
@@ -613,9 +619,7 @@ def main(argv=None) -> int:
                 else:
                     refill_row["mismatches_vs_ar"] = None
                 rows.append(refill_row)
-                same = (f"  identical {refill_row['identical_to_ar']}/{len(tokens)}"
-                        f" (first differences at {summarize_differences(refill_row['first_difference'])})"
-                        if refill_row.get("identical_to_ar") is not None and tree != "ar" else "")
+                same = identity_note(refill_row, tree, len(tokens))
                 log(f"B={batch} k={chunk} T={temperature:g} {name:16s} refill {args.refill} prompts: "
                     f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{speedup:.2f}  "
                     f"{stats['target_forwards']} steps, occupancy {stats['occupancy']:.3f}  (warm-up "

@@ -224,14 +224,13 @@ def attribute(events, hlo: HloIndex):
             ns = line_events[i][2] - line_events[i][1]
             out[component] += ns
             how_ns[how] = how_ns.get(how, 0.0) + ns
-            family = families[component].setdefault(kernel_family(line_events[i][3]), [0.0, 0])
-            family[0] += ns
-            family[1] += 1
+            kernel = kernel_family(line_events[i][3])
             instr = resolved[i][2]
             op = op_family(hlo.op_name[instr]) if instr in hlo.op_name else "?"
-            key = ops[component].setdefault(f"{kernel_family(line_events[i][3])} <- {op}", [0.0, 0])
-            key[0] += ns
-            key[1] += 1
+            for table, key in ((families, kernel), (ops, f"{kernel} <- {op}")):
+                entry = table[component].setdefault(key, [0.0, 0])
+                entry[0] += ns
+                entry[1] += 1
     return out, how_ns, families, ops
 
 
@@ -261,7 +260,8 @@ def trace_kernels(compiled, args, sample: int = 0):
 def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
     kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
-    and each component's largest kernel families ("top_kernels": [name, ms, launches] per step). `compiled`: a jax Compiled (its HLO text maps instructions to
+    and each component's largest kernel families ("top_kernels": [name, ms, launches] per step) and kernel families by
+    the op they serve ("top_ops": "kernel family <- op family", the op_name's last scopes; "?" where none resolved). `compiled`: a jax Compiled (its HLO text maps instructions to
     op_names). sample: include that many kernels' raw stats; steps_of: a
     function of the program's output giving the steps to divide by (instead of `steps`)."""
     output, events, stats_sample = trace_kernels(compiled, args, sample)
@@ -269,9 +269,11 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")
     by_component, how_ns, families, ops = attribute(events, index)
-    top = {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
-               for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:6]]
-           for c, fam in families.items() if fam}
+
+    def largest(tables, count):  # per component: its `count` largest entries, ms and launches per step
+        return {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
+                    for name, (ns, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:count]]
+                for c, table in tables.items() if table}
     result = {"source": "device kernels" if jax.default_backend() == "gpu" else "host thunks",
               "components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
               "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
@@ -279,10 +281,8 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
               "steps": steps,
               "kernels_per_step": len(events) / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
-              "top_kernels": top,
-              "top_ops": {c: [(name, round(ns / steps / 1e6, 4), round(n / steps, 1))
-                              for name, (ns, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:12]]
-                          for c, fam in ops.items() if fam}}
+              "top_kernels": largest(families, 6),
+              "top_ops": largest(ops, 12)}
     if sample:
         result["stats_sample"] = stats_sample
     return result

@@ -63,11 +63,15 @@ def test_places_library_kernels_by_schedule():
               ("Stream #1", 7 * ms, 8 * ms, "fusion_4", None, "command_buffer_3"),
               ("Stream #1", 8 * ms, 10 * ms, "sm90_xmma_gemm", None, "command_buffer_3"),  # two parts' calls between
               ("Stream #1", 10 * ms, 11 * ms, "fusion_7", None, "command_buffer_3")]
-    parts, how, families, _ = profiling.attribute(events, hlo)
+    parts, how, families, ops = profiling.attribute(events, hlo)
     assert parts["head"] == 3 * ms  # fusion.1 and the GEMM the schedule places in the head
     assert parts["attention"] == 4 * ms and parts["tree_accept_commit"] == 1 * ms
     assert parts["moe"] == 3 * ms  # fusion.7, and the ambiguous GEMM by its next kernel
     assert how == {"kernel name": 3 * ms, "schedule": 2 * ms, "own kernel": 4 * ms, "next kernel": 2 * ms}
     assert families["head"] == {"fusion": [1 * ms, 1], "nvjet_tst_gemm": [2 * ms, 1]}
+    # By the op each kernel serves (its instruction's op_name, layer numbers dropped); "?" when only placed.
+    assert ops["head"] == {"fusion <- body/verify/head/mul": [1 * ms, 1], "nvjet_tst_gemm <- ?": [2 * ms, 1]}
+    assert ops["moe"] == {"fusion <- body/verify/moe/add": [1 * ms, 1], "sm90_xmma_gemm <- ?": [2 * ms, 1]}
+    assert profiling.op_family("jit(step)/while/body/verify/layers_12/mla/dot_general.3") == "verify/layers/mla/dot_general"
     assert profiling.kernel_family("void (anonymous namespace)::moe_gate_up_kernel<true, 4>((anonymous namespace)::Params)") \
         == "moe_gate_up_kernel<true, 4>"
