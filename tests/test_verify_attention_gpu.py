@@ -131,6 +131,29 @@ def test_small_row_shapes_match_reference(shape, num_splits, variant):
     check_two_draws(shape, num_splits, seed_step=53, seed_offset=3, variant=variant)
 
 
+# Tables wider than their sequences (the engine sizes a table for the longest sequence it may hold): under the
+# occupancy policy a short sequence keeps the split length the host planned for a full table (up to 256 positions,
+# device.cuh split_plan), so at most a few splits hold positions, the others' blocks exit, and a sequence in one split
+# has its rows written by the main kernel while the merge leaves it alone. Lengths around the 256-position boundary
+# (root row 256 / 257 positions at T = 4), nothing visible (0), and longer ones; auto, the warp merge (<= 16 splits)
+# and the block merge (40).
+SHORT_IN_WIDE = [((6, 4, 8, 8192), (0, 4, 100, 259, 260, 700)), ((3, 17, 4, 4096), (17, 300, 1500))]
+
+
+@pytest.mark.parametrize("variant", ["auto"] + MANY_ROW_VARIANTS)
+@pytest.mark.parametrize("num_splits", [0, 12, 40])
+@pytest.mark.parametrize("shape,lens", SHORT_IN_WIDE, ids=lambda v: "B{}T{}H{}L{}".format(*v) if len(v) == 4 else None)
+def test_short_sequences_in_wide_tables(shape, lens, num_splits, variant):
+    skip_unless_runs(variant)
+    batch, num_queries, num_heads, max_len = shape
+    fn = jitted_variant(variant, SCALE, num_splits)
+    case = make_case(11 + num_splits, batch, num_queries, num_heads, max_len, latent=LATENT, rope=ROPE,
+                     dtype=jnp.bfloat16, lens=lens)
+    out, lse = run_poisoned(fn, case)
+    ref_out, ref_lse = reference_f32(case, SCALE, ROPE)
+    check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
+
+
 def test_repeated_calls_are_bit_identical():
     case = make_case(5, 2, 16, 8, 5003, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
     fn = jitted("auto", SCALE, ROPE, 0)
@@ -189,6 +212,13 @@ SANITIZER_SCRIPT = textwrap.dedent("""
             out, lse = fn(*case)
             out.block_until_ready()
             assert np.isfinite(np.asarray(out, np.float32)).all()
+    # Short sequences in a wide table: idle split blocks, rows written by the main kernel, merges that skip them.
+    for variant in ("auto", "pipelined", "wide"):
+        case = make_case(2, 3, 4, 8, 2048, latent=512, rope=64, dtype=jnp.bfloat16, lens=(4, 259, 700))
+        fn = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.07, rope_dim=64, variant=variant))
+        out, lse = fn(*case)
+        out.block_until_ready()
+        assert np.isfinite(np.asarray(out, np.float32)).all()
     print("SANITIZER-CASE-OK")
 """)
 

@@ -13,6 +13,7 @@
 
 #include "../verify_attention.h"
 #include "params.h"
+#include "pdl.cuh"
 
 namespace kdtree::verify {
 
@@ -152,6 +153,7 @@ struct KvRefill {
 // softmax sees the same tiles in the same order in a one-token call and in a T-row call; the merge adds the used
 // splits' partials in split order (merge.cu). kSplitUnit is a multiple of every kernel's tile (32 or 64).
 constexpr int kSplitUnit = 64;
+constexpr int kShortSplitUnits = 4;  // occupancy policy: the longest split length kept for a short sequence (256)
 
 struct SplitPlan {
   int valid;         // positions [0, valid) exist
@@ -167,6 +169,15 @@ __device__ __forceinline__ SplitPlan split_plan(const Params& p, int b) {
   const int root_units = max((root_len + kSplitUnit - 1) / kSplitUnit, min(all_units, 1));
   const int parts = max(p.split_parts > 0 ? p.split_parts : p.num_splits, 1);
   int per_split = max((root_units + parts - 1) / parts, 1);
+  if (p.split_parts == 0) {
+    // Occupancy policy: the host chose num_splits for a sequence filling the table. A shorter one keeps the split
+    // length that plan gave (up to kShortSplitUnits) instead of its count: a decode table sized for the longest
+    // sequence would otherwise cut 200 positions into four 64-position splits, whose partials (2 KB a query row
+    // each) outweigh their KV rows (1,152 B a position) and cost a merge. A full table's plan is unchanged.
+    const int table_root = max(p.max_len - p.num_queries + 1, 1);
+    const int planned = ((table_root + kSplitUnit - 1) / kSplitUnit + parts - 1) / parts;
+    per_split = max(per_split, min(planned, kShortSplitUnits));
+  }
   int used = (root_units + per_split - 1) / per_split;  // <= parts, and <= root_units <= ceil(Lmax / kSplitUnit)
   if (used > p.num_splits) {  // a grid too small for the partition (never from kdtree_jax.ops.ffi): cover it anyway
     per_split = (root_units + p.num_splits - 1) / p.num_splits;
@@ -179,6 +190,15 @@ __device__ __forceinline__ SplitPlan split_plan(const Params& p, int b) {
 // of query token 0, and the split's tiles [tile_begin, tile_end) (empty past the used splits).
 struct SplitTiles {
   int valid, first, tile_begin, tile_end;
+  int used;  // the sequence's splits holding positions (split_plan)
+  // Whether this split's block writes the final rows: the grid has one split, or the sequence uses at most one
+  // (the merge leaves such a sequence alone: merge.cu). A merge of one partial computes the same bits.
+  __device__ __forceinline__ bool direct(bool one_split_grid) const { return one_split_grid || used <= 1; }
+  // Whether a block of a many-split grid has nothing to do: a split past those used (the first one stays, to
+  // write the direct rows of a sequence with no positions).
+  __device__ __forceinline__ bool idle(bool one_split_grid, int split) const {
+    return !one_split_grid && split >= max(used, 1);
+  }
 };
 template <int kTile>
 __device__ __forceinline__ SplitTiles split_tiles(const Params& p, int b, int split) {
@@ -186,10 +206,10 @@ __device__ __forceinline__ SplitTiles split_tiles(const Params& p, int b, int sp
   constexpr int kTilesPerUnit = kSplitUnit / kTile;
   const SplitPlan plan = split_plan(p, b);
   const int num_tiles = (plan.valid + kTile - 1) / kTile;
-  if (split >= plan.used) return SplitTiles{plan.valid, plan.first, num_tiles, num_tiles};
+  if (split >= plan.used) return SplitTiles{plan.valid, plan.first, num_tiles, num_tiles, plan.used};
   const int unit_begin = split * plan.per_split;
   const int tile_end = split == plan.used - 1 ? num_tiles : (unit_begin + plan.per_split) * kTilesPerUnit;
-  return SplitTiles{plan.valid, plan.first, unit_begin * kTilesPerUnit, tile_end};
+  return SplitTiles{plan.valid, plan.first, unit_begin * kTilesPerUnit, tile_end, plan.used};
 }
 
 // This call's layer of the KV pool (clamped into range) and sequence b's slot table.
@@ -401,10 +421,11 @@ __device__ __forceinline__ float online_softmax(float (&x)[4], float& m_run, flo
 
 // The epilogue of the 32-row kernels: rows row0 + 16 mt + g (+ 8) of the accumulators, output columns col0 +
 // 8 nb + 2 qd (+ 1), normalised by the row sums in stat_s ([max (base 2) | sum] per row), as final rows or per-split
-// partials; `writes_lse`: this thread also writes the rows' lse.
-template <bool kDirect, int kMt, int kBlocks>
-__device__ __forceinline__ void write_rows(const Params& p, const float (&acc)[kMt][kBlocks][4], const float* stat_s,
-                                           int row0, int b, int split, int col0, int g, int qd, bool writes_lse) {
+// partials (`direct`: SplitTiles::direct); `writes_lse`: this thread also writes the rows' lse.
+template <int kMt, int kBlocks>
+__device__ __forceinline__ void write_rows(const Params& p, bool direct, const float (&acc)[kMt][kBlocks][4],
+                                           const float* stat_s, int row0, int b, int split, int col0, int g, int qd,
+                                           bool writes_lse) {
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
@@ -414,9 +435,9 @@ __device__ __forceinline__ void write_rows(const Params& p, const float (&acc)[k
       const float sum = stat_s[32 + rl];
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const float lse_row = sum > 0.f ? (stat_s[rl] + log2f(sum)) * kLn2 : -INFINITY;
-      const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
-                                        : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
-      if (kDirect) {
+      const int64_t row_index = direct ? static_cast<int64_t>(b) * p.rows + r
+                                       : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
+      if (direct) {
         uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + col0 + 2 * qd);
 #pragma unroll
         for (int nb = 0; nb < kBlocks; ++nb) dst[nb * 4] = pack_bf16(acc[mt][nb][2 * h] * inv, acc[mt][nb][2 * h + 1] * inv);

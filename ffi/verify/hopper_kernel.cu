@@ -120,6 +120,8 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
   const int row0 = blockIdx.x * W::kRowsBlock;
 
   const SplitTiles range = split_tiles<W::kTile>(p, b, split);
+  if (range.idle(kDirect, split)) return;
+  const bool direct = range.direct(kDirect);
   const int valid = range.valid, first = range.first, t0 = range.tile_begin, t_end = range.tile_end;
   const uint64_t p_desc = smem_descriptor(base + W::kPOff, 16, 1024);
 
@@ -339,10 +341,10 @@ __device__ __forceinline__ void hopper_body(const Params& p, unsigned char* smem
     const float m = stat_s[rl], sum = stat_s[W::kRowsBlock + rl];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const float lse_row = sum > 0.f ? (m + log2f(sum)) * kLn2 : -INFINITY;
-    const int64_t row_index = kDirect ? static_cast<int64_t>(b) * p.rows + r
-                                      : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
+    const int64_t row_index = direct ? static_cast<int64_t>(b) * p.rows + r
+                                     : (static_cast<int64_t>(b) * p.num_splits + split) * p.rows + r;
     const int col0 = 256 * wg + 2 * qd;
-    if (kDirect) {
+    if (direct) {
       uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + row_index * kLatent + col0);
 #pragma unroll
       for (int j = 0; j < 32; ++j) dst[j * 4] = pack_bf16(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv);
@@ -362,6 +364,8 @@ template <bool kDirect>
 __global__ void __launch_bounds__(W::kThreads, 1) verify_attention_hopper_kernel(const Params p) {
 #if KDTREE_HOPPER_DEVICE_CODE
   extern __shared__ __align__(1024) unsigned char smem[];
+  wait_for_previous_grid();
+  allow_dependent_launch();
   hopper_body<kDirect>(p, smem);
 #endif
 }
@@ -378,11 +382,11 @@ cudaError_t hopper_kernel_setup() {
   return cudaSuccess;
 }
 
-void launch_hopper_kernel(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch_hopper_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>((p.rows + W::kRowsBlock - 1) / W::kRowsBlock), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(batch));
-  (p.num_splits == 1 ? verify_attention_hopper_kernel<true> : verify_attention_hopper_kernel<false>)
-      <<<grid, W::kThreads, W::kSmemBytes, stream>>>(p);
+  launch_kernel(p.num_splits == 1 ? verify_attention_hopper_kernel<true> : verify_attention_hopper_kernel<false>, grid,
+                dim3(W::kThreads), W::kSmemBytes, stream, pdl, p);
 }
 
 int hopper_kernel_smem_bytes() { return W::kSmemBytes; }

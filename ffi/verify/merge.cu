@@ -51,7 +51,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
   const int b = blockIdx.y;
   const int vec = threadIdx.x % kLanesPerSplit, grp = threadIdx.x / kLanesPerSplit;
   const int64_t part_row0 = static_cast<int64_t>(b) * p.num_splits * p.rows + r;  // split s at + s * rows
+  wait_for_previous_grid();
   const int used = split_plan(p, b).used;
+  if (used <= 1) return;  // the main kernel wrote this sequence's rows itself (device.cuh, SplitTiles::direct)
   const int col = (chunk * kLanesPerSplit + vec) * 4;
   auto load_part = [&](int s) {
     return s < used ? *reinterpret_cast<const float4*>(p.out_part + (part_row0 + static_cast<int64_t>(s) * p.rows) * kLatent + col)
@@ -112,9 +114,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Param
 
 // A merge_splits_kernel instance and its grid for B * rows query rows.
 template <int kLanesPerSplit>
-void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream) {
-  merge_splits_kernel<kLanesPerSplit><<<dim3(static_cast<unsigned>(p.rows * kMergeChunks<kLanesPerSplit>),
-                                             static_cast<unsigned>(batch)), kMergeThreads, 0, stream>>>(p);
+void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
+  launch_kernel(merge_splits_kernel<kLanesPerSplit>,
+                dim3(static_cast<unsigned>(p.rows * kMergeChunks<kLanesPerSplit>), static_cast<unsigned>(batch)),
+                dim3(kMergeThreads), 0, stream, pdl, p);
 }
 
 // The instance (its split grouping, hence its summation order) comes from the call's query rows B * T * H, except
@@ -122,14 +125,14 @@ void launch_block_merge(const Params& p, int64_t batch, cudaStream_t stream) {
 // comes from B * H, the rows of a one-token call, so that a verify pass's rows merge as the one-token call's do. At
 // least ~2 blocks per SM of an H200 at T = 1: 16 / 8 / 4 chunks per row; a many-row call takes the widest chunks
 // (the fewest blocks: each block's two reductions and its lse loads are its fixed cost).
-void launch_many_split_merge_impl(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch_many_split_merge_impl(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
   const int64_t rows = batch * (p.split_parts > 0 ? p.num_heads : p.rows);
   if (rows <= 16) {
-    launch_block_merge<8>(p, batch, stream);
+    launch_block_merge<8>(p, batch, stream, pdl);
   } else if (rows <= 64) {
-    launch_block_merge<16>(p, batch, stream);
+    launch_block_merge<16>(p, batch, stream, pdl);
   } else {
-    launch_block_merge<32>(p, batch, stream);
+    launch_block_merge<32>(p, batch, stream, pdl);
   }
 }
 
@@ -150,7 +153,9 @@ __global__ void __launch_bounds__(kWarpMergeWarps * 32) merge_splits_warp_kernel
   const int quarter = static_cast<int>(item % kMergeQuarters);
   const int64_t b = row_index / p.rows, r = row_index % p.rows;
   const int64_t part_row0 = b * p.num_splits * p.rows + r;  // split s at + s * rows
+  wait_for_previous_grid();
   const int used = split_plan(p, static_cast<int>(b)).used;
+  if (used <= 1) return;  // the main kernel wrote this sequence's rows itself (device.cuh, SplitTiles::direct)
   const int col = quarter * 128 + lane * 4;
   float4 v[kWarpMergeMaxSplits];
 #pragma unroll
@@ -200,14 +205,14 @@ cudaError_t merge_setup() {
 }
 
 // The merge by the partition's split count (not the grid's, which the table width can cap; device.cuh, split_plan).
-void launch_merge(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch_merge(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
   if (p.num_splits <= 1) return;
   if ((p.split_parts > 0 ? p.split_parts : p.num_splits) > kWarpMergeMaxSplits) {
-    launch_many_split_merge_impl(p, batch, stream);
+    launch_many_split_merge_impl(p, batch, stream, pdl);
   } else {
     const int64_t items = batch * p.rows * kMergeQuarters;
-    merge_splits_warp_kernel<<<static_cast<unsigned>((items + kWarpMergeWarps - 1) / kWarpMergeWarps),
-                               kWarpMergeWarps * 32, 0, stream>>>(p, items);
+    launch_kernel(merge_splits_warp_kernel, dim3(static_cast<unsigned>((items + kWarpMergeWarps - 1) / kWarpMergeWarps)),
+                  dim3(kWarpMergeWarps * 32), 0, stream, pdl, p, items);
   }
 }
 

@@ -159,6 +159,7 @@ __device__ __forceinline__ void pipelined_body(const Params& p, unsigned char* s
   const int row0 = blockIdx.x * W::kRowsBlock;
 
   const SplitTiles range = split_tiles<kTile>(p, b, split);
+  if (range.idle(kDirect, split)) return;
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
   uint32_t qf[kMt][kKSteps][4];
@@ -278,12 +279,14 @@ __device__ __forceinline__ void pipelined_body(const Params& p, unsigned char* s
     stat_s[W::kRowsBlock + rr] = l_run;
   }
   __syncthreads();
-  write_rows<kDirect>(p, acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
+  write_rows(p, range.direct(kDirect), acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
 }
 
 template <class W, bool kDirect>
 __global__ void __launch_bounds__(W::kThreads, 1) verify_attention_pipelined_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  wait_for_previous_grid();
+  allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) * W::kRowsBlock + 16 < p.rows) {
     pipelined_body<W, 2, kDirect>(p, smem);
   } else {
@@ -303,19 +306,19 @@ cudaError_t setup_config() {
 }
 
 template <class W>
-void launch_config(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch_config(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>((p.rows + W::kRowsBlock - 1) / W::kRowsBlock), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(batch));
-  (p.num_splits == 1 ? verify_attention_pipelined_kernel<W, true> : verify_attention_pipelined_kernel<W, false>)
-      <<<grid, W::kThreads, W::kSmemBytes, stream>>>(p);
+  launch_kernel(p.num_splits == 1 ? verify_attention_pipelined_kernel<W, true> : verify_attention_pipelined_kernel<W, false>,
+                grid, dim3(W::kThreads), W::kSmemBytes, stream, pdl, p);
 }
 
 }  // namespace
 
 cudaError_t pipelined_kernel_setup() { return setup_config<LargeConfig>(); }
 
-void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream) {
-  launch_config<LargeConfig>(p, batch, stream);
+void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
+  launch_config<LargeConfig>(p, batch, stream, pdl);
 }
 
 int pipelined_kernel_smem_bytes() { return LargeConfig::kSmemBytes; }

@@ -60,7 +60,10 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
   const int split = blockIdx.y, b = blockIdx.z;
   const int row0 = blockIdx.x * W::kRowsW;
 
+  wait_for_previous_grid();
+  allow_dependent_launch();
   const SplitTiles range = split_tiles<kTile>(p, b, split);
+  if (range.idle(kDirect, split)) return;
   const int valid = range.valid, first = range.first, tile_begin = range.tile_begin, tile_end = range.tile_end;
 
   // Q fragments: both m16 tiles (rows row0 + 16 mt + g, + 8), this warp's 144-dim slice.
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(WideConfig::kThreads, 1) verify_attention_wide
     stat_s[W::kRowsW + rr] = l_run;
   }
   __syncthreads();
-  write_rows<kDirect>(p, acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
+  write_rows(p, range.direct(kDirect), acc, stat_s, row0, b, split, warp * 64, g, qd, warp == 0 && qd == 0);
 }
 
 }  // namespace
@@ -174,11 +177,11 @@ cudaError_t wide_kernel_setup() {
   return cudaSuccess;
 }
 
-void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream) {
+void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>((p.rows + WideConfig::kRowsW - 1) / WideConfig::kRowsW),
                   static_cast<unsigned>(p.num_splits), static_cast<unsigned>(batch));
-  (p.num_splits == 1 ? verify_attention_wide_kernel<true> : verify_attention_wide_kernel<false>)
-      <<<grid, WideConfig::kThreads, WideConfig::kSmemBytes, stream>>>(p);
+  launch_kernel(p.num_splits == 1 ? verify_attention_wide_kernel<true> : verify_attention_wide_kernel<false>, grid,
+                dim3(WideConfig::kThreads), WideConfig::kSmemBytes, stream, pdl, p);
 }
 
 }  // namespace kdtree::verify
