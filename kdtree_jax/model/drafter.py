@@ -219,6 +219,11 @@ class Drafter(nnx.Module):
         bonus [B]: the last accepted token, at position start_pos [B] (== cache.lens, normally).
         `target` provides the shared embedding and lm head.
         """
+        return jax.nn.log_softmax(self.logits(target, cache, bonus, start_pos), axis=-1)
+
+    def logits(self, target, cache: DrafterCache, bonus, start_pos):
+        """The logits [B, D, V] (float32, `target.lm_logits`) whose log_softmax `__call__` returns: the decode loop
+        takes them to ops.topk.log_softmax_top_k, which fuses the log_softmax with its top-k."""
         b = bonus.shape[0]
         block = self.cfg.block_size
         first = target.embed(bonus[:, None]).astype(self.dtype)
@@ -232,8 +237,7 @@ class Drafter(nnx.Module):
         cos, sin = rope_tables(self.cfg, positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lens)
-        logits = target.lm_logits(self.norm(x[:, 1:]))
-        return jax.nn.log_softmax(logits, axis=-1)
+        return target.lm_logits(self.norm(x[:, 1:]))
 
 
 def init_drafter(target_cfg: ModelConfig, cfg: DrafterConfig | None = None, seed: int = 0, dtype=jnp.float32) -> Drafter:

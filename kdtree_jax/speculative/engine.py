@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax import kv_pool, profiling, runtime
 from kdtree_jax.decode import _forward_chunk, prefill, validate_tokens
+from kdtree_jax.ops import topk as topk_ops
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
@@ -117,10 +118,18 @@ def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: S
     if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
         return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
     with jax.named_scope("drafter"):
-        logprobs = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
-        if spec.tree == "ddtree" and spec.tree_temperature != 1.0:
-            logprobs = jax.nn.log_softmax(logprobs / spec.tree_temperature, axis=-1)
-        top_lp, top_tok = jax.lax.top_k(logprobs, spec.topk)
+        # The top-k of log_softmax(logits / t) in one kernel on a GPU (ops/topk.py): the same candidates as
+        # top_k(log_softmax(log_softmax(logits) / t)), since log_softmax(log_softmax(x) / t) = log_softmax(x / t).
+        # A drafter-like object with only __call__ (log-probs, as tests' fixed drafters) works too: the log-probs'
+        # log_softmax is themselves, up to rounding.
+        scores = getattr(drafter, "logits", drafter)
+        logits = scores(target, state.dcache, state.bonus, start)  # [B, D, V]
+        tree_temperature = spec.tree_temperature if spec.tree == "ddtree" else 1.0
+        # Over a mesh the lm head splits the vocabulary, and the partitioner would gather the whole logits to every
+        # device for the custom call; XLA's top_k there is partitioned (a fused per-shard merge is left to do).
+        mesh = getattr(target, "mesh", None)
+        impl = "auto" if mesh is None or mesh.size == 1 else "xla"
+        top_lp, top_tok = topk_ops.log_softmax_top_k(logits, spec.topk, tree_temperature, impl=impl)
     with jax.named_scope("tree"):
         if spec.tree == "ddtree":
             return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
