@@ -91,6 +91,11 @@ def logits_f32():
     return jnp.asarray(x)
 
 
+# A GPU runs the CUDA op under "auto" (its tests are below): the two tests of the XLA path's lowering are CPU-only.
+on_cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU lowering (a GPU runs the CUDA op)")
+
+
+@on_cpu_only
 def test_xla_path_is_the_formulation(logits_f32):
     """On a CPU the op is lax.top_k(log_softmax(x / t)) itself: bit for bit; and the float64 reference's values."""
     for temperature in (1.0, 0.7):
@@ -156,6 +161,7 @@ def test_argument_errors():
     np.testing.assert_array_equal(np.asarray(idx)[0], np.arange(topk_ops.MAX_K + 1))
 
 
+@on_cpu_only
 def test_cpu_lowering_has_no_custom_call(logits_f32):
     hlo = op.lower(logits_f32, k=4).as_text()
     assert topk_ops.TARGET not in hlo
