@@ -62,9 +62,9 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdtree_jax import runtime  # noqa: E402
 
-# Before JAX starts: with --row-invariant, the XLA flags a row-invariant step needs (command buffers as before).
-if "--row-invariant" in sys.argv:
-    runtime.configure(command_buffers=False, row_invariant=True)
+# Before JAX starts: the package's launch flags (programmatic dependent launch), with --row-invariant also the flags a
+# row-invariant step needs; XLA's own command buffers as they are (each timed program is one graph already).
+runtime.configure(command_buffers=False, row_invariant="--row-invariant" in sys.argv)
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,8 @@ the first backend starts (the first array or computation, not `import jax`), so:
 
 The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. It changes nothing
 on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if they already choose command buffers
-(`--xla_gpu_enable_command_buffer`), and does nothing with KDTREE_JAX_COMMAND_BUFFERS=0.
+(`--xla_gpu_enable_command_buffer`), and adds no command buffers with KDTREE_JAX_COMMAND_BUFFERS=0. It also turns on
+programmatic dependent launch (`--xla_gpu_enable_pdl=true`, LAUNCH_FLAGS) unless XLA_FLAGS name it.
 
 `configure(row_invariant=True)` also sets the flags a row-invariant decode needs (greedy speculative output bit for
 bit the autoregressive one, SpecConfig.row_invariant; kdtree_jax/model/row_invariant.py): Triton GEMMs and GEMM
@@ -38,6 +39,13 @@ COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFF
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
 ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"),
                        ("xla_allow_excess_precision", "false"))
+# Programmatic dependent launch (compute capability 9.0 and later; XLA ignores it elsewhere): a kernel may start while
+# the one before it finishes and waits only where it reads that kernel's results, which hides most of the ~1 us gap
+# between dependent kernels of a CUDA graph. A decode step is ~900 small kernels: on the H200 the Kimi-K2 TP8-rank
+# step (25 layers, 64k) went 4.63 -> 4.26 ms at T = 1 and 9.33 -> 9.12 ms at T = 9 with it (bb6a90d,
+# benchmarks/results/history/decode_context_h200_25layers_64k_pdl_ab_bb6a90d_{nopdl,pdl}.md). The verify kernels take part
+# (ffi/verify/pdl.cuh); the other custom calls launch plainly and so wait for their predecessors in full.
+LAUNCH_FLAGS = (("xla_gpu_enable_pdl", "true"),)
 
 
 def _flag_values(name: str, flags: str) -> list[str]:
@@ -52,17 +60,20 @@ def backends_started() -> bool:
     return bool(bridge is not None and bridge.backends_are_initialized())
 
 
-def configure(command_buffers: bool | None = None, row_invariant: bool = False) -> bool:
-    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU, and with
-    `row_invariant` the flags a row-invariant decode needs (ROW_INVARIANT_FLAGS). Call it before the process's first
-    JAX computation. command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False leaves XLA_FLAGS'
-    command buffers as they are. A flag XLA_FLAGS already name is the user's choice and left alone. Returns whether
-    the command-buffer flags are in XLA_FLAGS now (set here or before)."""
+def configure(command_buffers: bool | None = None, row_invariant: bool = False, overlap_launches: bool = True) -> bool:
+    """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU, with
+    `overlap_launches` programmatic dependent launch (LAUNCH_FLAGS), and with `row_invariant` the flags a
+    row-invariant decode needs (ROW_INVARIANT_FLAGS). Call it before the process's first JAX computation.
+    command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False leaves XLA_FLAGS' command buffers as
+    they are. A flag XLA_FLAGS already name is the user's choice and left alone. Returns whether the command-buffer
+    flags are in XLA_FLAGS now (set here or before)."""
     if command_buffers is None:
         command_buffers = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
     flags = os.environ.get("XLA_FLAGS", "")
     users_buffers = "--xla_gpu_enable_command_buffer" in flags  # the user's own choice wins
     add = [COMMAND_BUFFER_FLAGS] if command_buffers and not users_buffers else []
+    if overlap_launches:
+        add += [f"--{name}={value}" for name, value in LAUNCH_FLAGS if not _flag_values(name, flags)]
     if row_invariant:
         add += [f"--{name}={value}" for name, value in ROW_INVARIANT_FLAGS if not _flag_values(name, flags)]
     if add and backends_started():
