@@ -16,6 +16,11 @@ T = 9, 2.6 ms resolved by name, 4.9 ms were the FFI kernels and 0.15 ms needed t
 common prefix, or on a CPU its root's): the MoE's final weighted sum fused with the residual add counts as
 "dense". Such kernels are small.
 
+Under programmatic dependent launch (runtime.py turns it on) a kernel's recorded start is its launch, which
+can come before its predecessor on the stream has finished (it waits in `griddepcontrol.wait`), so its span
+holds time that is its predecessor's. So each kernel counts only from the latest end of the kernels before it
+on its own stream (`clip_to_streams`), while kernels on different streams keep their overlap.
+
 Why a profile and not only components timed alone: alone, each part's loop is wall time, with its own
 launch gaps and bookkeeping, and the parts summed to ~1.2x the step (decode_context at f57f08a, 25 layers,
 H200). Inside the step the kernel times add up to at most the step; the rest ("idle") is the GPU waiting.
@@ -103,15 +108,20 @@ class HloIndex:
 def kernel_events(xspace_path: str, module_names=(), sample: int = 0):
     """([(line, start_ns, end_ns, kernel name, op_name or None, hlo_op or None)], [a few events' raw stats])
     of the trace's device kernels (GPU planes), or, on a CPU-only trace, of the XLA thunks of `module_names`
-    (hlo_module stat). `sample`: how many distinct kernels' stats to return (to see what a trace holds)."""
+    (hlo_module stat). `line`: the trace line, one per CUDA stream ("Stream #13(...)") or host thread,
+    prefixed by its plane's name where the trace has several planes. `sample`: how many distinct kernels'
+    stats to return (to see what a trace holds)."""
     data = jax.profiler.ProfileData.from_file(xspace_path)
     planes = list(data.planes)
     devices = [p for p in planes if p.name.startswith("/device:GPU")]
     events, seen = [], {}
-    for plane in devices or [p for p in planes if p.name.startswith("/host:CPU")]:
+    scanned = devices or [p for p in planes if p.name.startswith("/host:CPU")]
+    for plane in scanned:
         for line in plane.lines:
             if line.name in _DERIVED_LINES:
                 continue
+            # Every GPU's plane names its streams "Stream #N": the plane keeps two devices' streams apart.
+            line_id = line.name if len(scanned) == 1 else f"{plane.name}/{line.name}"
             for ev in line.events:
                 stats = dict(ev.stats)
                 if len(seen) < sample and ev.name not in seen:
@@ -128,7 +138,7 @@ def kernel_events(xspace_path: str, module_names=(), sample: int = 0):
                 if not devices and (hlo_op is None or _CONTROL_FLOW.match(hlo_op)
                                     or (module_names and stats.get("hlo_module") not in module_names)):
                     continue  # a host trace: only the program's own thunks, not its loops
-                events.append((line.name, ev.start_ns, ev.end_ns, ev.name, op_name, hlo_op))
+                events.append((line_id, ev.start_ns, ev.end_ns, ev.name, op_name, hlo_op))
     return events, [{"kernel": k[:100], **v} for k, v in seen.items()]
 
 
@@ -143,6 +153,23 @@ def busy_ns(events) -> float:
             total += stop - end
             end = stop
     return total
+
+
+def clip_to_streams(events) -> list:
+    """The events, in order of line then start, each one's interval [start, end] moved to [max(start, t),
+    max(end, t)], t the latest end of the events before it on its line (stream): a kernel launched as a
+    programmatic dependent is recorded from its launch, while it still waits for its predecessor. On one
+    line the clipped durations add up to the union of the intervals; lines (streams) are clipped apart, so
+    kernels that run concurrently on two streams keep their overlap."""
+    out, latest = [], {}
+    for ev in sorted(events, key=lambda e: (e[0], e[1], e[2])):
+        line, start, end = ev[:3]
+        t = latest.get(line, start)
+        # Moving the end too keeps a kernel recorded inside its predecessor's span (a nested CPU thunk)
+        # after it, at zero length, so the order of the starts stays the order of the launches.
+        out.append((line, max(start, t), max(end, t), *ev[3:]))
+        latest[line] = max(end, t)
+    return out
 
 
 def resolve(event, hlo: HloIndex):
@@ -192,11 +219,12 @@ def attribute(events, hlo: HloIndex):
     A kernel that names nothing (a library GEMM that a custom call ran inside a CUDA graph) is placed by the
     schedule: between the instructions of the nearest resolved kernels before and after it on its stream,
     the library calls scheduled there; if they all belong to one part, it is that part's ("schedule").
-    Failing that, it takes the part of the next resolved kernel on its stream (else the previous one)."""
+    Failing that, it takes the part of the next resolved kernel on its stream (else the previous one).
+    Each kernel's time is its span after `clip_to_streams`."""
     out, how_ns, families = dict.fromkeys(COMPONENTS, 0.0), {}, {c: {} for c in COMPONENTS}
     ops = {c: {} for c in COMPONENTS}
     by_line = {}
-    for ev in sorted(events, key=lambda e: (e[0], e[1])):
+    for ev in clip_to_streams(events):
         by_line.setdefault(ev[0], []).append(ev)
     for line_events in by_line.values():
         resolved = [resolve(ev, hlo) for ev in line_events]
@@ -265,6 +293,7 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
     op_names). sample: include that many kernels' raw stats; steps_of: a
     function of the program's output giving the steps to divide by (instead of `steps`)."""
     output, events, stats_sample = trace_kernels(compiled, args, sample)
+    events = clip_to_streams(events)
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")

@@ -75,3 +75,34 @@ def test_places_library_kernels_by_schedule():
     assert profiling.op_family("jit(step)/while/body/verify/layers_12/mla/dot_general.3") == "verify/layers/mla/dot_general"
     assert profiling.kernel_family("void (anonymous namespace)::moe_gate_up_kernel<true, 4>((anonymous namespace)::Params)") \
         == "moe_gate_up_kernel<true, 4>"
+
+
+def test_dependent_launch_counts_from_predecessor_end():
+    """Programmatic dependent launch: a kernel recorded from its launch, while its predecessor on the stream
+    still runs, counts only from that predecessor's end, so one stream's parts add up to the union of its
+    kernels; a kernel on another stream that runs meanwhile keeps its overlap."""
+    hlo = profiling.HloIndex("")
+    us = 1_000
+    events = [("Stream #7", 0 * us, 10 * us, "fusion_1", "jit(step)/while/body/verify/add", None),
+              ("Stream #7", 10 * us, 40 * us, "verify_attention_wide_kernel", None, None),
+              ("Stream #7", 12 * us, 45 * us, "verify_merge_splits_kernel", None, None),  # waits to 40
+              ("Stream #7", 45 * us, 50 * us, "moe_gate_up_kernel", None, None),
+              ("Stream #7", 46 * us, 48 * us, "moe_down_kernel", None, None)]  # inside its predecessor
+    parts, how, families, ops = profiling.attribute(events, hlo)
+    assert families["attention"] == {"verify_attention_wide_kernel": [30 * us, 1],
+                                      "verify_merge_splits_kernel": [5 * us, 1]}
+    assert families["moe"] == {"moe_gate_up_kernel": [5 * us, 1], "moe_down_kernel": [0, 1]}
+    assert parts["attention"] == 35 * us and parts["dense"] == 10 * us
+    assert sum(parts.values()) == profiling.busy_ns(events) == 50 * us
+    clipped = profiling.clip_to_streams(events)
+    assert [e[1:3] for e in clipped] == [(0, 10 * us), (10 * us, 40 * us), (40 * us, 45 * us),
+                                         (45 * us, 50 * us), (50 * us, 50 * us)]
+    assert profiling.clip_to_streams(clipped) == clipped
+    assert profiling.busy_ns(clipped) == profiling.busy_ns(events)
+
+    # Two streams: a kernel on stream 9 that runs during the attention kernel is not clipped by stream 7.
+    both = events + [("Stream #9", 15 * us, 35 * us, "fusion_2", "jit(step)/while/body/drafter/dot", None),
+                     ("Stream #9", 30 * us, 38 * us, "fusion_3", "jit(step)/while/body/drafter/add", None)]
+    parts, _, families, _ = profiling.attribute(both, hlo)
+    assert parts["attention"] == 35 * us and parts["drafter"] == (20 + 3) * us  # fusion_3 from 35 on its stream
+    assert sum(parts.values()) == 73 * us > profiling.busy_ns(both) == 50 * us
