@@ -46,6 +46,17 @@ ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotu
 # benchmarks/results/history/decode_context_h200_25layers_64k_pdl_ab_bb6a90d_{nopdl,pdl}.md). The verify kernels take part
 # (ffi/verify/pdl.cuh); the other custom calls launch plainly and so wait for their predecessors in full.
 LAUNCH_FLAGS = (("xla_gpu_enable_pdl", "true"),)
+# XLA aborts on a flag it does not know; 0.10.2 is the oldest jaxlib checked to have this one (pyproject allows 0.10).
+LAUNCH_FLAGS_SINCE = (0, 10, 2)
+
+
+def _jaxlib_version() -> tuple:
+    """jaxlib's version as a tuple of ints, read without starting a backend ((0,) if unknown)."""
+    try:
+        from importlib.metadata import version
+        return tuple(int(p) for p in re.findall(r"\d+", version("jaxlib"))[:3])
+    except Exception:  # noqa: BLE001 - not installed as a distribution: assume the oldest
+        return (0,)
 
 
 def _flag_values(name: str, flags: str) -> list[str]:
@@ -72,7 +83,7 @@ def configure(command_buffers: bool | None = None, row_invariant: bool = False, 
     flags = os.environ.get("XLA_FLAGS", "")
     users_buffers = "--xla_gpu_enable_command_buffer" in flags  # the user's own choice wins
     add = [COMMAND_BUFFER_FLAGS] if command_buffers and not users_buffers else []
-    if overlap_launches:
+    if overlap_launches and _jaxlib_version() >= LAUNCH_FLAGS_SINCE:
         add += [f"--{name}={value}" for name, value in LAUNCH_FLAGS if not _flag_values(name, flags)]
     if row_invariant:
         add += [f"--{name}={value}" for name, value in ROW_INVARIANT_FLAGS if not _flag_values(name, flags)]
