@@ -237,7 +237,7 @@ def make_state(cfg, dcfg, n_feature_layers: int, context: int, max_len: int, ste
         free = jnp.concatenate([free, jnp.zeros((num_slots - free.shape[0],), jnp.int32)])
         cache = kv_pool.KVCache(pages=pages, free_slots=free, num_free=jnp.asarray(num_slots - context, jnp.int32),
                                 slot_table=table, seq_lens=jnp.array([context], jnp.int32), overflow=jnp.asarray(False))
-        shape = (dcfg.num_layers, 1, max_len, dcfg.num_kv_heads, dcfg.head_dim)
+        shape = (dcfg.num_layers, 1, dcfg.num_kv_heads, max_len, dcfg.head_dim)  # head-major, as init_cache
         dcache = DrafterCache(k=jax.random.normal(k3, shape, jnp.bfloat16), v=jax.random.normal(k4, shape, jnp.bfloat16),
                               lens=jnp.array([context], jnp.int32))
         return cache, dcache

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import kdtree_jax
-from kdtree_jax.model.drafter import DrafterConfig, init_drafter
+from kdtree_jax.model.drafter import DrafterConfig, init_drafter, rope_tables
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
 
@@ -39,11 +39,30 @@ def test_context_extended_in_pieces_equals_all_at_once(pair):
     pieces = extend_context(drafter, pieces, rest, jnp.array([8, 5]))
     np.testing.assert_array_equal(np.asarray(pieces.lens), [14, 9])
     for b, n in ((0, 14), (1, 9)):
-        np.testing.assert_allclose(np.asarray(pieces.k[:, b, :n]), np.asarray(whole.k[:, b, :n]), rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(pieces.v[:, b, :n]), np.asarray(whole.v[:, b, :n]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(pieces.k[:, b, :, :n]), np.asarray(whole.k[:, b, :, :n]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(pieces.v[:, b, :, :n]), np.asarray(whole.v[:, b, :, :n]), rtol=1e-6, atol=1e-6)
     bonus, start = jnp.array([5, 7]), jnp.array([14, 9])
     np.testing.assert_allclose(np.asarray(propose(drafter, target, pieces, bonus, start)),
                                np.asarray(propose(drafter, target, whole, bonus, start)), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_is_head_major(pair):
+    """cache.k / .v [num_layers, B, num_kv_heads, max_len, head_dim]: position p of row b holds the layer's
+    projected key/value of the p-th context feature; positions past lens stay untouched (padding dropped)."""
+    _, drafter = pair
+    cfg = drafter.cfg
+    rng = np.random.default_rng(2)
+    feats = _features(rng, 2, 2, 7)
+    cache = extend_context(drafter, drafter.init_cache(2, 12), feats, jnp.array([7, 4]))
+    assert cache.k.shape == cache.v.shape == (cfg.num_layers, 2, cfg.num_kv_heads, 12, cfg.head_dim)
+    cos, sin = rope_tables(cfg, jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7)))
+    proj = drafter.context_features(feats)
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.keys_values(proj, cos, sin)  # [B, n, Hkv, D]
+        for b, n in ((0, 7), (1, 4)):
+            np.testing.assert_allclose(np.asarray(cache.k[i, b, :, :n]), np.asarray(k[b, :n].swapaxes(0, 1)), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(cache.v[i, b, :, :n]), np.asarray(v[b, :n].swapaxes(0, 1)), rtol=1e-5, atol=1e-5)
+            assert not np.asarray(cache.k[i, b, :, n:]).any() and not np.asarray(cache.v[i, b, :, n:]).any()
 
 
 def test_proposals_depend_on_context_and_not_on_padding(pair):
@@ -55,7 +74,7 @@ def test_proposals_depend_on_context_and_not_on_padding(pair):
     assert out.shape == (1, 5, TINY.vocab_size)
     np.testing.assert_allclose(np.exp(np.asarray(out)).sum(-1), 1.0, rtol=1e-5)
     # Positions past the context length are invisible: changing them changes nothing.
-    garbage = cache._replace(k=cache.k.at[:, :, 8:].set(100.0), v=cache.v.at[:, :, 8:].set(-100.0))
+    garbage = cache._replace(k=cache.k.at[:, :, :, 8:].set(100.0), v=cache.v.at[:, :, :, 8:].set(-100.0))
     np.testing.assert_array_equal(np.asarray(propose(drafter, target, garbage, jnp.array([3]), jnp.array([8]))),
                                   np.asarray(out))
     # A different context does change the proposals.

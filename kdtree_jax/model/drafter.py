@@ -86,9 +86,13 @@ class DrafterConfig:
 
 
 class DrafterCache(NamedTuple):
-    """Per drafter layer, the keys/values of the context features at each position."""
+    """Per drafter layer, the keys/values of the context features at each position.
 
-    k: jnp.ndarray  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    Head-major: the attention's batched products take (batch, head) as their batch dimensions ahead of the
+    positions, so the cache is read as stored, with no per-step transposed copy of it.
+    """
+
+    k: jnp.ndarray  # [num_layers, B, num_kv_heads, max_len, head_dim]
     v: jnp.ndarray
     lens: jnp.ndarray  # [B] int32: context positions filled
 
@@ -115,6 +119,7 @@ class DrafterAttention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def keys_values(self, x, cos, sin):
+        """x [B, n, hidden] -> keys, values [B, n, num_kv_heads, head_dim] (position-major, as projected)."""
         shape = x.shape[:-1] + (self.cfg.num_kv_heads, self.cfg.head_dim)
         k = self.k_proj(x).reshape(shape)
         if self.k_norm is not None:
@@ -132,6 +137,10 @@ class DrafterAttention(nnx.Module):
         k_blk, v_blk = self.keys_values(x, cos, sin)
         group = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, s, cfg.num_kv_heads, group, cfg.head_dim)
+        # Keys and values head-major like the cache ([B, Hkv, positions, D]: the batched products' batch dims
+        # (b, k) ahead of the positions), so the context is read as stored; only block-sized tensors (q, the
+        # block's own k/v, the output) are ever transposed.
+        k_blk, v_blk = k_blk.swapaxes(1, 2), v_blk.swapaxes(1, 2)  # [B, Hkv, S, D]
         # The cached context and the block are scored separately (no concatenated copy of the context per
         # step), and the context is read in its own dtype: products of two bf16 values are exact in f32,
         # so bf16 operands with f32 accumulation are the float32 scores without a float32 copy of the cache.
@@ -139,19 +148,19 @@ class DrafterAttention(nnx.Module):
 
         def scores_of(keys):
             dtype = jnp.promote_types(q.dtype, keys.dtype)
-            return jnp.einsum("bskgd,blkd->bkgsl", q.astype(dtype), keys.astype(dtype),
+            return jnp.einsum("bskgd,bkld->bkgsl", q.astype(dtype), keys.astype(dtype),
                               preferred_element_type=jnp.float32) * scale
 
-        max_len = ctx_k.shape[1]
+        max_len = ctx_k.shape[2]  # ctx_k, ctx_v [B, Hkv, max_len, D]
         in_ctx = jnp.arange(max_len)[None, :] < ctx_lens[:, None]
         s_ctx = jnp.where(in_ctx[:, None, None, None, :], scores_of(ctx_k), -jnp.inf)  # [B, Hkv, G, S, L]
         s_blk = scores_of(k_blk)  # [B, Hkv, G, S, S]: the block is visible to itself (bidirectional)
         top = jnp.maximum(s_ctx.max(-1, keepdims=True, initial=-jnp.inf), s_blk.max(-1, keepdims=True))  # finite (block)
         p_ctx, p_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)
         denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
-        out = (jnp.einsum("bkgsl,blkd->bskgd", p_ctx / denom, ctx_v, preferred_element_type=jnp.float32)
-               + jnp.einsum("bkgsl,blkd->bskgd", p_blk / denom, v_blk, preferred_element_type=jnp.float32))
-        out = out.astype(x.dtype)
+        out = (jnp.einsum("bkgsl,bkld->bkgsd", p_ctx / denom, ctx_v, preferred_element_type=jnp.float32)
+               + jnp.einsum("bkgsl,bkld->bkgsd", p_blk / denom, v_blk, preferred_element_type=jnp.float32))
+        out = out.astype(x.dtype).transpose(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]: o_proj reads [B, S, H * D]
         return self.o_proj(out.reshape(b, s, -1))
 
 
@@ -189,7 +198,7 @@ class Drafter(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> DrafterCache:
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # head-major (DrafterCache)
         return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((batch,), jnp.int32))
 
     def context_features(self, target_hidden):
@@ -204,13 +213,16 @@ class Drafter(nnx.Module):
         positions = cache.lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
         cos, sin = rope_tables(self.cfg, positions)
         # Padding goes past the end of the table, where the scatter drops it.
-        dest = jnp.where(jnp.arange(n)[None, :] < num_new[:, None], positions, cache.k.shape[2])
+        dest = jnp.where(jnp.arange(n)[None, :] < num_new[:, None], positions, cache.k.shape[3])
         rows = jnp.arange(b)[:, None]
+        # [i, rows, :, dest]: the index arrays are split by the slice (heads), so (NumPy's rule) their broadcast
+        # shape [B, n] leads the indexed shape, then the sliced heads and head_dim: the updates are the
+        # projected k, v [B, n, Hkv, D] as they come, written to cache[i, b, :, dest[b, j]] (head-major).
         k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(feats, cos, sin)
-            k_all = k_all.at[i, rows, dest].set(k.astype(k_all.dtype), mode="drop")
-            v_all = v_all.at[i, rows, dest].set(v.astype(v_all.dtype), mode="drop")
+            k_all = k_all.at[i, rows, :, dest].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[i, rows, :, dest].set(v.astype(v_all.dtype), mode="drop")
         return DrafterCache(k_all, v_all, cache.lens + num_new.astype(jnp.int32))
 
     def __call__(self, target, cache: DrafterCache, bonus, start_pos):

@@ -445,9 +445,9 @@ def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[Dr
                            overflow=cache.overflow | short | fresh.overflow)
     dcache = state.dcache
     if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
-        n = min(fresh_dcache.k.shape[2], dcache.k.shape[2])
-        dcache = DrafterCache(dcache.k.at[:, row, :n].set(fresh_dcache.k[:, 0, :n]),
-                              dcache.v.at[:, row, :n].set(fresh_dcache.v[:, 0, :n]),
+        n = min(fresh_dcache.k.shape[3], dcache.k.shape[3])  # positions: axis 3 ([L, B, Hkv, max_len, D])
+        dcache = DrafterCache(dcache.k.at[:, row, :, :n].set(fresh_dcache.k[:, 0, :, :n]),
+                              dcache.v.at[:, row, :, :n].set(fresh_dcache.v[:, 0, :, :n]),
                               dcache.lens.at[row].set(fresh_dcache.lens[0]))
     # The loop ends a row once its output count reaches the out buffer's width (max_new); this row's output starts
     # at max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step and no compile.
