@@ -11,7 +11,6 @@ import kdtree_jax
 from kdtree_jax import kv_pool
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import rope_cos_sin
-from kdtree_jax.model import moe as moe_model
 from kdtree_jax.model.moe import MoE, route
 
 TINY = ModelConfig.preset("tiny")
@@ -97,25 +96,6 @@ def naive_route(x, w_router, bias, cfg):
         chosen.append(idx)
         weights.append(w)
     return np.array(chosen), np.array(weights)
-
-
-def test_top_k_experts_is_lax_top_k():
-    """The router's rank-form top-k gives lax.top_k's indices, in its order (ties: the lower expert first), with
-    masked (-inf) groups and rows of ties; past RANK_TOP_K_MAX_COMPARES it is lax.top_k itself."""
-    rng = np.random.default_rng(3)
-    scores = rng.random((9, 384)).astype(np.float32)
-    scores[1, rng.integers(0, 384, 100)] = -np.inf        # masked groups
-    scores[2] = 0.5                                        # all tied
-    scores[3, :200] = np.round(scores[3, :200], 1)         # many ties among the best
-    scores[4, 17] = scores[4, 300] = 2.0                   # a tie at the top
-    scores[5] = -np.inf
-    f = jax.jit(moe_model.top_k_experts, static_argnums=1)
-    for k in (1, 8, 20):
-        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(scores), k)), np.asarray(jax.lax.top_k(scores, k)[1]))
-    small = jnp.zeros((moe_model.RANK_TOP_K_MAX_COMPARES // 64, 8), jnp.float32)
-    big = jnp.zeros((small.shape[0] + 1, 8), jnp.float32)
-    assert "top_k" not in str(jax.make_jaxpr(lambda x: moe_model.top_k_experts(x, 2))(small))
-    assert "top_k" in str(jax.make_jaxpr(lambda x: moe_model.top_k_experts(x, 2))(big))
 
 
 def test_moe_matches_per_token_loop():

@@ -17,27 +17,6 @@ from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
 
-# Up to this many compares (tokens x experts^2) the router's top-k runs as ranks (top_k_experts), past it lax.top_k.
-RANK_TOP_K_MAX_COMPARES = 1 << 24
-
-
-def top_k_experts(choice, k: int):
-    """The indices of lax.top_k(choice, k) [N, k] (ties: the lower expert first), as ranks: expert e's rank is the
-    number of experts ahead of it, and rank r's expert is the one e whose rank is r. Why: on a GPU XLA lowers
-    lax.top_k over a router's few hundred experts to a sort kernel (K2, 384 experts: 5.6 us a layer on an H200 at one
-    token, 0.13 ms of a 25-layer step), where ranks are two reduce fusions. For NaN-free scores (sigmoid or softmax of
-    finite logits, -inf where groups are masked); past RANK_TOP_K_MAX_COMPARES (long prefills) lax.top_k itself."""
-    num_tokens, num_experts = choice.shape
-    if num_tokens * num_experts * num_experts > RANK_TOP_K_MAX_COMPARES:
-        return jax.lax.top_k(choice, k)[1]
-    expert = jnp.arange(num_experts, dtype=jnp.int32)
-    other, this = choice[:, None, :], choice[:, :, None]  # [N, e, other]
-    ahead = (other > this) | ((other == this) & (expert[None, None, :] < expert[None, :, None]))
-    rank = ahead.sum(-1, dtype=jnp.int32)  # [N, E]: a permutation of 0 .. E-1 per token
-    at_rank = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [N, k, E]: one True per row
-    return jnp.sum(jnp.where(at_rank, expert, 0), axis=-1, dtype=jnp.int32)
-
-
 def route(router_logits, bias, cfg: ModelConfig):
     """Choose experts per token: (indices [N, k] int32, weights [N, k] float32).
 
@@ -56,7 +35,7 @@ def route(router_logits, bias, cfg: ModelConfig):
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
         # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
-    indices = top_k_experts(choice, cfg.num_experts_per_tok)
+    _, indices = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
