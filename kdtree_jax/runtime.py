@@ -39,8 +39,8 @@ COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFF
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
 ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"),
                        ("xla_allow_excess_precision", "false"))
-# Programmatic dependent launch (compute capability 9.0 and later; XLA ignores it elsewhere): a kernel may start while
-# the one before it finishes and waits only where it reads that kernel's results, which hides most of the ~1 us gap
+# Programmatic dependent launch (a Hopper-and-later feature; only an H200 was at hand to check it): a kernel may start
+# while the one before it finishes and waits only where it reads that kernel's results, which hides most of the ~1 us gap
 # between dependent kernels of a CUDA graph. A decode step is ~900 small kernels: on the H200 the Kimi-K2 TP8-rank
 # step (25 layers, 64k) went 4.63 -> 4.26 ms at T = 1 and 9.33 -> 9.12 ms at T = 9 with it (bb6a90d,
 # benchmarks/results/history/decode_context_h200_25layers_64k_pdl_ab_bb6a90d_{nopdl,pdl}.md). The verify kernels take part
