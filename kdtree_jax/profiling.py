@@ -292,8 +292,7 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
     the op they serve ("top_ops": "kernel family <- op family", the op_name's last scopes; "?" where none resolved). `compiled`: a jax Compiled (its HLO text maps instructions to
     op_names). sample: include that many kernels' raw stats; steps_of: a
     function of the program's output giving the steps to divide by (instead of `steps`)."""
-    output, events, stats_sample = trace_kernels(compiled, args, sample)
-    events = clip_to_streams(events)
+    output, events, stats_sample = trace_kernels(compiled, args, sample)  # attribute() clips them per stream
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")

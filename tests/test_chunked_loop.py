@@ -202,7 +202,7 @@ def test_configure_before_jax_starts():
     and XLA (here the CPU backend) accepts them."""
     code = ("import os, kdtree_jax.runtime as r; assert r.configure(row_invariant=True) is True; "
             "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS']; "
-            "assert '--xla_gpu_enable_pdl=true' in os.environ['XLA_FLAGS']; "
+            "assert ('--xla_gpu_enable_pdl=true' in os.environ['XLA_FLAGS']) == (r._jaxlib_version() >= r.LAUNCH_FLAGS_SINCE); "
             "assert '--xla_gpu_autotune_level=4' in os.environ['XLA_FLAGS'] and not r.row_invariant_configured(); "
             "assert '--xla_allow_excess_precision=false' in os.environ['XLA_FLAGS']; "
             "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")

@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 namespace kdtree::verify {
 
 __device__ __forceinline__ void wait_for_previous_grid() {

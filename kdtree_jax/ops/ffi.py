@@ -64,6 +64,17 @@ def cuda_built() -> bool:
 
 
 @functools.cache
+def register_cuda_handler(target: str, handler: str) -> bool:
+    """Register the extension's CUDA handler `handler` (a function of the module returning its capsule) as the FFI
+    target `target`, once; False when the extension was built without CUDA or without that handler. The other CUDA
+    ops of the extension (ops/moe.py, ops/topk.py) register theirs through this on first use."""
+    if not cuda_built() or not hasattr(_ext, handler):
+        return False
+    jax.ffi.register_ffi_target(target, getattr(_ext, handler)(), platform="CUDA")
+    return True
+
+
+@functools.cache
 def sm_count(device: int = 0) -> int:
     """Multiprocessors of CUDA device `device`, queried once (132 when no GPU answers, e.g. while tracing
     the CUDA branch on a CPU-only machine: the branch is then never lowered)."""

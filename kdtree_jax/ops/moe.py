@@ -52,10 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:  # the CUDA op lives in the same nanobind extension as verify attention
-    from kdtree_jax import _verify_attention_ext as _ext
-except ImportError:  # pragma: no cover - exercised only without a build
-    _ext = None
+from kdtree_jax.ops.ffi import register_cuda_handler  # the CUDA op lives in the verify op's extension
 
 TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
@@ -96,26 +93,14 @@ CPU_GATHER_MAX_BYTES = 8 << 20
 ROW_INVARIANT_GATHER_MAX_BYTES = 256 << 20
 
 
-@functools.cache
-def _register() -> bool:
-    if _ext is None or not getattr(_ext, "with_cuda", False) or not hasattr(_ext, "moe_experts_cuda_handler"):
-        return False
-    jax.ffi.register_ffi_target(TARGET, _ext.moe_experts_cuda_handler(), platform="CUDA")
-    return True
-
-
 def cuda_built() -> bool:
     """True when the extension holds the CUDA grouped-MLP handler (it is registered on first use)."""
-    return _register()
+    return register_cuda_handler(TARGET, "moe_experts_cuda_handler")
 
 
-@functools.cache
 def pairs_built() -> bool:
-    """True when the extension holds the CUDA pairs handler (registered here, on first use)."""
-    if not _register() or not hasattr(_ext, "moe_pairs_cuda_handler"):
-        return False
-    jax.ffi.register_ffi_target(PAIRS_TARGET, _ext.moe_pairs_cuda_handler(), platform="CUDA")
-    return True
+    """True when the extension holds the CUDA pairs handler (registered on first use)."""
+    return cuda_built() and register_cuda_handler(PAIRS_TARGET, "moe_pairs_cuda_handler")
 
 
 # Register budget of the CUDA kernels (their `blocks_per_sm` attribute): 4 blocks per SM (128 registers), the

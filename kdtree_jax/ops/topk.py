@@ -33,10 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:  # the CUDA op lives in the same nanobind extension as verify attention
-    from kdtree_jax import _verify_attention_ext as _ext
-except ImportError:  # pragma: no cover - exercised only without a build
-    _ext = None
+from kdtree_jax.ops.ffi import register_cuda_handler  # the CUDA op lives in the verify op's extension
 
 TARGET = "kdtree_log_softmax_top_k"
 # The largest k the kernel keeps in registers (ffi/topk.h kMaxK); "auto" runs XLA above it.
@@ -46,13 +43,9 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_VOCAB = 2 ** 31 - 1  # int32 indices
 
 
-@functools.cache
 def cuda_built() -> bool:
-    """True when the extension holds the CUDA handler (registered here, on first use)."""
-    if _ext is None or not getattr(_ext, "with_cuda", False) or not hasattr(_ext, "log_softmax_top_k_cuda_handler"):
-        return False
-    jax.ffi.register_ffi_target(TARGET, _ext.log_softmax_top_k_cuda_handler(), platform="CUDA")
-    return True
+    """True when the extension holds the CUDA handler (registered on first use)."""
+    return register_cuda_handler(TARGET, "log_softmax_top_k_cuda_handler")
 
 
 def xla_log_softmax_top_k(logits, k: int, temperature: float = 1.0):
