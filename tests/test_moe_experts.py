@@ -158,8 +158,9 @@ def test_validation_errors():
 @pytest.mark.skipif(not moe_ops.cuda_built(), reason="extension built without the CUDA MoE op")
 def test_cuda_lowering_calls_the_op():
     """Lowered for CUDA (no GPU needed), bf16 at decode size calls the op; float32, or above the row
-    threshold, stays on ragged_dot. Past ops.moe.PAIRS_MAX pairs, so that the pairs op does not take the call."""
-    x, indices, weights, gate, up, down = make_case(2, moe_ops.PAIRS_MAX // 8 + 1, 8, 16, 32, 16, jnp.bfloat16)
+    threshold, stays on ragged_dot. Past ops.moe.PAIRS_MAX pairs, so that the pairs op does not take the call, and
+    over more experts than pairs, so that every expert on every token (use_all_experts) does not either."""
+    x, indices, weights, gate, up, down = make_case(2, moe_ops.PAIRS_MAX // 8 + 1, 8, 128, 32, 16, jnp.bfloat16)
 
     def lowered(*args, impl="auto", **kwargs):
         fn = jax.jit(lambda *a: routed_experts(*a, impl=impl, **kwargs))
@@ -175,9 +176,39 @@ def test_cuda_lowering_calls_the_op():
     x2, i2, w2, *_ = make_case(3, many, 8, 16, 32, 16, jnp.bfloat16)
     assert moe_ops.TARGET not in lowered(x2, i2, w2, gate, up, down)
     assert moe_ops.TARGET in lowered(x2, i2, w2, gate, up, down, impl="cuda")
+    # Few experts, many pairs: every expert on every token, no custom call.
+    x3, i3, w3, g3, u3, d3 = make_case(4, moe_ops.PAIRS_MAX // 8 + 1, 8, 16, 32, 16, jnp.bfloat16)
+    assert moe_ops.use_all_experts(i3.size, x3, g3, "auto")
+    few_experts = lowered(x3, i3, w3, g3, u3, d3)
+    assert moe_ops.TARGET not in few_experts and moe_ops.PAIRS_TARGET not in few_experts
     # The register budget reaches the op's attribute: 4 by default, 1 when asked for (A/B runs).
     assert f"blocks_per_sm = {moe_ops.CUDA_BLOCKS_PER_SM} : i64" in lowered(x, indices, weights, gate, up, down)
     assert "blocks_per_sm = 1 : i64" in lowered(x, indices, weights, gate, up, down, blocks_per_sm=1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("offset,local", [(0, 8), (3, 4)])
+def test_all_experts_routed_matches_the_original_formulation(dtype, offset, local):
+    """Every held expert on every token, the chosen pairs picked (the GPU's few-experts path), against the original
+    ragged_dot + scatter-add formulation; ids held elsewhere add nothing."""
+    x, indices, weights, gate, up, down = make_case(5, 41, 2, 8, 48, 24, dtype)
+    parts = (gate[offset:offset + local], up[offset:offset + local], down[offset:offset + local])
+    new = jax.jit(moe_ops.all_experts_routed)(x, indices - offset, weights, *parts)
+    old = jax.jit(original_routed_experts)(x, indices, weights, *parts, expert_offset=offset)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), rtol=tol, atol=tol)
+
+
+def test_all_experts_route_choice():
+    """Past PAIRS_MAX pairs, with at least as many pairs as experts held, and within the FLOP budget only."""
+    x = jnp.zeros((100, 256), jnp.bfloat16)  # 100 tokens x 8 experts of 256 x 256: 0.3 GFLOP
+    assert moe_ops.use_all_experts(200, x, jnp.zeros((8, 256, 256), jnp.bfloat16), "auto")
+    assert not moe_ops.use_all_experts(200, x, jnp.zeros((8, 256, 256), jnp.bfloat16), "xla")
+    assert not moe_ops.use_all_experts(2000, x.repeat(10, 0), jnp.zeros((8, 256, 256), jnp.bfloat16), "auto")  # 3.1 GFLOP
+    assert not moe_ops.use_all_experts(moe_ops.PAIRS_MAX, x[:36], jnp.zeros((8, 256, 256), jnp.bfloat16), "auto")
+    assert not moe_ops.use_all_experts(200, x, jnp.zeros((384, 256, 256), jnp.bfloat16), "auto")  # more experts than pairs
+    big = jnp.zeros((16, 7168, 256), jnp.bfloat16)  # a K2 slice's widths: over the FLOP budget
+    assert not moe_ops.use_all_experts(800, jnp.zeros((100, 7168), jnp.bfloat16), big, "auto")
 
 
 def test_benchmark_smoke(tmp_path):

@@ -351,16 +351,21 @@ def test_pairs_op_equals_sorted_op_bitwise(hidden, inter):
     np.testing.assert_array_equal(np.asarray(pairs), np.asarray(on_sorted))
 
 
-def test_auto_takes_pairs_op_for_few_pairs_only():
+@pytest.mark.parametrize("experts", [16, 128])
+def test_auto_takes_pairs_op_for_few_pairs_only(experts):
+    """"auto": the pairs op up to PAIRS_MAX pairs; above, every expert on every token where the pairs reach every
+    expert (16 experts: use_all_experts), else the sorted op (128 experts)."""
     rng = np.random.default_rng(9)
-    gate, up, down = make_weights(rng, 16, 128, 64)
+    gate, up, down = make_weights(rng, experts, 128, 64)
     fn = jax.jit(routed_experts, static_argnames=("impl",))
-    for tokens, top_k in ((1, 8), (moe_ops.PAIRS_MAX // 2, 2), (moe_ops.PAIRS_MAX // 2 + 1, 2)):
-        indices, weights = random_routing(rng, tokens, top_k, 16, "random")
+    for tokens, top_k in ((1, 8), (moe_ops.PAIRS_MAX // 2, 2), (moe_ops.PAIRS_MAX // 2 + 1, 2), (150, 2)):
+        indices, weights = random_routing(rng, tokens, top_k, experts, "random")
         x = jnp.asarray(rng.normal(0, 1, (tokens, 128)).astype(np.float32)).astype(jnp.bfloat16)
         hlo = fn.lower(x, indices, weights, gate, up, down, impl="auto").as_text()
         few = tokens * top_k <= moe_ops.PAIRS_MAX
-        assert (moe_ops.PAIRS_TARGET in hlo) == few and (moe_ops.TARGET in hlo) == (not few)
+        every = moe_ops.use_all_experts(tokens * top_k, x, gate, "auto")
+        assert every == (not few and tokens * top_k >= experts)
+        assert (moe_ops.PAIRS_TARGET in hlo) == few and (moe_ops.TARGET in hlo) == (not few and not every)
         assert_close(fn(x, indices, weights, gate, up, down, impl="auto"),
                      reference_routed(x, indices, weights, gate, up, down))
 

@@ -24,7 +24,7 @@ SHAPES = [  # (B, T, H, L)
 
 def candidates(heuristic: int, length: int) -> list:
     top = max(1, min(vffi.CUDA_SPLIT_LIMIT, length // 64))
-    base = {1, 2, 4, 8, 12, 16, 22, 33, 44, 66, 88, 132, 198, 264, heuristic}
+    base = {1, 2, 3, 4, 6, 8, 12, 16, 22, 33, 44, 66, 88, 132, 198, 264, heuristic}
     return sorted(n for n in base if n <= top)
 
 
@@ -33,12 +33,14 @@ def main():
     ap.add_argument("--variant", default="auto", choices=sorted(vffi.VARIANTS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--deadline-s", type=float, default=150, help="stop measuring after this many seconds")
+    ap.add_argument("--shapes", default="", help="'B,T,H,L;B,T,H,L;...' instead of the built-in list")
     args = ap.parse_args()
+    shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] if args.shapes else SHAPES)
     ext = vffi.bench_module() if hasattr(vffi, "bench_module") else vffi._ext
     code = vffi.VARIANTS[args.variant]
     t0 = time.perf_counter()
     rows = []
-    for (b, t, h, length) in SHAPES:
+    for (b, t, h, length) in shapes:
         if time.perf_counter() - t0 > args.deadline_s:
             break
         heuristic, rows_per_block = vffi.splits_for(b, t, h, length, args.variant)

@@ -52,7 +52,8 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     one contiguous block of rows: exact, and no expert runs on tokens that did not choose it. Pairs of
     experts held elsewhere sort last, past every group, where ragged_dot yields zeros. `impl` picks the
     grouped MLP (ops/moe.py): ragged_dot, or on GPU a CUDA grouped GEMV for decode-sized row counts; on a GPU
-    "auto" runs few pairs (ops.moe.PAIRS_MAX) unsorted through the CUDA pairs op, as "pairs" does at any count;
+    "auto" runs few pairs (ops.moe.PAIRS_MAX) unsorted through the CUDA pairs op, as "pairs" does at any count, and
+    more pairs over few experts as every expert on every token (ops.moe.use_all_experts);
     `expert_second`: MoE.loop_weights(), for the CPU's dense form; `blocks_per_sm`: the CUDA op's register
     budget (ops/moe.py; benchmarks pass it for A/B runs).
     """
@@ -80,6 +81,9 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
         return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
 
     args = (x2d, local, weights, gate, up, down)
+    if moe_ops.use_all_experts(num_tokens * k, x2d, gate, impl):
+        # Few experts, many pairs: every expert on every token beats the sort's bookkeeping on a GPU (ops/moe.py).
+        return jax.lax.platform_dependent(*args, cuda=moe_ops.all_experts_routed, default=on_sorted_rows)
     if not moe_ops.use_pairs(num_tokens * k, x2d, gate, up, down, impl):
         return on_sorted_rows(*args)
     # Few pairs on a GPU: the pairs in place, no sort and no combine launches (ops/moe.py, pair_expert_mlp); the op

@@ -82,6 +82,12 @@ MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # (MoE 5.72 -> 5.52 ms, 1,052 -> 836 kernels a step); at T = 33 (264 pairs) the sorted op wins (644 vs 757 us a
 # layer in-loop, moe_pairs_h200.md).
 PAIRS_MAX = 72
+# "auto" on a GPU runs every held expert on every token (`all_experts_routed`: no sort, gather, table or combine
+# launches, three tensor-core products) past PAIRS_MAX pairs when the pairs can be expected to reach every held expert
+# (pairs >= experts held) and the products over all of them stay under this many FLOPs (~5 us of an H200's tensor
+# cores): models with few experts at batch, e.g. the default pair's 8 experts at a batch-16 DDTree step (272 tokens:
+# 0.9 GFLOP a layer, against ~20 launches of the sorted op). A K2 slice (48-384 experts of 7168 x 256) never takes it.
+ALL_EXPERTS_MAX_FLOPS = 2e9
 
 
 # "auto" on a CPU gathers the rows' experts up to this many rows per expert and while the gathered gate, up
@@ -299,6 +305,33 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
                 blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits))[0]
 
 
+def all_experts_routed(x2d, experts, weights, gate, up, down):
+    """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), as pair_expert_mlp, computed as every
+    held expert on every token (E times the pairs' FLOPs) and the chosen pairs picked from the result.
+
+    experts [T, K] local ids (ids outside [0, E) are held elsewhere and add nothing). Rounds as the sorted op and the
+    pairs op do (issue 24): gate and up in float32, h rounded once, each pair's expert output rounded to x2d's dtype,
+    the weighted sum in float32 in choice order."""
+    num_tokens, _ = x2d.shape
+    num_local = gate.shape[0]
+    f32 = jnp.float32
+    g = jnp.einsum("th,ehi->eti", x2d, gate, preferred_element_type=f32)
+    u = jnp.einsum("th,ehi->eti", x2d, up, preferred_element_type=f32)
+    h = (jax.nn.silu(g) * u).astype(x2d.dtype)
+    every = jnp.einsum("eti,eih->eth", h, down, preferred_element_type=f32).astype(x2d.dtype)  # [E, T, H]
+    held = (experts >= 0) & (experts < num_local)
+    pair_out = every[jnp.where(held, experts, 0), jnp.arange(num_tokens)[:, None]].astype(f32)  # [T, K, H]
+    pair_weight = jnp.where(held, weights, 0.0).astype(f32)
+    return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
+
+
+def use_all_experts(num_pairs: int, x2d, gate, impl: str) -> bool:
+    """Whether routed_experts' GPU branch runs `all_experts_routed` (few experts, many pairs; see ALL_EXPERTS_MAX_FLOPS)."""
+    num_local, hidden, inter = gate.shape
+    flops = 6.0 * x2d.shape[0] * num_local * hidden * inter
+    return impl == "auto" and num_pairs > PAIRS_MAX and num_pairs >= num_local and flops <= ALL_EXPERTS_MAX_FLOPS
+
+
 def use_pairs(num_pairs: int, x2d, gate, up, down, impl: str) -> bool:
     """Whether routed_experts' GPU branch runs `pair_expert_mlp` (else the experts on rows sorted by expert)."""
     if impl not in ("auto", "pairs") or not pairs_built():
@@ -383,6 +416,6 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "all_experts_routed", "use_all_experts", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
            "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
            "BLOCKS_PER_SM_CHOICES"]
