@@ -88,7 +88,7 @@ struct Shared {
   float red[2][kMaxWarps];        // softmax: per-warp max and sum
 };
 
-// Minimum 8 blocks an SM: without it ptxas (CUDA 13, sm_90) spilled 4 bytes at 40 registers; with it none (40-56
+// Minimum 8 blocks an SM: without it ptxas (CUDA 13, sm_90) spilled 4 bytes at 40 registers; with it none (44-56
 // registers by architecture).
 __global__ void __launch_bounds__(32 * kMaxWarps, 8) route_experts_kernel(
     const float* __restrict__ logits, const float* __restrict__ bias, int64_t rows, int E, int k, int n_group,

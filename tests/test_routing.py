@@ -244,28 +244,28 @@ def routed(logits, bias, cfg, impl):
     return route(logits, bias, cfg, impl=impl)
 
 
-def near_tie_rows(logits, bias, cfg, gap=1e-5):
-    """[N] True where two of the row's k + 1 best choices, or two of its group scores around the topk_group cut, lie
-    within `gap` but are not equal (exact ties are pinned; near ones can flip on an ulp of exp)."""
-    x = np.asarray(logits, np.float64)
-    scores = 1 / (1 + np.exp(-x)) if cfg.scoring_func == "sigmoid" else np.exp(x - x.max(-1, keepdims=True))
-    if cfg.scoring_func != "sigmoid":
-        scores = scores / scores.sum(-1, keepdims=True)
-    choice = scores + np.asarray(bias, np.float64) if cfg.topk_method == "noaux_tc" else scores
-    near = np.zeros(x.shape[0], bool)
+def near_tie_rows(logits, bias, cfg, gap=1e-6):
+    """[N] True where two of the row's k + 1 best choices, or two of its group scores, lie within `gap` but are not
+    equal: exact ties are pinned, near ones can flip on an ulp of exp (16 ulp of 1.0 apart at most). In float32, as
+    both paths compute, so that duplicated logits give equal choices here too."""
+    x = np.asarray(logits, np.float32)
+    if cfg.scoring_func == "sigmoid":
+        scores = np.float32(1) / (np.float32(1) + np.exp(-x))
+    else:
+        ex = np.exp(x - x.max(-1, keepdims=True))
+        scores = ex / ex.sum(-1, keepdims=True)
+    choice = scores + np.asarray(bias, np.float32) if cfg.topk_method == "noaux_tc" else scores
 
     def close(v):
         d = np.abs(np.diff(v, axis=-1))
         return ((d > 0) & (d < gap)).any(-1)
 
+    near = np.zeros(x.shape[0], bool)
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-        grouped = choice.reshape(x.shape[0], cfg.n_group, -1)
-        top = -np.sort(-grouped, axis=-1)[..., :2]
+        top = -np.sort(-choice.reshape(x.shape[0], cfg.n_group, -1), axis=-1)[..., :2]
         near |= close(-np.sort(-top.sum(-1), axis=-1))
-        near |= close(top)
     k = min(cfg.num_experts_per_tok + 1, choice.shape[1])
-    near |= close(-np.sort(-choice, axis=-1)[:, :k])
-    return near
+    return near | close(-np.sort(-choice, axis=-1)[:, :k])
 
 
 def assert_cuda_matches_xla(logits, bias, cfg, allow_near_ties=True):
