@@ -200,6 +200,26 @@ def test_cpu_lowering_has_no_custom_call():
     assert routing_ops.TARGET not in hlo
 
 
+def test_derivative_is_the_xla_formulations():
+    """A training step differentiates the routing weights: with_xla_derivative differentiates the XLA formulation,
+    never the GPU branch (here a stand-in with no derivative, as the FFI call has none), whatever the platform."""
+    cfg = DEEPSEEK_V3
+    logits, bias = random_case(3, 5, cfg)
+    kwargs = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                  routed_scaling_factor=cfg.routed_scaling_factor)
+    xla = functools.partial(xla_route, **kwargs)
+
+    def no_derivative(logits, bias):  # like the FFI call: jvp raises
+        shapes = (jax.ShapeDtypeStruct((logits.shape[0], cfg.num_experts_per_tok), jnp.int32),
+                  jax.ShapeDtypeStruct((logits.shape[0], cfg.num_experts_per_tok), jnp.float32))
+        return jax.pure_callback(lambda a, b: tuple(np.asarray(v) for v in xla(a, b)), shapes, logits, bias)
+
+    routed = routing_ops.with_xla_derivative(no_derivative, xla)
+    probe = jnp.asarray(np.random.default_rng(0).normal(size=(5, cfg.num_experts_per_tok)), jnp.float32)
+    loss = lambda f: lambda x: (f(x, bias)[1] * probe).sum()  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss(routed))(logits)), np.asarray(jax.grad(loss(xla))(logits)))
+
+
 needs_cuda_op = pytest.mark.skipif(not routing_ops.cuda_built(), reason="extension built without the CUDA routing op")
 
 
@@ -226,6 +246,10 @@ def test_cuda_lowering_calls_the_op():
     assert routing_ops.TARGET not in lowered(logits, bias, many_groups)
     # Grouping that does not apply: the kernel runs, told n_group = 1.
     assert "n_group = 1 : i64" in lowered(logits, bias, DEEPSEEK_V3.replace(n_group=32, topk_group=32))
+    # A training step's gradient through the router lowers for CUDA too (the kernel's derivative is XLA's).
+    grad = jax.jit(jax.grad(lambda x: route(x, bias, DEEPSEEK_V3)[1].sum()))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(routing_ops.TARGET)]
+    jax.export.export(grad, platforms=["cuda"], disabled_checks=checks)(logits)
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU

@@ -149,8 +149,25 @@ def route_experts(logits, bias, *, top_k: int, n_group: int = 1, topk_group: int
     xla = functools.partial(xla_route, **kwargs)
     if impl == "xla" or not kernel_applies(logits, top_k, n_group, topk_group):  # (impl="cuda" CPU-only: XLA too)
         return xla(logits, bias)
-    cuda = functools.partial(cuda_route, **kwargs)
-    return jax.lax.platform_dependent(logits, bias, cuda=cuda, default=xla)
+    return with_xla_derivative(functools.partial(cuda_route, **kwargs), xla)(logits, bias)
+
+
+def with_xla_derivative(cuda, xla):
+    """(logits, bias) -> cuda's result when lowered for a GPU, xla's elsewhere; differentiated as xla is.
+
+    The kernel has no derivative, and differentiating `platform_dependent` differentiates every branch, so without
+    this a training step (which differentiates the router's weights) fails at trace time. The two branches compute
+    the same function, so the XLA formulation's derivative is the kernel's too."""
+
+    @jax.custom_jvp
+    def routed(logits, bias):
+        return jax.lax.platform_dependent(logits, bias, cuda=cuda, default=xla)
+
+    @routed.defjvp
+    def routed_jvp(primals, tangents):
+        return jax.jvp(xla, primals, tangents)
+
+    return routed
 
 
 __all__ = ["route_experts", "xla_route", "cuda_route", "cuda_built", "kernel_applies", "grouping_applies",
