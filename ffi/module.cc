@@ -3,7 +3,6 @@
 #include <nanobind/nanobind.h>
 
 #include "moe_experts.h"
-#include "routing.h"
 #include "topk.h"
 #include "verify_attention.h"
 
@@ -18,7 +17,7 @@ nb::capsule encapsulate(T* fn) {
 }  // namespace
 
 NB_MODULE(_verify_attention_ext, m) {
-  m.doc() = "Paged MLA verify attention, routed-expert MLP, log-softmax top-k, MoE routing: XLA FFI handlers";
+  m.doc() = "Paged MLA verify attention, the routed-expert MLP and log-softmax top-k: XLA FFI handlers (CPU, CUDA)";
   m.def("cpu_handler", []() { return encapsulate(kdtree_verify_attention_cpu); });
 #if defined(KDTREE_WITH_CUDA)
   m.attr("with_cuda") = true;
@@ -26,7 +25,6 @@ NB_MODULE(_verify_attention_ext, m) {
   m.def("moe_experts_cuda_handler", []() { return encapsulate(kdtree_moe_experts_cuda); });
   m.def("moe_pairs_cuda_handler", []() { return encapsulate(kdtree_moe_pairs_cuda); });
   m.def("log_softmax_top_k_cuda_handler", []() { return encapsulate(kdtree_log_softmax_top_k_cuda); });
-  m.def("route_experts_cuda_handler", []() { return encapsulate(kdtree_route_experts_cuda); });
   m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
         "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");
   m.def("resolve_variant", &kdtree::cuda_resolve_variant, nb::arg("variant"), nb::arg("rows"), nb::arg("device") = 0,

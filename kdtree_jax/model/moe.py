@@ -13,23 +13,33 @@ from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import moe as moe_ops
-from kdtree_jax.ops import routing as routing_ops
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
 
-def route(router_logits, bias, cfg: ModelConfig, impl: str = "auto"):
+def route(router_logits, bias, cfg: ModelConfig):
     """Choose experts per token: (indices [N, k] int32, weights [N, k] float32).
 
     Experts are *chosen* on `score + e_score_correction_bias` (first the best `topk_group` groups,
     ranked by the sum of each group's top-2 biased scores), but *weighted* by the unbiased scores of
-    the chosen experts, normalised, times `routed_scaling_factor`. ops/routing.py computes it: one CUDA
-    kernel on a GPU within its limits, the XLA formulation elsewhere (`impl`: its route_experts' impl).
+    the chosen experts, normalised, times `routed_scaling_factor`.
     """
-    return routing_ops.route_experts(
-        router_logits, bias, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        scoring=cfg.scoring_func, use_bias=cfg.topk_method == "noaux_tc", norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor, impl=impl)
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias.astype(jnp.float32) if cfg.topk_method == "noaux_tc" else scores
+    num_tokens, num_experts = choice.shape
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
+        top2 = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, G]
+        _, best_groups = jax.lax.top_k(top2, cfg.topk_group)
+        keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
+        # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
+    _, indices = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
 def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto", expert_second=None,
