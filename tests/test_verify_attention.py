@@ -209,7 +209,11 @@ def test_split_heuristic_uses_static_shapes_only():
     assert vffi.choose_num_splits(1, 16, 8, 40, 132) == 1
     # 9 row blocks x 8 sequences = 72 blocks, 55% of one wave: 5 splits fill three waves of 132 to 91%.
     assert vffi.choose_num_splits(8, 33, 8, 4096, 132) == 5
-    assert vffi.choose_num_splits(8, 33, 8, 200, 132) == 3     # but no split shorter than four KV tiles
+    assert vffi.choose_num_splits(2, 33, 8, 200, 132) == 3     # but no split shorter than four KV tiles
+    # A short table whose one split fills a quarter of the slots stays whole (its merge of many rows costs more).
+    assert vffi.choose_num_splits(8, 33, 8, 200, 132) == 1
+    assert vffi.choose_num_splits(16, 33, 4, 320, 132, rows_per_block=64) == 1
+    assert vffi.choose_num_splits(16, 17, 4, 320, 132, rows_per_block=64) == 4  # a sixth of the slots: split
 
 
 @needs_ffi

@@ -126,10 +126,17 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
     of 132), the fewest splits whose waves fill at least 90% (5 there: 360 blocks in three waves of 132), or
-    the best filling count the four-tile minimum allows, since a block's time shrinks with its split's length."""
+    the best filling count the four-tile minimum allows, since a block's time shrinks with its split's length.
+    Except that a short table whose one split already fills a quarter of the slots is not split: its splits would be
+    under SHORT_SPLIT_POSITIONS long and the merge of its many rows costs more than they save (the default pair's
+    batch-16 DDTree-32 pass, 16 x 33 x 4 rows over 320 positions, Hopper kernel on an H200: 19.4 us in one split,
+    22.1 in 2, 28.8 in the 5 the fill rule gave; its 16 x 17 x 4 rows, a sixth of the slots, still gain from 4:
+    17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json)."""
     slots = num_sms  # one block per SM
     per_split = math.ceil(num_queries * num_heads / rows_per_block) * batch
     cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
+    if 4 * per_split >= slots and max_len < 2 * SHORT_SPLIT_POSITIONS:
+        return 1
     splits = min(max(1, slots // per_split), cap)
 
     def fill(n):
@@ -152,6 +159,7 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
 #       +70% of the op's device time at 64k, T = 9-64 (benchmarks/results/verify_variants_h200.md), which is why it
 #       is opt-in (SpecConfig.row_invariant) and not the default.
 SPLIT_UNIT = 64  # positions: device.cuh's kSplitUnit, the partition's granule and a split's least length
+SHORT_SPLIT_POSITIONS = 256  # device.cuh's kShortSplitUnits units: choose_num_splits keeps such a table whole
 
 
 def _check_split_policy(policy: str) -> None:
