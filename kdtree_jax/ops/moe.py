@@ -87,6 +87,9 @@ PAIRS_MAX = 72
 # (pairs >= experts held) and the products over all of them stay under this many FLOPs (~5 us of an H200's tensor
 # cores): models with few experts at batch, e.g. the default pair's 8 experts at a batch-16 DDTree step (272 tokens:
 # 0.9 GFLOP a layer, against ~20 launches of the sorted op). A K2 slice (48-384 experts of 7168 x 256) never takes it.
+# H200, the default pair's engine, same build, this at 0 in the other arm: DDTree 16 at batch 16 0.735 vs 0.831 ms a
+# step (MoE 0.121 vs 0.230 ms, 266 vs 302 kernels), DDTree 32 0.829 vs 0.986 ms
+# (benchmarks/results/history/spec_decode_all_experts_ab_h200_891f4ed_{new,old}.md).
 ALL_EXPERTS_MAX_FLOPS = 2e9
 
 
