@@ -241,10 +241,14 @@ def test_routed_experts_device_slices(layout):
 
 
 def test_auto_uses_cuda_op_and_agrees_with_ragged_dot():
+    """Past PAIRS_MAX pairs (the pairs op's range) and over more experts than pairs (use_all_experts' range): the
+    sorted CUDA op. (At 9 x 8 = 72 pairs over 24 experts, as this test had it, "auto" runs the pairs op.)"""
     rng = np.random.default_rng(3)
-    gate, up, down = make_weights(rng, 24, 128, 64)
-    indices, weights = random_routing(rng, 9, 8, 24, "random")
-    x = jnp.asarray(rng.normal(0, 1, (9, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    gate, up, down = make_weights(rng, 128, 128, 64)
+    tokens = moe_ops.PAIRS_MAX // 8 + 1
+    indices, weights = random_routing(rng, tokens, 8, 128, "random")
+    x = jnp.asarray(rng.normal(0, 1, (tokens, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    assert not moe_ops.use_all_experts(indices.size, x, gate, "auto")
     fn = jax.jit(routed_experts, static_argnames=("impl",))
     hlo = fn.lower(x, indices, weights, gate, up, down, impl="auto").as_text()
     assert moe_ops.TARGET in hlo
