@@ -130,8 +130,8 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     Except that a short table whose one split already fills a quarter of the slots is not split: its splits would be
     under SHORT_SPLIT_POSITIONS long and the merge of its many rows costs more than they save (the default pair's
     batch-16 DDTree-32 pass, 16 x 33 x 4 rows over 320 positions, Hopper kernel on an H200: 19.4 us in one split,
-    22.1 in 2, 28.8 in the 5 the fill rule gave; its 16 x 17 x 4 rows, a sixth of the slots, still gain from 4:
-    17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json)."""
+    22.1 in 2, 28.8 in the 5 the fill rule gave; its 16 x 17 x 4 rows, 32 blocks a split (under a quarter of 132),
+    still gain from 4: 17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json)."""
     slots = num_sms  # one block per SM
     per_split = math.ceil(num_queries * num_heads / rows_per_block) * batch
     cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
@@ -159,7 +159,8 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
 #       +70% of the op's device time at 64k, T = 9-64 (benchmarks/results/verify_variants_h200.md), which is why it
 #       is opt-in (SpecConfig.row_invariant) and not the default.
 SPLIT_UNIT = 64  # positions: device.cuh's kSplitUnit, the partition's granule and a split's least length
-SHORT_SPLIT_POSITIONS = 256  # device.cuh's kShortSplitUnits units: choose_num_splits keeps such a table whole
+# device.cuh's kShortSplitUnits x kSplitUnit positions; choose_num_splits keeps a table under twice this whole.
+SHORT_SPLIT_POSITIONS = 256
 
 
 def _check_split_policy(policy: str) -> None:
