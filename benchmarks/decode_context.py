@@ -484,7 +484,9 @@ def main(argv=None):
                         "step loop) and split the step into its parts by the kernels' named scopes "
                         "(kdtree_jax/profiling.py)")
     p.add_argument("--smoke", action="store_true", help="tiny widths and contexts on the CPU: a check that the script runs")
-    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results; --smoke: a temp dir)")
+    p.add_argument("--out", default=None,
+                   help="output path without extension: writes OUT.json and OUT.md (default: "
+                        "benchmarks/results/decode_context_h200, or tree_build_h200 with --tree-only; --smoke: a temp dir)")
     p.add_argument("--tree-only", action="store_true",
                    help="only the tree build and the acceptance alone, old and new formulations (no model)")
     p.add_argument("--row-invariant", action="store_true",
