@@ -213,7 +213,7 @@ def test_split_heuristic_uses_static_shapes_only():
     # A short table whose one split fills a quarter of the slots stays whole (its merge of many rows costs more).
     assert vffi.choose_num_splits(8, 33, 8, 200, 132) == 1
     assert vffi.choose_num_splits(16, 33, 4, 320, 132, rows_per_block=64) == 1
-    assert vffi.choose_num_splits(16, 17, 4, 320, 132, rows_per_block=64) == 4  # a sixth of the slots: split
+    assert vffi.choose_num_splits(16, 17, 4, 320, 132, rows_per_block=64) == 4  # 32 blocks, under a quarter: split
 
 
 @needs_ffi

@@ -76,9 +76,8 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
         # on an H200 (k colliding bf16 atomic adds per element), a tenth of the layer's MoE.
         position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                        unique_indices=True)
-        pair_out = out_rows[position].reshape(num_tokens, k, -1).astype(jnp.float32)
-        pair_weight = jnp.where(held < num_local, weights, 0.0).astype(jnp.float32)
-        return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
+        pair_out = out_rows[position].reshape(num_tokens, k, -1)
+        return moe_ops.weighted_pair_sum(pair_out, held < num_local, weights, x2d.dtype)
 
     args = (x2d, local, weights, gate, up, down)
     if moe_ops.use_all_experts(num_tokens * k, x2d, gate, impl):

@@ -134,9 +134,9 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     still gain from 4: 17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json)."""
     slots = num_sms  # one block per SM
     per_split = math.ceil(num_queries * num_heads / rows_per_block) * batch
-    cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
     if 4 * per_split >= slots and max_len < 2 * SHORT_SPLIT_POSITIONS:
         return 1
+    cap = max(1, min(math.ceil(max_len / CUDA_KV_TILE) // 4, CUDA_MAX_SPLITS))
     splits = min(max(1, slots // per_split), cap)
 
     def fill(n):

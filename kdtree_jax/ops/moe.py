@@ -308,6 +308,15 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
                 blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits))[0]
 
 
+def weighted_pair_sum(pair_out, held, weights, dtype):
+    """Each token's sum over its k choices of weight * expert output, in float32 in choice order, rounded once to
+    `dtype`; choices not `held` here add nothing. pair_out [T, K, H] (each expert output already rounded), held and
+    weights [T, K]. The combine every XLA route of routed experts shares (issue 24: a token's result must not depend on
+    the route)."""
+    pair_weight = jnp.where(held, weights, 0.0).astype(jnp.float32)
+    return (pair_out.astype(jnp.float32) * pair_weight[:, :, None]).sum(axis=1).astype(dtype)
+
+
 def all_experts_routed(x2d, experts, weights, gate, up, down):
     """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), as pair_expert_mlp, computed as every
     held expert on every token (E times the pairs' FLOPs) and the chosen pairs picked from the result.
@@ -323,9 +332,8 @@ def all_experts_routed(x2d, experts, weights, gate, up, down):
     h = (jax.nn.silu(g) * u).astype(x2d.dtype)
     every = jnp.einsum("eti,eih->eth", h, down, preferred_element_type=f32).astype(x2d.dtype)  # [E, T, H]
     held = (experts >= 0) & (experts < num_local)
-    pair_out = every[jnp.where(held, experts, 0), jnp.arange(num_tokens)[:, None]].astype(f32)  # [T, K, H]
-    pair_weight = jnp.where(held, weights, 0.0).astype(f32)
-    return (pair_out * pair_weight[:, :, None]).sum(axis=1).astype(x2d.dtype)
+    pair_out = every[jnp.where(held, experts, 0), jnp.arange(num_tokens)[:, None]]  # [T, K, H]
+    return weighted_pair_sum(pair_out, held, weights, x2d.dtype)
 
 
 def use_all_experts(num_pairs: int, x2d, gate, impl: str) -> bool:
@@ -419,6 +427,6 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "all_experts_routed", "use_all_experts", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "all_experts_routed", "use_all_experts", "weighted_pair_sum", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
            "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
            "BLOCKS_PER_SM_CHOICES"]
