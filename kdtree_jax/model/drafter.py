@@ -141,25 +141,29 @@ class DrafterAttention(nnx.Module):
         # (b, k) ahead of the positions), so the context is read as stored; only block-sized tensors (q, the
         # block's own k/v, the output) are ever transposed.
         k_blk, v_blk = k_blk.swapaxes(1, 2), v_blk.swapaxes(1, 2)  # [B, Hkv, S, D]
-        # The cached context and the block are scored separately (no concatenated copy of the context per
-        # step), and the context is read in its own dtype: products of two bf16 values are exact in f32,
-        # so bf16 operands with f32 accumulation are the float32 scores without a float32 copy of the cache.
+        # The cached context and the block are scored by separate products (no concatenated copy of the context per
+        # step), read in their own dtype (products of two bf16 values are exact in f32, so bf16 operands with f32
+        # accumulation are the float32 scores without a float32 copy of the cache), then joined for one softmax
+        # over [context ; block]: one max, exp and sum pass instead of one per part and a combine. P is rounded to
+        # the values' dtype for P·V, as flash attention does, so the value cache is never converted to float32.
         scale = 1.0 / math.sqrt(cfg.head_dim)
 
         def scores_of(keys):
             dtype = jnp.promote_types(q.dtype, keys.dtype)
             return jnp.einsum("bskgd,bkld->bkgsl", q.astype(dtype), keys.astype(dtype),
-                              preferred_element_type=jnp.float32) * scale
+                              preferred_element_type=jnp.float32)
 
         max_len = ctx_k.shape[2]  # ctx_k, ctx_v [B, Hkv, max_len, D]
-        in_ctx = jnp.arange(max_len)[None, :] < ctx_lens[:, None]
-        s_ctx = jnp.where(in_ctx[:, None, None, None, :], scores_of(ctx_k), -jnp.inf)  # [B, Hkv, G, S, L]
-        s_blk = scores_of(k_blk)  # [B, Hkv, G, S, S]: the block is visible to itself (bidirectional)
-        top = jnp.maximum(s_ctx.max(-1, keepdims=True, initial=-jnp.inf), s_blk.max(-1, keepdims=True))  # finite (block)
-        p_ctx, p_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)
-        denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
-        out = (jnp.einsum("bkgsl,bkld->bkgsd", p_ctx / denom, ctx_v, preferred_element_type=jnp.float32)
-               + jnp.einsum("bkgsl,bkld->bkgsd", p_blk / denom, v_blk, preferred_element_type=jnp.float32))
+        keys_pos = jnp.arange(max_len + s)[None, :]
+        visible = (keys_pos < ctx_lens[:, None]) | (keys_pos >= max_len)  # the context's filled part, the whole block
+        scores = jnp.concatenate([scores_of(ctx_k), scores_of(k_blk)], axis=-1) * scale  # [B, Hkv, G, S, max_len + S]
+        p = jax.nn.softmax(jnp.where(visible[:, None, None, None, :], scores, -jnp.inf), axis=-1)
+
+        def weighted(p_part, values):
+            return jnp.einsum("bkgsl,bkld->bkgsd", p_part.astype(values.dtype), values,
+                              preferred_element_type=jnp.float32)
+
+        out = weighted(p[..., :max_len], ctx_v) + weighted(p[..., max_len:], v_blk)
         out = out.astype(x.dtype).transpose(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]: o_proj reads [B, S, H * D]
         return self.o_proj(out.reshape(b, s, -1))
 
