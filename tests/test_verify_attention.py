@@ -199,11 +199,7 @@ def test_ffi_validation_errors_are_clear():
 @needs_ffi
 def test_split_heuristic_uses_static_shapes_only():
     # Small batches of short rows get many splits; big row counts none; never fewer than 4 KV tiles a split.
-    assert vffi.ROWS_PER_BLOCK == {"wide": 32, "pipelined": 32, "hopper": 64, "twin": 32}
-    assert set(vffi.ROWS_PER_BLOCK) == set(vffi.VARIANTS) - {"auto"}
-    # The twin kernel's two blocks an SM: twice the resident slots to fill (T*H = 128: 4 blocks x 66 splits = 264).
-    assert vffi.choose_num_splits(1, 16, 8, 65536, 132, blocks_per_sm=2) == 66
-    assert vffi.choose_num_splits(1, 1, 8, 65536, 132, blocks_per_sm=2) == 256  # the heuristic's cap
+    assert vffi.ROWS_PER_BLOCK == {"wide": 32, "pipelined": 32, "hopper": 64}
     assert vffi.choose_num_splits(1, 16, 8, 65536, 132, rows_per_block=64) == 66  # T*H = 128: two Hopper blocks
     assert vffi.choose_num_splits(1, 16, 8, 65536, 132) == 33  # four blocks of 32 rows
     assert vffi.choose_num_splits(1, 1, 8, 65536, 132) == 132  # one block of 32 rows a split: one wave

@@ -102,9 +102,8 @@ def test_cuda_matches_reference(shape, num_splits):
 # Every many-row kernel on every shape, whatever "auto" picks: the pipelined kernel (sm_90-class shared memory) and
 # the wide kernel (what sm_120 runs; forced here). Shapes with at most 16 rows in a block's row tile run the pipelined
 # kernel's one-m16 instance (T*H = 8, 33, 200: the last row tile).
-# The Hopper kernel (wgmma) runs on compute capability 9.0 only: elsewhere its cases are skipped. The twin kernel
-# (never picked by auto: an A/B candidate) runs where one of its 111 KB blocks fits (sm_90, sm_80), else is skipped.
-MANY_ROW_VARIANTS = ["pipelined", "wide", "hopper", "twin"]
+# The Hopper kernel (wgmma) runs on compute capability 9.0 only: elsewhere its cases are skipped.
+MANY_ROW_VARIANTS = ["pipelined", "wide", "hopper"]
 
 
 def skip_unless_runs(variant):
@@ -155,30 +154,6 @@ def test_short_sequences_in_wide_tables(shape, lens, num_splits, variant):
     check_against_reference(out, lse, ref_out, ref_lse, tol=1e-2)
 
 
-# The twin kernel computes what the wide kernel computes in the same order (the same MMAs on the same operands, Q's
-# fragments from shared memory instead of registers; the same partial sums, softmax steps and P·V), so at the same
-# split count its rows are the wide kernel's bit for bit; only where the partials, P and the copies live differs
-# (ffi/verify/twin_kernel.cu). Long enough for many tiles a split (the late rows' copies into the partials' rows),
-# short sequences in a wide table (idle split blocks, direct rows), forced counts (its own heuristic fills two
-# blocks an SM, so its default split count differs from the wide kernel's).
-TWIN_AGAINST_WIDE = [((2, 16, 8, 3001), (3001, 2900)), ((1, 33, 1, 4099), (4099,)), ((3, 1, 8, 2001), (2001, 5, 1000)),
-                     ((6, 4, 8, 8192), (0, 4, 100, 259, 260, 700))]
-
-
-@pytest.mark.parametrize("num_splits", [1, 5, 40])
-@pytest.mark.parametrize("shape,lens", TWIN_AGAINST_WIDE, ids=lambda v: "B{}T{}H{}L{}".format(*v) if len(v) == 4 else None)
-def test_twin_kernel_is_the_wide_kernel_bit_for_bit(shape, lens, num_splits):
-    skip_unless_runs("twin")
-    skip_unless_runs("wide")
-    batch, num_queries, num_heads, max_len = shape
-    case = make_case(23 + num_splits, batch, num_queries, num_heads, max_len, latent=LATENT, rope=ROPE,
-                     dtype=jnp.bfloat16, lens=lens)
-    twin = run_poisoned(jitted_variant("twin", SCALE, num_splits), case)
-    wide = run_poisoned(jitted_variant("wide", SCALE, num_splits), case)
-    for a, b in zip(twin, wide):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_repeated_calls_are_bit_identical():
     case = make_case(5, 2, 16, 8, 5003, latent=LATENT, rope=ROPE, dtype=jnp.bfloat16)
     fn = jitted("auto", SCALE, ROPE, 0)
@@ -227,7 +202,7 @@ SANITIZER_SCRIPT = textwrap.dedent("""
     # every pipeline, with and without the merge.
     # The Hopper kernel pads both to one 64-row block.
     for num_queries, variant in ((5, "pipelined"), (5, "wide"), (1, "pipelined"), (1, "wide"), (5, "hopper"),
-                                 (1, "hopper"), (9, "hopper"), (5, "twin"), (1, "twin")):
+                                 (1, "hopper"), (9, "hopper")):
         if vffi.resolve_variant(variant, num_queries * 8) is None:
             continue
         for splits in (1, 3):
@@ -238,9 +213,7 @@ SANITIZER_SCRIPT = textwrap.dedent("""
             out.block_until_ready()
             assert np.isfinite(np.asarray(out, np.float32)).all()
     # Short sequences in a wide table: idle split blocks, rows written by the main kernel, merges that skip them.
-    for variant in ("auto", "pipelined", "wide", "twin"):
-        if vffi.resolve_variant(variant, 4 * 8) is None:
-            continue
+    for variant in ("auto", "pipelined", "wide"):
         case = make_case(2, 3, 4, 8, 2048, latent=512, rope=64, dtype=jnp.bfloat16, lens=(4, 259, 700))
         fn = jax.jit(functools.partial(vffi.verify_attention_ffi, softmax_scale=0.07, rope_dim=64, variant=variant))
         out, lse = fn(*case)

@@ -238,19 +238,6 @@ __device__ __forceinline__ void load_q_fragments(const Params& p, int b, int r0,
   }
 }
 
-// Rows row0 .. row0 + blockDim.x / kThreadsPerRow - 1 of sequence b's Q into shared memory at q_smem, kRowBytes apart
-// (the KV stages' padded layout, so ldmatrix of Q fragments is conflict-free), zeros past the last row; kThreadsPerRow
-// threads a row, kChunksPerThread 16-byte chunks each (for a kernel that keeps Q in shared memory instead of
-// registers: the twin kernel). Asynchronous: the caller's next commit group carries it.
-template <int kThreadsPerRow, int kChunksPerThread>
-__device__ __forceinline__ void load_q_rows(const Params& p, int b, int row0, uint32_t q_smem) {
-  const int r = static_cast<int>(threadIdx.x) / kThreadsPerRow, lane_chunk = static_cast<int>(threadIdx.x) % kThreadsPerRow;
-  const bool ok = row0 + r < p.rows;
-  const char* src = reinterpret_cast<const char*>(p.q + (static_cast<int64_t>(b) * p.rows + (ok ? row0 + r : 0)) * kWidth);
-  copy_row_chunks<kThreadsPerRow>(q_smem + r * kRowBytes + lane_chunk * 16, src + lane_chunk * 16, ok ? 16 : 0,
-                                  std::make_integer_sequence<int, kChunksPerThread>{});
-}
-
 // One thread's part of a kernel's KV copy pipeline over its split: where the rows come from (this layer of the
 // pool, the sequence's slot table), the shared slot ring, and the row of a tile this thread copies (kThreadsPerRow
 // threads a row, kChunksPerThread 16-byte chunks each).
@@ -364,33 +351,6 @@ __device__ __forceinline__ void score_slice(uint32_t k_addr, const uint32_t (&qf
     for (int mt = 0; mt < 2; ++mt) {
       mma_bf16(s[mt][0], qf[mt][ks], kb[0], kb[1]);
       mma_bf16(s[mt][1], qf[mt][ks], kb[2], kb[3]);
-    }
-  }, std::make_integer_sequence<int, kKSteps>{});
-}
-
-// score_slice with Q in shared memory instead of registers: q_addr is this lane's ldmatrix address of the first
-// m16 tile's A fragment at the slice's first k-step (rows 16 mt + lane % 8 + 8 (mat % 2), dims + 8 (mat / 2), rows
-// kRowBytes apart); each k-step loads both m16 tiles' fragments (two ldmatrix.x4) next to K's. `do_copy`: whether
-// this thread issues its copy chunks here, one per k-step between the MMAs (the twin kernel issues some rows' copies
-// later). Same MMAs in the same order as score_slice, so the same partial scores bit for bit.
-template <int kThreadsPerRow>
-__device__ __forceinline__ void score_slice_q_smem(uint32_t k_addr, uint32_t q_addr, const KvCopy& copy, bool do_copy,
-                                                   float (&s)[2][2][4]) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
-  for_each_index([&](auto step) {
-    constexpr int ks = decltype(step)::value;
-    uint32_t kb[4], qa[2][4];
-    ldmatrix_x4(k_addr + ks * 32, kb);
-    ldmatrix_x4(q_addr + ks * 32, qa[0]);
-    ldmatrix_x4(q_addr + 16 * kRowBytes + ks * 32, qa[1]);
-    if (do_copy) issue_kv_chunk<kThreadsPerRow, ks>(copy);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      mma_bf16(s[mt][0], qa[mt], kb[0], kb[1]);
-      mma_bf16(s[mt][1], qa[mt], kb[2], kb[3]);
     }
   }, std::make_integer_sequence<int, kKSteps>{});
 }

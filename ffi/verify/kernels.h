@@ -16,9 +16,6 @@ void launch_wide_kernel(const Params& p, int64_t batch, cudaStream_t stream, boo
 cudaError_t pipelined_kernel_setup();  // pipelined_kernel.cu: T*H > 16 with 213 KB of shared memory (sm_90-class)
 void launch_pipelined_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl);
 int pipelined_kernel_smem_bytes();
-cudaError_t twin_kernel_setup();       // twin_kernel.cu: the wide tiling at two blocks an SM (111 KB each: sm_90-class)
-void launch_twin_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl);
-int twin_kernel_smem_bytes();
 cudaError_t hopper_kernel_setup();     // hopper_kernel.cu: wgmma, 64 rows a block (sm_90a; KDTREE_WITH_HOPPER)
 void launch_hopper_kernel(const Params& p, int64_t batch, cudaStream_t stream, bool pdl);
 int hopper_kernel_smem_bytes();

@@ -32,7 +32,6 @@ cudaError_t ensure_setup(int device) {
     pdl_ok[device] = major >= 9;
     if (err == cudaSuccess) err = wide_kernel_setup();
     if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes()) err = pipelined_kernel_setup();
-    if (err == cudaSuccess && smem >= twin_kernel_smem_bytes()) err = twin_kernel_setup();
 #if defined(KDTREE_WITH_HOPPER)
     // sm_90a machine code runs on compute capability 9.0 exactly.
     hopper_ok[device] = major == 9 && minor == 0 && smem >= hopper_kernel_smem_bytes();
@@ -49,13 +48,9 @@ cudaError_t ensure_setup(int device) {
 int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
   if (ensure_setup(device) != cudaSuccess) return -1;
   const bool pipelined_fits = optin_smem[device] >= pipelined_kernel_smem_bytes();
-  // The twin kernel needs the opt-in shared memory of one of its blocks (two of them share an SM where the SM holds
-  // both: sm_90; elsewhere, e.g. sm_80, it runs one block an SM). kAuto never picks it (an A/B candidate).
-  const bool twin_fits = optin_smem[device] >= twin_kernel_smem_bytes();
   const bool hopper = kHopperBuilt && hopper_ok[device];
   if (requested == kAuto) return hopper ? kHopper : (pipelined_fits ? kPipelined : kWide);
   if (requested == kPipelined && !pipelined_fits) return -1;
-  if (requested == kTwin && !twin_fits) return -1;
   if (requested == kHopper && !hopper) return -1;
   return requested > kAuto && requested < kNumVariants ? requested : -1;
 }
@@ -68,7 +63,6 @@ cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int d
     switch (variant) {
       case kWide: launch_wide_kernel(p, batch, stream, pdl); break;
       case kPipelined: launch_pipelined_kernel(p, batch, stream, pdl); break;
-      case kTwin: launch_twin_kernel(p, batch, stream, pdl); break;
 #if defined(KDTREE_WITH_HOPPER)
       case kHopper: launch_hopper_kernel(p, batch, stream, pdl); break;
 #endif

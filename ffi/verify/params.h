@@ -43,8 +43,7 @@ constexpr int kMaxSplits = 1024;  // what the merge accepts
 // The kernel a call runs (the FFI attribute `variant`; kdtree_jax/ops/ffi.py VARIANTS names them), for every T: kAuto
 // picks the Hopper kernel (wgmma, sm_90a) on compute capability 9.0 when it was built, else the pipelined kernel where
 // the device's opt-in shared memory holds its 213 KB, else the wide kernel (97 KB: sm_120, sm_80). Benchmarks and tests force one. One kernel for every T also means a verify pass's
-// row and the one-token step's take the same tiles and softmax steps (issue 24). kTwin (twin_kernel.cu: the wide
-// kernel with Q in shared memory, two blocks an SM of sm_90) is never picked by kAuto: an explicit variant for an A/B.
-enum Variant : int64_t { kAuto = 0, kWide = 1, kPipelined = 2, kHopper = 3, kTwin = 4, kNumVariants = 5 };
+// row and the one-token step's take the same tiles and softmax steps (issue 24).
+enum Variant : int64_t { kAuto = 0, kWide = 1, kPipelined = 2, kHopper = 3, kNumVariants = 4 };
 
 }  // namespace kdtree::verify

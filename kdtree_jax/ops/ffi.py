@@ -88,17 +88,10 @@ def sm_count(device: int = 0) -> int:
 # Kernel variants, as the handler's `variant` attribute (ffi/verify/params.h, Variant). "auto" lets the handler pick
 # from the device, for every T: "hopper" (wgmma, sm_90a machine code: compute capability 9.0), else "pipelined" (213 KB
 # of shared memory: sm_90-class parts), else "wide" (within sm_120's 99 KB). Benchmarks and tests name one explicitly.
-# "twin" (ffi/verify/twin_kernel.cu: the wide kernel's tiling with Q in shared memory, two 111 KB blocks an SM of sm_90)
-# is never picked by "auto": an A/B candidate, run where the opt-in shared memory holds one of its blocks.
-VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3, "twin": 4}
+VARIANTS = {"auto": 0, "wide": 1, "pipelined": 2, "hopper": 3}
 _VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
-# Query rows a block holds: two m16 tiles in the portable kernels, one wgmma M in the Hopper one.
-ROWS_PER_BLOCK = {"wide": 2 * CUDA_ROWS_PER_GROUP, "pipelined": 2 * CUDA_ROWS_PER_GROUP, "hopper": 64,
-                  "twin": 2 * CUDA_ROWS_PER_GROUP}
-# Blocks of a kernel resident on one SM (1 where not listed: the register file or shared memory holds one), which the
-# split heuristic fills: the twin kernel is built for two a SM (on sm_90; on parts whose SM holds one of its blocks
-# only, e.g. sm_80, its grid then runs in two waves).
-BLOCKS_PER_SM = {"twin": 2}
+# Query rows a block holds (one block per SM): two m16 tiles in the portable kernels, one wgmma M in the Hopper one.
+ROWS_PER_BLOCK = {"wide": 2 * CUDA_ROWS_PER_GROUP, "pipelined": 2 * CUDA_ROWS_PER_GROUP, "hopper": 64}
 
 
 def resolve_variant(variant: str, rows: int, device: int = 0) -> str | None:
@@ -128,7 +121,7 @@ def _check_cpu_isa(cpu_isa: str) -> None:
 
 
 def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int, num_sms: int,
-                      rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP, blocks_per_sm: int = 1) -> int:
+                      rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
     """KV splits from static shapes only: as many as fit one wave of resident blocks, each split at least four
     KV tiles long (its work must outweigh its partial write and the merge). When one wave would leave more
     than a tenth of the resident slots idle (a split's blocks fill 50-90% of them: B = 8, T = 33, H = 8 is 72
@@ -138,9 +131,8 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
     under SHORT_SPLIT_POSITIONS long and the merge of its many rows costs more than they save (the default pair's
     batch-16 DDTree-32 pass, 16 x 33 x 4 rows over 320 positions, Hopper kernel on an H200: 19.4 us in one split,
     22.1 in 2, 28.8 in the 5 the fill rule gave; its 16 x 17 x 4 rows, 32 blocks a split (under a quarter of 132),
-    still gain from 4: 17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json). `blocks_per_sm`: the
-    kernel's resident blocks an SM (BLOCKS_PER_SM; one for every kernel auto picks)."""
-    slots = num_sms * blocks_per_sm
+    still gain from 4: 17.2 vs 19.4 us; benchmarks/results/verify_splits_short_h200.json)."""
+    slots = num_sms  # one block per SM
     per_split = math.ceil(num_queries * num_heads / rows_per_block) * batch
     if 4 * per_split >= slots and max_len < 2 * SHORT_SPLIT_POSITIONS:
         return 1
@@ -176,12 +168,10 @@ def _check_split_policy(policy: str) -> None:
         raise ValueError(f"split_policy must be one of {SPLIT_POLICIES}; got {policy!r}")
 
 
-def partition_splits(batch: int, num_heads: int, num_sms: int, rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP,
-                     blocks_per_sm: int = 1) -> int:
+def partition_splits(batch: int, num_heads: int, num_sms: int, rows_per_block: int = 2 * CUDA_ROWS_PER_GROUP) -> int:
     """The "invariant" policy's partition count: the one-token call's occupancy count (choose_num_splits at T = 1)
     without the length cap, from B, H and the device alone."""
-    return choose_num_splits(batch, 1, num_heads, 4 * CUDA_KV_TILE * CUDA_MAX_SPLITS, num_sms, rows_per_block,
-                             blocks_per_sm)
+    return choose_num_splits(batch, 1, num_heads, 4 * CUDA_KV_TILE * CUDA_MAX_SPLITS, num_sms, rows_per_block)
 
 
 def split_counts(batch: int, num_queries: int, num_heads: int, max_len: int, variant: str = "auto",
@@ -192,11 +182,11 @@ def split_counts(batch: int, num_queries: int, num_heads: int, max_len: int, var
     if num_splits > 0:
         return int(num_splits), int(num_splits)
     kernel = resolve_variant(variant, num_queries * num_heads) or "pipelined"
-    rows_per_block, blocks_per_sm = ROWS_PER_BLOCK[kernel], BLOCKS_PER_SM.get(kernel, 1)
+    rows_per_block = ROWS_PER_BLOCK[kernel]
     if policy == "occupancy":
-        splits = choose_num_splits(batch, num_queries, num_heads, max_len, sm_count(), rows_per_block, blocks_per_sm)
+        splits = choose_num_splits(batch, num_queries, num_heads, max_len, sm_count(), rows_per_block)
         return splits, splits
-    parts = partition_splits(batch, num_heads, sm_count(), rows_per_block, blocks_per_sm)
+    parts = partition_splits(batch, num_heads, sm_count(), rows_per_block)
     return max(1, min(parts, math.ceil(max_len / SPLIT_UNIT))), parts
 
 
@@ -319,7 +309,6 @@ def bench_module():
     return _kernel_bench
 
 
-__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "BLOCKS_PER_SM",
-           "VARIANTS",
+__all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
            "CPU_ISAS", "resolve_variant", "splits_for", "split_counts", "partition_splits", "SPLIT_POLICIES",
            "sm_count", "cuda_fast_path", "bench_module"]
