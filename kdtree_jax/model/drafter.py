@@ -141,29 +141,22 @@ class DrafterAttention(nnx.Module):
         # (b, k) ahead of the positions), so the context is read as stored; only block-sized tensors (q, the
         # block's own k/v, the output) are ever transposed.
         k_blk, v_blk = k_blk.swapaxes(1, 2), v_blk.swapaxes(1, 2)  # [B, Hkv, S, D]
-        # The cached context and the block are scored by separate products (no concatenated copy of the context per
-        # step), read in their own dtype (products of two bf16 values are exact in f32, so bf16 operands with f32
-        # accumulation are the float32 scores without a float32 copy of the cache), then joined for one softmax
-        # over [context ; block]: one max, exp and sum pass instead of one per part and a combine. P is rounded to
-        # the values' dtype for P·V, as flash attention does, so the value cache is never converted to float32.
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-
-        def scores_of(keys):
-            dtype = jnp.promote_types(q.dtype, keys.dtype)
-            return jnp.einsum("bskgd,bkld->bkgsl", q.astype(dtype), keys.astype(dtype),
-                              preferred_element_type=jnp.float32)
-
+        # One softmax over [context ; block]: the block's keys and values joined after the cache's positions, one
+        # product for the scores, one masked softmax, one product for the output. Against scoring the two parts
+        # apart (two softmaxes and a combine, or two products joined only for the softmax) this is fewer kernels and
+        # was the fastest on the H200 at 320 and at 65,536 context positions (the A/B: benchmarks/results/history/
+        # drafter_attention_ab_h200.md). Operands in their own dtype with f32 accumulation (products of two bf16
+        # values are exact in f32); P is rounded to the values' dtype for P·V, as flash attention does.
         max_len = ctx_k.shape[2]  # ctx_k, ctx_v [B, Hkv, max_len, D]
+        dtype = jnp.promote_types(q.dtype, ctx_k.dtype)
+        keys = jnp.concatenate([ctx_k.astype(dtype), k_blk.astype(dtype)], axis=2)  # [B, Hkv, max_len + S, D]
+        values = jnp.concatenate([ctx_v, v_blk.astype(ctx_v.dtype)], axis=2)
         keys_pos = jnp.arange(max_len + s)[None, :]
         visible = (keys_pos < ctx_lens[:, None]) | (keys_pos >= max_len)  # the context's filled part, the whole block
-        scores = jnp.concatenate([scores_of(ctx_k), scores_of(k_blk)], axis=-1) * scale  # [B, Hkv, G, S, max_len + S]
+        scores = jnp.einsum("bskgd,bkld->bkgsl", q.astype(dtype), keys,
+                            preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
         p = jax.nn.softmax(jnp.where(visible[:, None, None, None, :], scores, -jnp.inf), axis=-1)
-
-        def weighted(p_part, values):
-            return jnp.einsum("bkgsl,bkld->bkgsd", p_part.astype(values.dtype), values,
-                              preferred_element_type=jnp.float32)
-
-        out = weighted(p[..., :max_len], ctx_v) + weighted(p[..., max_len:], v_blk)
+        out = jnp.einsum("bkgsl,bkld->bkgsd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).transpose(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]: o_proj reads [B, S, H * D]
         return self.o_proj(out.reshape(b, s, -1))
 
