@@ -1,4 +1,5 @@
-"""The block drafter: cached context == recomputed context, and it really reads the context."""
+"""The block drafter: cached context == recomputed context, it really reads the context, and its attention equals a
+float64 formulation."""
 
 import numpy as np
 import jax
@@ -7,6 +8,7 @@ import pytest
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter, rope_tables
+from kdtree_jax.model.layers import apply_rope
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
 
@@ -90,3 +92,46 @@ def test_drafter_config_validation():
         DrafterConfig(num_heads=3, num_kv_heads=2)
     with pytest.raises(ValueError, match="target_layer_ids"):
         init_drafter(TINY, DrafterConfig(target_layer_ids=(0, 7)))
+
+
+def _attention_float64(layer, x, cos, sin, ctx_k, ctx_v, lens):
+    """The drafter layer's attention, one row and one head at a time in float64 NumPy: each block query over the
+    context's first lens[b] keys and the whole block (bidirectional), grouped-query heads, softmax, o_proj."""
+    cfg = layer.cfg
+    b, s, _ = x.shape
+    f64 = lambda a: np.asarray(a, np.float64)
+    assert layer.q_norm is None  # the pair's drafter (no per-head q/k norm)
+    q = f64(apply_rope(layer.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim), cos, sin))
+    k_blk, v_blk = (f64(a) for a in layer.keys_values(x, cos, sin))  # [B, S, Hkv, D]
+    ctx_k, ctx_v = f64(ctx_k), f64(ctx_v)  # [B, Hkv, L, D]
+    group = cfg.num_heads // cfg.num_kv_heads
+    out = np.zeros((b, s, cfg.num_heads, cfg.head_dim))
+    for row in range(b):
+        for h in range(cfg.num_heads):
+            kv = h // group
+            keys = np.concatenate([ctx_k[row, kv, : lens[row]], k_blk[row, :, kv]])
+            values = np.concatenate([ctx_v[row, kv, : lens[row]], v_blk[row, :, kv]])
+            scores = q[row, :, h] @ keys.T / np.sqrt(cfg.head_dim)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[row, :, h] = (p / p.sum(-1, keepdims=True)) @ values
+    w = f64(layer.o_proj.kernel[...])
+    return out.reshape(b, s, -1) @ w + (f64(layer.o_proj.bias[...]) if getattr(layer.o_proj, "bias", None) is not None else 0.0)
+
+
+def test_attention_matches_a_float64_formulation(pair):
+    """The drafter's attention (one softmax over the cached context's filled part and the block) against a plain
+    per-row, per-head float64 formulation, on random inputs: an empty context, a partial one and a full one."""
+    _, drafter = pair
+    layer = drafter.layers[0].self_attn
+    cfg = drafter.cfg
+    rng = np.random.default_rng(5)
+    b, s, max_len = 3, cfg.block_size, 11
+    x = jnp.asarray(rng.standard_normal((b, s, TINY.hidden_size)).astype(np.float32))
+    lens = np.array([0, 4, max_len])
+    cos, sin = rope_tables(cfg, jnp.asarray(lens)[:, None] + jnp.arange(s)[None, :])
+    shape = (b, cfg.num_kv_heads, max_len, cfg.head_dim)
+    ctx_k = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    ctx_v = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    got = jax.jit(lambda layer, *a: layer(*a))(layer, x, cos, sin, ctx_k, ctx_v, jnp.asarray(lens, jnp.int32))
+    want = _attention_float64(layer, x, cos, sin, ctx_k, ctx_v, lens)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
