@@ -477,7 +477,9 @@ def main(argv=None):
                    "is compared with the one with 'xla', the fair XLA baseline")
     p.add_argument("--reference-contexts", default="all",
                    help="contexts at which impls other than 'auto' also run ('all': every context)")
-    p.add_argument("--deadline-s", type=float, default=0, help="start no new point after this many seconds (0: none)")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="start no new point after this many seconds from the start, compilation included (0: none); "
+                        "a compile it cuts short keeps running beside the timings, which the report then flags")
     p.add_argument("--compile-threads", type=int, default=0, help="0: one per CPU core")
     p.add_argument("--profile", choices=("all", "kernel", "none"), default="all",
                    help="profile one run of each step loop (kernel: the FFI kernel's steps only; a few seconds per "
@@ -661,6 +663,13 @@ def main(argv=None):
         pool.shutdown(wait=False, cancel_futures=True)
         t2 = time.perf_counter()
         log(f"group {impl_set}: compiled {len(compiled)} of {len(jobs)} programs in {t2 - t1:.0f} s")
+        # A compile the deadline cut short still runs in its thread (XLA cannot be interrupted): the timings below
+        # then share the host and the device with it, and a host-bound loop reads slow. Say so in the report.
+        running = sum(not job.future.done() for job in jobs.values())
+        if running:
+            meta["timed_beside_compiles"] = meta.get("timed_beside_compiles", 0) + running
+            log(f"group {impl_set}: warning: {running} compile(s) still running past the deadline; the timings "
+                f"below run beside them and may read slow")
         for key, (exe, cs) in compiled.items():
             if key[0] == "moe" and ("moe_counts", key[1]) in compiled:
                 route_like_steps(key[1], jobs, compiled[("moe_counts", key[1])][0])
@@ -817,8 +826,12 @@ def write_markdown(path, meta, rows):
     lines = [f"# Decode steps at long context, {meta['preset']}, {meta['layers']} layers ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}. Bandwidth measured (TB/s): {bws}; floors use "
              f"{meta['floor_bandwidth']} ({meta['copy_bandwidth_TBps']:.2f} TB/s). Pool fill: {meta['fill']}. "
-             f"{meta['timing']}.", "",
-             f"One TP{rm['tp']} rank: {rm['target_heads']} heads, expert intermediate {rm['moe_intermediate']}, "
+             f"{meta['timing']}.", ""]
+    if meta.get("timed_beside_compiles"):
+        lines += [f"**Warning:** {meta['timed_beside_compiles']} compile(s) cut short by `--deadline-s` still ran while "
+                  "the rows below were timed (XLA cannot stop a compile): their times may read slow. Rerun with a "
+                  "longer deadline for figures to quote.", ""]
+    lines += [f"One TP{rm['tp']} rank: {rm['target_heads']} heads, expert intermediate {rm['moe_intermediate']}, "
              f"lm head / embedding slice {rm['target_vocab_rows']} rows; drafter per rank "
              f"{rm['drafter_rank']['num_heads']} heads / {rm['drafter_rank']['num_kv_heads']} KV head(s) / MLP "
              f"{rm['drafter_rank']['intermediate_size']} (of {rm['drafter_full']['num_heads']} / "
