@@ -138,14 +138,14 @@ class DrafterAttention(nnx.Module):
         group = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, s, cfg.num_kv_heads, group, cfg.head_dim)
         # Keys and values head-major like the cache ([B, Hkv, positions, D]: the batched products' batch dims
-        # (b, k) ahead of the positions), so the context is read as stored; only block-sized tensors (q, the
-        # block's own k/v, the output) are ever transposed.
+        # (b, k) ahead of the positions), so the block joins the context along positions without a transpose of
+        # the cache; only block-sized tensors (q, the block's own k/v, the output) are ever transposed.
         k_blk, v_blk = k_blk.swapaxes(1, 2), v_blk.swapaxes(1, 2)  # [B, Hkv, S, D]
         # One softmax over [context ; block]: the block's keys and values joined after the cache's positions, one
         # product for the scores, one masked softmax, one product for the output. Against scoring the two parts
         # apart (two softmaxes and a combine, or two products joined only for the softmax) this is fewer kernels and
-        # was the fastest on the H200 at 320 and at 65,536 context positions (the A/B: benchmarks/results/history/
-        # drafter_attention_ab_h200.md). Operands in their own dtype with f32 accumulation (products of two bf16
+        # was the fastest on the H200 at 320 and at 65,536 context positions, the join included (the A/B:
+        # benchmarks/results/history/drafter_attention_ab_h200.md), and on the CPU. Operands in their own dtype with f32 accumulation (products of two bf16
         # values are exact in f32); P is rounded to the values' dtype for P·V, as flash attention does.
         max_len = ctx_k.shape[2]  # ctx_k, ctx_v [B, Hkv, max_len, D]
         dtype = jnp.promote_types(q.dtype, ctx_k.dtype)
