@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
     p.add_argument("--budget", type=int, default=None,
-                   help="DDTree nodes per step besides the root (default 16; 0: plain autoregressive decoding; at most "
+                   help="DDTree nodes per step besides the root (default 16, and 8 for --batch-file, where a larger "
+                        "tree costs every row; 0: plain autoregressive decoding; at most "
                         f"{engine.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or static tree has its own size")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
@@ -269,12 +270,16 @@ class StopWatch:
 
 
 DEFAULT_BUDGET = 16
+# A batch (--batch-file) verifies every row's tree in one pass, so its step grows with the budget where a single
+# prompt's hardly does: with the default pair, budget 8 beat 16 at 16 prompts on the H200 (57,218 vs 51,832 tok/s,
+# 1.08x vs 0.98x autoregressive, benchmarks/results/spec_decode_profile_h200.md) and on the CPU (765 vs 519 tok/s).
+DEFAULT_BATCH_BUDGET = 8
 
 
 def check_flags(args, tree) -> None:
     """The checks that need no model, before loading one (the rest come from generate's own validation)."""
     if args.budget is None:
-        args.budget = DEFAULT_BUDGET
+        args.budget = DEFAULT_BATCH_BUDGET if args.batch_file is not None else DEFAULT_BUDGET
     elif tree != "ddtree":
         _fail(f"--budget sizes a DDTree only; --tree {args.tree} verifies "
               + ("the drafter's top-1 path (block_size - 1 drafted nodes)" if tree == "chain" else

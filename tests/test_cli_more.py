@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kdtree_jax.generate import TokenStream, main as cli_main
+from kdtree_jax.generate import DEFAULT_BATCH_BUDGET, DEFAULT_BUDGET, TokenStream, build_parser, check_flags, main as cli_main
 from kdtree_jax.tokenizer import ByteTokenizer
 
 BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8"]
@@ -84,6 +84,19 @@ def test_batch_file_jsonl_in_jsonl_out(tmp_path, capsys):
     assert 'line 1: expected an object with a string "prompt"' in cli_error(capsys, ["--batch-file", str(path)])
     path.write_text("\n")
     assert "holds no prompt" in cli_error(capsys, ["--batch-file", str(path)])
+
+
+def test_default_budget_is_smaller_for_a_batch():
+    """Without --budget a single prompt gets DEFAULT_BUDGET and a --batch-file DEFAULT_BATCH_BUDGET (a batch pays for
+    every row's tree in one pass); an explicit --budget wins in both."""
+    def budget(argv):
+        args = build_parser().parse_args(argv)
+        check_flags(args, "ddtree")
+        return args.budget
+    assert (DEFAULT_BUDGET, DEFAULT_BATCH_BUDGET) == (16, 8)
+    assert budget(["--prompt", "x"]) == DEFAULT_BUDGET
+    assert budget(["--batch-file", "prompts.jsonl"]) == DEFAULT_BATCH_BUDGET
+    assert budget(["--batch-file", "prompts.jsonl", "--budget", "32"]) == 32
 
 
 def cli_error(capsys, argv):
