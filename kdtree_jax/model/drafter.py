@@ -145,8 +145,9 @@ class DrafterAttention(nnx.Module):
         # product for the scores, one masked softmax, one product for the output. Against scoring the two parts
         # apart (two softmaxes and a combine, or two products joined only for the softmax) this is fewer kernels and
         # was the fastest on the H200 at 320 and at 65,536 context positions, the join included (the A/B:
-        # benchmarks/results/history/drafter_attention_ab_h200.md), and on the CPU. Operands in their own dtype with f32 accumulation (products of two bf16
-        # values are exact in f32); P is rounded to the values' dtype for P·V, as flash attention does.
+        # benchmarks/results/history/drafter_attention_ab_h200.md), and on the CPU. Operands in their own dtype
+        # with f32 accumulation (products of two bf16 values are exact in f32); P is rounded to the values' dtype
+        # for P·V, as flash attention does.
         max_len = ctx_k.shape[2]  # ctx_k, ctx_v [B, Hkv, max_len, D]
         dtype = jnp.promote_types(q.dtype, ctx_k.dtype)
         keys = jnp.concatenate([ctx_k.astype(dtype), k_blk.astype(dtype)], axis=2)  # [B, Hkv, max_len + S, D]
