@@ -272,7 +272,8 @@ class StopWatch:
 DEFAULT_BUDGET = 16
 # A batch (--batch-file) verifies every row's tree in one pass, so its step grows with the budget where a single
 # prompt's hardly does: with the default pair, budget 8 beat 16 at 16 prompts on the H200 (57,218 vs 51,832 tok/s,
-# 1.08x vs 0.98x autoregressive, benchmarks/results/spec_decode_profile_h200.md) and on the CPU (765 vs 519 tok/s).
+# 1.08x vs 0.98x autoregressive, benchmarks/results/spec_decode_profile_h200.md) and on the CPU (765 vs 519 tok/s,
+# benchmarks/results/spec_decode_batch16_cpu.md).
 DEFAULT_BATCH_BUDGET = 8
 
 

@@ -114,8 +114,8 @@ def _attention_float64(layer, x, cos, sin, ctx_k, ctx_v, lens):
             scores = q[row, :, h] @ keys.T / np.sqrt(cfg.head_dim)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[row, :, h] = (p / p.sum(-1, keepdims=True)) @ values
-    w = f64(layer.o_proj.kernel[...])
-    return out.reshape(b, s, -1) @ w + (f64(layer.o_proj.bias[...]) if getattr(layer.o_proj, "bias", None) is not None else 0.0)
+    bias = getattr(layer.o_proj, "bias", None)
+    return out.reshape(b, s, -1) @ f64(layer.o_proj.kernel[...]) + (0.0 if bias is None else f64(bias[...]))
 
 
 def test_attention_matches_a_float64_formulation(pair):

@@ -427,6 +427,7 @@ def grouped_expert_mlp(rows, group_sizes, gate, up, down, impl: str = "auto", ex
     return jax.lax.platform_dependent(*args, **branches, default=ragged_mlp)
 
 
-__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "all_experts_routed", "use_all_experts", "weighted_pair_sum", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
+__all__ = ["grouped_expert_mlp", "pair_expert_mlp", "use_pairs", "all_experts_routed", "use_all_experts",
+           "weighted_pair_sum", "ragged_mlp", "gathered_mlp", "dense_mlp", "all_experts_mlp", "group_table",
            "item_slots", "rows_per_item", "choose_splits", "cuda_built", "CUDA_MAX_ROWS", "IMPLS", "CUDA_BLOCKS_PER_SM",
            "BLOCKS_PER_SM_CHOICES"]
