@@ -895,6 +895,13 @@ def write_markdown(path, meta, rows):
                   "(ms per step, launches per step; a kernel's instances in every layer added up):", ""]
         for part, top in shown["profile"]["top_kernels"].items():
             lines.append(f"- {part}: " + "; ".join(f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in top[:4]))
+    gapped = [r for r in profiled if r["profile"].get("idle_gaps")]
+    if gapped:
+        lines += ["", "Largest idle gaps per step, by the kernels around them (the kernel that ended last -> the kernel "
+                  "that starts; ms per step, gaps per step):", ""]
+        for r in gapped:
+            lines.append(f"- L = {r['context']}, T = {r['nodes']}, {r['impl']}: " + "; ".join(
+                f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["profile"]["idle_gaps"][:6]))
     kernel = [r for r in full if r["impl"] == "auto"]
     if kernel:
         def span(vals, fmt):

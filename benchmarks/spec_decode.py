@@ -761,6 +761,13 @@ def render(result: dict) -> str:
                              + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |")
                              + f" {prof['kernels_per_step']:.0f} |")
             lines.append("")
+            gapped = [r for r in profiled if r["step_profile"].get("idle_gaps") and m["backend"] != "cpu"]
+            if gapped:
+                lines += ["Largest idle gaps per step, by the kernels around them (ms per step, gaps per step):", ""]
+                for r in gapped:
+                    lines.append(f"- {r['decoder']}: " + "; ".join(
+                        f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["step_profile"]["idle_gaps"][:5]))
+                lines.append("")
     if refill_rows:
         lines += render_refill(m, refill_rows, chunk_list)
     return "\n".join(lines)

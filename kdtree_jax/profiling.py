@@ -155,6 +155,23 @@ def busy_ns(events) -> float:
     return total
 
 
+def idle_gaps(events) -> dict:
+    """{"kernel before -> kernel after": [idle ns, gaps]} over the times when no kernel runs, on the union of
+    every stream: each gap between the end of the kernels so far and the next kernel's start is charged to the
+    pair of kernel families around it (the one that ended last, the one that starts), so that the launch gaps a
+    step's idle time is made of can be traced to the kernels (and custom calls or loop iterations) that cause them."""
+    gaps, end, last = {}, None, None
+    for ev in sorted(events, key=lambda e: (e[1], e[2])):
+        start, stop, name = ev[1], ev[2], kernel_family(ev[3])
+        if end is not None and start > end:
+            entry = gaps.setdefault(f"{last} -> {name}", [0.0, 0])
+            entry[0] += start - end
+            entry[1] += 1
+        if end is None or stop > end:
+            end, last = stop, name
+    return gaps
+
+
 def clip_to_streams(events) -> list:
     """The events, in order of line then start, each one's interval [start, end] moved to [max(start, t),
     max(end, t)], t the latest end of the events before it on its line (stream): a kernel launched as a
@@ -310,7 +327,8 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
               "kernels_per_step": len(events) / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
               "top_kernels": largest(families, 6),
-              "top_ops": largest(ops, 12)}
+              "top_ops": largest(ops, 12),
+              "idle_gaps": largest({"idle": idle_gaps(events)}, 12).get("idle", [])}
     if sample:
         result["stats_sample"] = stats_sample
     return result

@@ -11,7 +11,7 @@ import kdtree_jax
 from kdtree_jax import kv_pool
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import rope_cos_sin
-from kdtree_jax.model.moe import MoE, route
+from kdtree_jax.model.moe import MoE, expert_counts, route
 
 TINY = ModelConfig.preset("tiny")
 
@@ -119,9 +119,14 @@ def test_moe_matches_per_token_loop():
     unbiased_top = np.sort(np.argsort(-scores, -1)[:, : cfg.num_experts_per_tok], -1)
     assert (unbiased_top != np.sort(ref_idx, -1)).any()
 
-    out_x, counts = jax.jit(lambda moe, x: moe(x))(moe, jnp.asarray(x)[None])  # one program, not one per operation
+    out_x, slots = jax.jit(lambda moe, x: moe(x))(moe, jnp.asarray(x)[None])  # one program, not one per operation
     out = np.asarray(out_x)[0]
-    np.testing.assert_array_equal(np.asarray(counts), np.bincount(ref_idx.ravel(), minlength=cfg.n_routed_experts))
+    np.testing.assert_array_equal(np.sort(np.asarray(slots), -1), np.sort(ref_idx, -1))
+    # Router statistics of several layers in one count: layer l's row is the bincount of its own slots.
+    other = np.asarray(slots)[::-1] % 3
+    counts = np.asarray(expert_counts([slots, jnp.asarray(other)], cfg.n_routed_experts))
+    np.testing.assert_array_equal(counts, np.stack([np.bincount(ref_idx.ravel(), minlength=cfg.n_routed_experts),
+                                                    np.bincount(other.ravel(), minlength=cfg.n_routed_experts)]))
     expected = np.zeros_like(x, dtype=np.float64)
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     for n in range(x.shape[0]):

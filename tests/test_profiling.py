@@ -106,3 +106,18 @@ def test_dependent_launch_counts_from_predecessor_end():
     parts, _, families, _ = profiling.attribute(both, hlo)
     assert parts["attention"] == 35 * us and parts["drafter"] == (20 + 3) * us  # fusion_3 from 35 on its stream
     assert sum(parts.values()) == 73 * us > profiling.busy_ns(both) == 50 * us
+
+
+def test_idle_gaps_charged_to_the_kernels_around_them():
+    """The step's idle time, gap by gap, charged to (the kernel that ended last, the kernel that starts): a kernel
+    overlapping another (a second stream, or a dependent launch) leaves no gap, and the gaps add up to the span
+    less the union of the kernels."""
+    us = 1_000
+    events = [("Stream #7", 0 * us, 10 * us, "fusion_1", None, None),
+              ("Stream #7", 13 * us, 20 * us, "moe_pair_gate_up_kernel<true, 4>(Params)", None, None),  # 3 us gap
+              ("Stream #9", 15 * us, 30 * us, "fusion_2", None, None),  # overlaps: no gap, ends last
+              ("Stream #7", 31 * us, 40 * us, "fusion_3", None, None),  # 1 us after fusion_2
+              ("Stream #7", 42 * us, 44 * us, "fusion_4", None, None)]  # 2 us after fusion_3
+    gaps = profiling.idle_gaps(events)
+    assert gaps == {"fusion -> moe_pair_gate_up_kernel<true, 4>": [3 * us, 1], "fusion -> fusion": [3 * us, 2]}
+    assert sum(v[0] for v in gaps.values()) == 44 * us - profiling.busy_ns(events)

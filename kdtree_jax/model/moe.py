@@ -14,6 +14,7 @@ from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import moe as moe_ops
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
+from kdtree_jax.ops.topk import top_k_indices
 from kdtree_jax.sharding import MeshLayout
 
 
@@ -35,7 +36,7 @@ def route(router_logits, bias, cfg: ModelConfig):
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
         # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
-    _, indices = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    indices = top_k_indices(choice, cfg.num_experts_per_tok)  # a set: its order does not matter below
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -119,6 +120,16 @@ class RoutedExperts(nnx.Module):
         self.down_proj = logical_axes(nnx.Param(normal(1.0 / math.sqrt(i))(rngs.params(), (e, i, h), dtype)),
                                       "experts", "expert_mlp", "embed")
 
+def expert_counts(slots_per_layer, num_slots: int):
+    """Tokens routed to each physical expert slot, [layers, num_slots] int32, from each MoE layer's routed slots
+    [rows, k] (MoE.__call__). One count over every layer: a count per layer was two kernels a layer (a memset and a
+    scatter-add) on a GPU, 48 of the Kimi-K2 rank step's ~900."""
+    layers = len(slots_per_layer)
+    flat = jnp.stack([s.reshape(-1) for s in slots_per_layer])  # [layers, rows * k]
+    flat = flat + (jnp.arange(layers, dtype=flat.dtype) * num_slots)[:, None]
+    return jnp.bincount(flat.reshape(-1), length=layers * num_slots).reshape(layers, num_slots).astype(jnp.int32)
+
+
 class ExpertMap(nnx.Variable):
     """Where each logical expert's replicas live among the physical expert slots (see eplb.py)."""
 
@@ -162,7 +173,8 @@ class MoE(nnx.Module):
         return tuple(jnp.swapaxes(w[...], 0, 1) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
 
     def __call__(self, x, loop_weights=None, rows: RowLayout | None = None, residual=None):
-        """-> (output like x, plus `residual` when given, tokens routed to each physical expert slot [num_slots] int32).
+        """-> (output like x, plus `residual` when given, the physical expert slots each real row was routed to
+        [rows, k] int32: `expert_counts` turns them into router statistics, every layer's in one count).
         `loop_weights`: this layer's loop_weights(), computed by a decode loop before its body; `rows`: the rows
         of a row-invariant pass (model/row_invariant.py): every row is routed, the padding rows to no expert, and the
         routed experts run a block of rows at a time like the rest."""
@@ -182,8 +194,7 @@ class MoE(nnx.Module):
             o = o if shared is None else o + shared(h)
             return r[0] + o if r else o
         out = rows.map(finish, x2d, out, *extra)
-        counts = jnp.bincount(rows.real(slots).reshape(-1), length=self.num_slots).astype(jnp.int32)
-        return out.reshape(x.shape), counts
+        return out.reshape(x.shape), rows.real(slots)
 
     def routed(self, x2d, indices, weights, loop_weights=None, impl: str = "auto"):
         """Routed experts; on a mesh each device computes its share and the shares are summed. `impl`: the grouped

@@ -11,7 +11,7 @@ from flax import nnx
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
 from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
-from kdtree_jax.model.moe import MoE
+from kdtree_jax.model.moe import MoE, expert_counts
 from kdtree_jax.model.row_invariant import RowLayout
 
 
@@ -40,7 +40,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_pages, layer: int, batch: AttentionBatch, impl: str,
                  loop_weights: LoopWeights | None = None, rows: RowLayout | None = None):
-        """-> (x, kv_pages, tokens per physical expert slot or None for a dense layer). x: [B, T, hidden], or the
+        """-> (x, kv_pages, the physical expert slots of each real row [rows, k], or None for a dense layer). x: [B, T, hidden], or the
         rows of a row-invariant pass (`rows`, model/row_invariant.py)."""
         lw = loop_weights
         rows = RowLayout(*x.shape[:2]) if rows is None else rows
@@ -51,8 +51,8 @@ class DecoderLayer(nnx.Module):
         if self.is_moe:
             normed = rows.map(self.post_attention_layernorm, x)
             with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
-                x, expert_counts = self.mlp(normed, None if lw is None else lw.experts, rows=rows, residual=x)
-            return x, kv_pages, expert_counts
+                x, slots = self.mlp(normed, None if lw is None else lw.experts, rows=rows, residual=x)
+            return x, kv_pages, slots
         return rows.map(lambda h: h + self.mlp(self.post_attention_layernorm(h)), x), kv_pages, None
 
 
@@ -126,17 +126,19 @@ class Transformer(nnx.Module):
         rows = RowLayout.of(*tokens.shape, row_invariant)
         cos, sin = (rows.flat(t) for t in rope_cos_sin(self.cfg, positions))
         x = rows.flat(self.embed(tokens))
-        captured, expert_counts = {}, []
+        captured, routed = {}, []
         for i, layer in enumerate(self.layers):
-            x, kv_pages, counts = layer(x, cos, sin, kv_pages, i, batch, impl,
-                                        None if loop_weights is None else loop_weights[i], rows)
-            if counts is not None:
-                expert_counts.append(counts)
+            x, kv_pages, slots = layer(x, cos, sin, kv_pages, i, batch, impl,
+                                       None if loop_weights is None else loop_weights[i], rows)
+            if slots is not None:
+                routed.append(slots)
             if i in hidden_layers:
                 captured[i] = rows.unflat(x)
         if hidden_layers:
             hidden = jnp.stack([captured[i] for i in hidden_layers])
         else:
             hidden = jnp.zeros((0,) + tokens.shape + x.shape[-1:], x.dtype)
-        counts = jnp.stack(expert_counts) if expert_counts else jnp.zeros((0, 0), jnp.int32)
+        moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
+        with jax.named_scope("moe"):
+            counts = expert_counts(routed, moe_layers[0].num_slots) if routed else jnp.zeros((0, 0), jnp.int32)
         return ForwardOutput(rows.unflat(rows.map(self.head, x)), hidden, kv_pages, counts)
