@@ -62,9 +62,11 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdtree_jax import runtime  # noqa: E402
 
-# Before JAX starts: the package's launch flags (programmatic dependent launch), with --row-invariant also the flags a
-# row-invariant step needs; XLA's own command buffers as they are (each timed program is one graph already).
-runtime.configure(command_buffers=False, row_invariant="--row-invariant" in sys.argv)
+# Before JAX starts: the engine's flags, so that the step loop runs as the engine's does: command buffers that capture
+# the while loop (KDTREE_JAX_COMMAND_BUFFERS=0 for the loop run from the host, one predicate copy and round trip a
+# step: ~0.8 ms of idle a 25-layer Kimi-K2 step on an H200, 2bc58a7), programmatic dependent launch, and with
+# --row-invariant the flags a row-invariant step needs.
+runtime.configure(row_invariant="--row-invariant" in sys.argv)
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +356,16 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     return row
 
 
+def command_buffer_note(meta: dict, rows: list) -> str:
+    """How the step loops ran: inside command buffers (as the engine's) or from the host (a round trip a step)."""
+    if "command_buffers" not in meta:
+        return ""  # a run from before the flag was recorded (it ran its loops from the host)
+    loops = sorted({r["host_driven_loops"] for r in rows if r.get("host_driven_loops") is not None})
+    return (" Step loops " + ("in command buffers (the while loop captured, as the engine runs it)"
+                              if meta["command_buffers"] else "run from the host (command buffers off, or a CPU)")
+            + (f"; while loops run from the host per step program: {', '.join(map(str, loops))}" if loops else "") + ".")
+
+
 def render(path: str) -> None:
     """Recompute the derived figures of a results JSON (e.g. after a change of formula) and its markdown."""
     with open(path + ".json") as fh:
@@ -552,6 +564,7 @@ def main(argv=None):
                        else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device, "layers": layers, "commit": git_commit(), "row_invariant": args.row_invariant,
+            "command_buffers": runtime.command_buffers_configured() and jax.default_backend() == "gpu",
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,
             "copy_bandwidth_TBps": bandwidth / 1e12,
             "preset": "tiny (smoke)" if args.smoke else "kimi-k2-tp8-rank",
@@ -724,7 +737,7 @@ def main(argv=None):
             steps_run = int(final.step)
             hist = np.asarray(final.accepted_hist)
             active = np.asarray(final.expert_load.device_active)  # [moe layers, devices], summed over steps
-            extra[key] = {"steps": steps_run,
+            extra[key] = {"steps": steps_run, "host_driven_loops": runtime.host_driven_loops(exe.as_text() or ""),
                           "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1)),
                           "moe_distinct_in_step": float(active.sum(-1).mean() / steps_run) if active.size else None}
             if args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"):
@@ -826,7 +839,7 @@ def write_markdown(path, meta, rows):
     lines = [f"# Decode steps at long context, {meta['preset']}, {meta['layers']} layers ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}. Bandwidth measured (TB/s): {bws}; floors use "
              f"{meta['floor_bandwidth']} ({meta['copy_bandwidth_TBps']:.2f} TB/s). Pool fill: {meta['fill']}. "
-             f"{meta['timing']}.", ""]
+             f"{meta['timing']}." + command_buffer_note(meta, rows), ""]
     if meta.get("timed_beside_compiles"):
         lines += [f"**Warning:** {meta['timed_beside_compiles']} compile(s) cut short by `--deadline-s` still ran while "
                   "the rows below were timed (XLA cannot stop a compile): their times may read slow. Rerun with a "

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "moe_device.cuh"
+#include "pdl.cuh"
 #include "moe_experts.h"
 
 namespace ffi = xla::ffi;
@@ -114,6 +115,8 @@ __device__ void gate_up_chunk(const Params& p, const Group& grp, int64_t row0, i
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(Params p) {
   __shared__ Reduction<2> red;
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   const int g = blockIdx.z, split = blockIdx.y;
   const int active = active_groups(p);  // blocks past it exit before touching any weight
   const int64_t h_begin = split * p.split_rows;
@@ -136,6 +139,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(Param
 // hidden = silu(gate) * up of the rows in groups, each sum taken over the splits in a fixed order (so the
 // result is deterministic, unlike atomics).
 __global__ void __launch_bounds__(256) moe_finish_kernel(Params p) {
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   const int64_t total = covered_rows(p, active_groups(p)) * p.I;
   for (int64_t idx = blockIdx.x * int64_t{256} + threadIdx.x; idx < total; idx += int64_t{gridDim.x} * 256) {
     const int64_t r = idx / p.I, c = idx % p.I;
@@ -166,6 +171,8 @@ __device__ void down_chunk(const Params& p, const Group& grp, int64_t row0, int 
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(Params p) {
   __shared__ Reduction<1> red;
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   const int g = blockIdx.y;
   const int active = active_groups(p);
   if (g == 0) {
@@ -235,6 +242,8 @@ __global__ void __launch_bounds__(kTableThreads) moe_group_table_kernel(const in
                                                                     int64_t R) {
   __shared__ int64_t warp_sums[32];
   __shared__ int64_t first_item[kTableThreads];  // this round: each expert's first item, relative to the round
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   __shared__ int32_t first_row[kTableThreads];
   __shared__ int32_t row_count[kTableThreads];
   int64_t items_before = 0, rows_before = 0;
@@ -280,15 +289,18 @@ __global__ void __launch_bounds__(kTableThreads) moe_group_table_kernel(const in
 
 template <bool kVec, int kMinBlocks>
 void launch(const Params& p, dim3 grid_gate_up, dim3 grid_down, cudaStream_t stream) {
-  moe_group_table_kernel<<<1, kTableThreads, 0, stream>>>(p.group_sizes, p.groups, p.num_active, p.E, p.M, p.G,
-                                                     p.rows_per_item);
+  // Programmatic dependents on compute capability 9.0+ (pdl.cuh): each kernel waits for the one before it first.
+  const bool pdl = kdtree::pdl_supported();
+  kdtree::launch_kernel(moe_group_table_kernel, dim3(1), dim3(kTableThreads), 0, stream, pdl, p.group_sizes, p.groups,
+                        p.num_active, p.E, p.M, p.G, p.rows_per_item);
   if (p.G > 0 && p.I > 0) {
-    moe_gate_up_kernel<kVec, kMinBlocks><<<grid_gate_up, kThreads, 0, stream>>>(p);
+    kdtree::launch_kernel(moe_gate_up_kernel<kVec, kMinBlocks>, grid_gate_up, dim3(kThreads), 0, stream, pdl, p);
     const int64_t blocks = (p.M * p.I + 255) / 256;
-    moe_finish_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(p);
+    kdtree::launch_kernel(moe_finish_kernel, dim3(static_cast<unsigned>(blocks < 1024 ? blocks : 1024)), dim3(256), 0,
+                          stream, pdl, p);
   }
   // Always launched: it also writes the zeros of rows outside every group.
-  moe_down_kernel<kVec, kMinBlocks><<<grid_down, kThreads, 0, stream>>>(p);
+  kdtree::launch_kernel(moe_down_kernel<kVec, kMinBlocks>, grid_down, dim3(kThreads), 0, stream, pdl, p);
 }
 
 // Blocks along the item axis of a kernel with `per_item` blocks per item (its tiles x splits): every item

@@ -6,7 +6,9 @@
 // around its two GEMV kernels (the sort, the row gather, the counts, the group table, the finish kernel, the
 // gather back and the weighted sum: ~10 launches) costs more than the GEMVs: K2's TP8-rank slice at T = 1 took
 // 71-77 us against a 20 us weight-read floor.  Here the pairs are read where the router left them:
-//   memset    the arrival counters
+//   kernel 0  zeroes the arrival counters (a kernel, not cudaMemsetAsync: in a CUDA graph a small memset became a
+//             memset node, and the node -> kernel hand-over left the GPU idle ~4.8 us a layer in the Kimi-K2 rank's
+//             T = 1 step on an H200, 2bc58a7)
 //   kernel 1  grid (I-tiles, H-splits, pairs): partial[s, pair, 0|1, tile] = x[pair / K][split s]·Wg|Wu[e][split s,
 //             tile]; the last of a (pair, tile)'s split blocks to finish adds the splits in order and writes
 //             hidden[pair, tile] = silu(g) * u
@@ -21,6 +23,8 @@
 // the Python side takes this op for few pairs only.  "Last to arrive": every block publishes its writes with a
 // fence before one atomic increment of the counter; the block that takes it to the total reads the others'
 // writes past L1.  Deterministic: every sum runs in a fixed order.  No host sync, no allocation: graph-safe.
+// On compute capability 9.0+ the three kernels are programmatic dependents (pdl.cuh): each waits for the one before
+// it before it reads or writes anything, so only the launches overlap.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +33,7 @@
 
 #include "moe_device.cuh"
 #include "moe_experts.h"
+#include "pdl.cuh"
 
 namespace ffi = xla::ffi;
 
@@ -73,10 +78,20 @@ __device__ __forceinline__ bool last_to_arrive(int32_t* counter, int expected) {
   return last;
 }
 
+__global__ void moe_pair_zero_kernel(int32_t* arrivals, int64_t n) {
+  kdtree::wait_for_previous_grid();  // the scratch may still be an earlier kernel's memory until it has finished
+  kdtree::allow_dependent_launch();
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    arrivals[i] = 0;
+  }
+}
+
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_gate_up_kernel(PairParams p) {
   static_assert(kThreads >= kTileCols, "a thread per column of the tile");
   __shared__ Reduction<2> red;
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   const int split = blockIdx.y;
   const int64_t tile = blockIdx.x, col0 = tile * kTileCols, col = col0 + threadIdx.x;
   const bool mine = threadIdx.x < kTileCols && col < p.I;
@@ -130,6 +145,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_gate_up_kernel(
 template <bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(PairParams p) {
   __shared__ Reduction<1> red;
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   const int64_t tile = blockIdx.x, col0 = tile * kTileCols, col = col0 + threadIdx.x;
   const bool mine = threadIdx.x < kTileCols && col < p.H;
   int32_t* token_arrivals = p.arrivals + p.P * p.i_tiles;
@@ -164,12 +181,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(Pai
 
 template <bool kVec, int kMinBlocks>
 void launch(const PairParams& p, cudaStream_t stream) {
+  const bool pdl = kdtree::pdl_supported();
+  const int64_t counters = p.P * p.i_tiles + p.T * p.h_tiles;
+  constexpr int kZeroThreads = 256;
+  const int64_t zero_blocks = (counters + kZeroThreads - 1) / kZeroThreads;
+  kdtree::launch_kernel(moe_pair_zero_kernel, dim3(static_cast<unsigned>(zero_blocks < 1024 ? zero_blocks : 1024)),
+                        dim3(kZeroThreads), 0, stream, pdl, p.arrivals, counters);
   const unsigned pair_blocks = static_cast<unsigned>(p.P < 65535 ? p.P : 65535);
   if (p.I > 0) {
-    moe_pair_gate_up_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits),
-                                                 pair_blocks), kThreads, 0, stream>>>(p);
+    kdtree::launch_kernel(moe_pair_gate_up_kernel<kVec, kMinBlocks>,
+                          dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits), pair_blocks),
+                          dim3(kThreads), 0, stream, pdl, p);
   }
-  moe_pair_down_kernel<kVec, kMinBlocks><<<dim3(static_cast<unsigned>(p.h_tiles), pair_blocks), kThreads, 0, stream>>>(p);
+  kdtree::launch_kernel(moe_pair_down_kernel<kVec, kMinBlocks>, dim3(static_cast<unsigned>(p.h_tiles), pair_blocks),
+                        dim3(kThreads), 0, stream, pdl, p);
 }
 
 using Pairs32 = ffi::Buffer<ffi::S32, 2>;
@@ -233,10 +258,6 @@ ffi::Error MoePairsCuda(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, 
   p.splits = static_cast<int>((H + p.split_rows - 1) / p.split_rows);
   const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.x) && aligned16(p.gate) && aligned16(p.up) &&
                    aligned16(p.down) && aligned16(p.hidden);
-  if (cudaError_t err = cudaMemsetAsync(p.arrivals, 0, sizeof(int32_t) * (P * i_tiles + T * h_tiles), stream);
-      err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("moe_pairs (CUDA): memset: ") + cudaGetErrorString(err));
-  }
   if (vec && blocks_per_sm == 4) {
     launch<true, 4>(p, stream);
   } else if (vec) {

@@ -176,26 +176,6 @@ def test_cuda_lowering_calls_the_op(logits_f32):
     assert topk_ops.TARGET not in lower(logits_f32, topk_ops.MAX_K + 1)
 
 
-def routing_choices(rng, rows, experts=384):
-    """An MoE router's selection scores (sigmoid + bias, as Kimi K2 / DeepSeek-V3 choose), with exact ties planted
-    (equal scores: lax.top_k takes the lower index first) and, in one row, every expert tied."""
-    choice = 1 / (1 + np.exp(-rng.standard_normal((rows, experts)))) + rng.uniform(-0.1, 0.1, experts)
-    choice = choice.astype(np.float32)
-    choice[:, 7::50] = choice[:, 5:6]  # ties with expert 5, some inside the top k
-    choice[-1] = 0.5
-    return jnp.asarray(choice)
-
-
-def test_top_k_indices_is_lax_top_k(rng=np.random.default_rng(11)):
-    """The router's top-k: the indices of lax.top_k as a set, in any backend (here the XLA path), ties included."""
-    choice = routing_choices(rng, 33)
-    for k in (1, 8, topk_ops.MAX_K + 1):  # past MAX_K: lax.top_k itself
-        got = np.asarray(jax.jit(topk_ops.top_k_indices, static_argnums=1)(choice, k))
-        want = np.asarray(jax.lax.top_k(choice, k)[1])
-        assert got.dtype == np.int32
-        np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
-
-
 # ---------------------------------------------------------------------------------------------------------- GPU
 
 def poison_allocator(*shapes_and_dtypes):
@@ -345,24 +325,3 @@ def test_compute_sanitizer_is_clean(tool):
     returncode, log = run_compute_sanitizer(tool, SANITIZER_SCRIPT, "log_softmax_top_k")
     assert "SANITIZER-CASE-OK" in log, log[-4000:]
     assert returncode == 0 and SANITIZER_CLEAN[tool] in log, log[-4000:]
-
-
-@pytest.mark.gpu
-@needs_cuda_op
-@pytest.mark.parametrize("rows", [1, 9, 33, 256])
-def test_cuda_top_k_indices_is_lax_top_k_as_a_set(rows):
-    """On a GPU the router's top-k runs the kernel: the same set as lax.top_k's (exact ties by the lower index, a
-    row of equal scores), each index once, in a jitted while_loop (a CUDA graph) too."""
-    choice = routing_choices(np.random.default_rng(rows), rows)
-    poison_allocator(((rows, 8), jnp.float32), ((rows, 8), jnp.int32))
-    fn = jax.jit(topk_ops.top_k_indices, static_argnums=1)
-    assert topk_ops.TARGET in fn.lower(choice, 8).as_text()
-    want = np.sort(np.asarray(jax.lax.top_k(choice, 8)[1]), -1)
-    np.testing.assert_array_equal(np.sort(np.asarray(fn(choice, 8)), -1), want)
-
-    @jax.jit
-    def looped(c):  # the input of each round depends on the carry: no round is hoisted
-        def body(i, acc):
-            return acc + topk_ops.top_k_indices(c + (acc[:, :1] * 0).astype(c.dtype), 8)
-        return jax.lax.fori_loop(0, 3, body, jnp.zeros(c.shape[:1] + (8,), jnp.int32))
-    np.testing.assert_array_equal(np.sort(np.asarray(looped(choice)), -1), 3 * want)

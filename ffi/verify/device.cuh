@@ -13,7 +13,7 @@
 
 #include "../verify_attention.h"
 #include "params.h"
-#include "pdl.cuh"
+#include "../pdl.cuh"
 
 namespace kdtree::verify {
 

@@ -14,7 +14,6 @@ from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import moe as moe_ops
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
-from kdtree_jax.ops.topk import top_k_indices
 from kdtree_jax.sharding import MeshLayout
 
 
@@ -36,7 +35,7 @@ def route(router_logits, bias, cfg: ModelConfig):
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
         # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
-    indices = top_k_indices(choice, cfg.num_experts_per_tok)  # a set: its order does not matter below
+    _, indices = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)

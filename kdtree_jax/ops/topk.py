@@ -112,20 +112,5 @@ def log_softmax_top_k(logits, k: int, temperature: float = 1.0, impl: str = "aut
     return jax.lax.platform_dependent(logits, cuda=cuda, default=xla)
 
 
-def top_k_indices(x, k: int):
-    """The indices of jax.lax.top_k(x, k) over the last axis ([..., k] int32), for float32 / bfloat16 x: on a GPU
-    (when `kernel_applies`) the fused kernel's, whose selection is exact on x with lax.top_k's tie order (the larger
-    value first, equal ones by the lower index); elsewhere lax.top_k's.  Inside the k the kernel orders by log-prob,
-    so two values that round to the same log-prob may come in the other order than lax.top_k's: for a caller that
-    uses the k as a set (an MoE router), the same result.
-
-    Why: XLA lowers a small top-k to a sort of the whole row, ~5.5 us per call on an H200 at Kimi K2's 384 experts
-    (24 a decode step), where the fused kernel reads the row once."""
-    if not kernel_applies(x, k):
-        return jax.lax.top_k(x, k)[1].astype(jnp.int32)
-    return jax.lax.platform_dependent(x, cuda=lambda v: cuda_log_softmax_top_k(v, k)[1],
-                                      default=lambda v: jax.lax.top_k(v, k)[1].astype(jnp.int32))
-
-
-__all__ = ["log_softmax_top_k", "top_k_indices", "xla_log_softmax_top_k", "cuda_log_softmax_top_k", "cuda_built", "kernel_applies",
+__all__ = ["log_softmax_top_k", "xla_log_softmax_top_k", "cuda_log_softmax_top_k", "cuda_built", "kernel_applies",
            "MAX_K", "IMPLS"]
