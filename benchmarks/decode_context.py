@@ -356,6 +356,15 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     return row
 
 
+def one_step_left(state):
+    """The loop state with every sequence one step from its token limit, so that the compiled decode loop runs exactly
+    one step, the same work as any (positions come from the caches, not from the output count). The profile takes
+    one step this way: where a command buffer replays the loop, the trace held the kernels of about one iteration
+    of the eight the loop ran (114 a step against the step's ~870, H200, jaxlib 0.11.2, 23f2872)."""
+    limit = state.out.shape[1] - state.accepted_hist.shape[0]
+    return state._replace(num_out=jnp.full_like(state.num_out, limit - 1))
+
+
 def command_buffer_note(meta: dict, rows: list) -> str:
     """How the step loops ran: inside command buffers (as the engine's) or from the host (a round trip a step)."""
     if "command_buffers" not in meta:
@@ -743,10 +752,10 @@ def main(argv=None):
             if args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"):
                 try:
                     final = None
-                    s = jax.tree.map(jnp.copy, job.args[2])
+                    s = one_step_left(jax.tree.map(jnp.copy, job.args[2]))
                     first = not any("profile" in e for e in extra.values())  # keep raw stats of one trace
-                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), steps=steps_run,
-                                                         sample=12 if first else 0)
+                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s),
+                                                         steps_of=lambda out: out.step, sample=12 if first else 0)
                 except Exception as e:  # a failed profile leaves the timing and the components timed alone
                     extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
                     log(f"profile of {key}: {extra[key]['profile_error']}")
@@ -851,7 +860,8 @@ def write_markdown(path, meta, rows):
              f"{rm['drafter_full']['num_kv_heads']} / {rm['drafter_full']['intermediate_size']}), fc "
              f"{rm['drafter_fc']}, the head slice shared. Not modelled: {rm['not_modelled']}.", "",
              "Times in ms, floors in parentheses (bytes / bandwidth). Parts: kernel time inside the timed step, "
-             "from a profile of one run of it (kdtree_jax/profiling.py), on rows marked * ; otherwise each part "
+             "from a profile of one step of it (one run of the loop with one step left; kdtree_jax/profiling.py), "
+             "on rows marked * ; otherwise each part "
              "timed alone in its own loop. Unaccounted: the step less the parts. Tree+accept+commit [build / "
              "acceptance]: the brackets are timed alone.", "",
              "| L | T | attention | tau | step (floor) | step / floor | attention (floor) share | MoE (floor) | "

@@ -118,11 +118,20 @@ def row_invariant_configured() -> bool:
     return True
 
 
-def host_driven_loops(hlo_text: str) -> int:
-    """While loops of a compiled program (`Compiled.as_text()`) that no command buffer captures. On a GPU each runs
-    from the host, its predicate copied to the host every iteration; XLA outlines a captured loop into a computation
-    named `command_buffer...` (or called by an instruction of that name). On a CPU every loop counts (the CPU runs
-    them from the host, in host memory, where that costs nothing)."""
+def host_driven_loops(hlo_text: str, configured: bool | None = None) -> int | None:
+    """While loops of a compiled program (`Compiled.as_text()`) that no command buffer captures, or None when the
+    text cannot say. On a GPU each such loop runs from the host, its predicate copied to the host every iteration.
+    XLA versions that form command buffers as an HLO pass outline a captured loop into a computation named
+    `command_buffer...` (or called by an instruction of that name), and those are counted here. Newer ones (jaxlib
+    0.11) convert the program's thunks after the HLO: their text shows no command buffer at all even where the loop
+    is captured (on an H200 XLA's log said "WhileThunk: while.22" for the engine's chunk loop, whose HLO has no
+    command_buffer), so a text without one, from a process that asked for loop capture (`configured`, default
+    `command_buffers_configured()`), gives None. On a CPU every loop counts (the CPU runs them from the host, in host
+    memory, where that costs nothing)."""
+    if configured is None:
+        configured = command_buffers_configured()
+    if configured and "command_buffer" not in hlo_text:
+        return None
     computations, current = {}, None
     for line in hlo_text.splitlines():
         header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)

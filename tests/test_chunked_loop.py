@@ -228,7 +228,12 @@ ENTRY %main (x: f32[3]) -> f32[3] {
   ROOT %w3 = (s32[]) while(%t), condition=%c3, body=%b3
 }
 """
-    assert runtime.host_driven_loops(text) == 1
-    assert runtime.host_driven_loops(text.replace("  ROOT %w3 = (s32[]) while(%t), condition=%c3, body=%b3\n", "")) == 0
+    for configured in (False, True):
+        assert runtime.host_driven_loops(text, configured) == 1
+        assert runtime.host_driven_loops(text.replace("  ROOT %w3 = (s32[]) while(%t), condition=%c3, body=%b3\n", ""),
+                                         configured) == 0
     f = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)))
-    assert runtime.host_driven_loops(f.lower(np.ones(3, np.float32)).compile().as_text()) == 1
+    compiled = f.lower(np.ones(3, np.float32)).compile().as_text()
+    assert runtime.host_driven_loops(compiled, configured=False) == 1
+    # Loop capture asked for, and a text without any command buffer: an XLA that converts after the HLO; unknown.
+    assert runtime.host_driven_loops(compiled, configured=True) is None

@@ -904,7 +904,8 @@ _HOST_LOOPS: dict = {}  # (models' structure, spec, chunk steps, state shapes) -
 
 def _host_driven_loops(compiled, key) -> Optional[int]:
     """On a GPU, the compiled loop's while loops that no command buffer captures (each copies its predicate to the
-    host every step), once per program; None on other backends (their loops run from the host by design)."""
+    host every step), once per program; None on other backends (their loops run from the host by design) and where
+    the program's text cannot say (runtime.host_driven_loops: jaxlib 0.11 forms command buffers after the HLO)."""
     if jax.default_backend() != "gpu":
         return None
     if key not in _HOST_LOOPS:
