@@ -43,8 +43,9 @@ ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotu
 # while the one before it finishes and waits only where it reads that kernel's results, which hides most of the ~1 us gap
 # between dependent kernels of a CUDA graph. A decode step is ~900 small kernels: on the H200 the Kimi-K2 TP8-rank
 # step (25 layers, 64k) went 4.63 -> 4.26 ms at T = 1 and 9.33 -> 9.12 ms at T = 9 with it (bb6a90d,
-# benchmarks/results/history/decode_context_h200_25layers_64k_pdl_ab_bb6a90d_{nopdl,pdl}.md). The verify kernels take part
-# (ffi/verify/pdl.cuh); the other custom calls launch plainly and so wait for their predecessors in full.
+# benchmarks/results/history/decode_context_h200_25layers_64k_pdl_ab_bb6a90d_{nopdl,pdl}.md). The verify kernels and the
+# MoE ops' kernels take part (ffi/pdl.cuh; the MoE ops since 23f2872: the K2 step at T = 9 -0.32 ms,
+# benchmarks/results/history/k2_step_ab_h200_session20.md); the top-k kernel launches plainly.
 LAUNCH_FLAGS = (("xla_gpu_enable_pdl", "true"),)
 # XLA aborts on a flag it does not know; 0.10.2 is the oldest jaxlib checked to have this one (pyproject allows 0.10).
 LAUNCH_FLAGS_SINCE = (0, 10, 2)

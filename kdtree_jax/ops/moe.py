@@ -17,7 +17,7 @@ dim, their sum + SwiGLU, and the down projection.  With many rows per expert (pr
 `CUDA_MAX_ROWS` rows.
 
 A third path skips the sort altogether: `pair_expert_mlp` (ffi/moe_pairs.cu) takes the router's (token, choice)
-pairs where they are and returns each token's weighted sum, in a memset and two kernels.  With few pairs (an
+pairs where they are and returns each token's weighted sum, in three kernels (one zeroes its arrival counters).  With few pairs (an
 autoregressive step, a short verify pass) nearly every pair has its own expert, and the sorted op's bookkeeping (the
 sort, the row gather, the counts, the table, the finish kernel, the gather back and the combine: ~10 launches) cost
 more than its GEMVs: on an H200, K2's TP8-rank slice at T = 1 went from 79 to 57 us a call in-loop (kernels 38 us
