@@ -763,7 +763,9 @@ def render(result: dict) -> str:
             lines.append("")
             gapped = [r for r in profiled if r["step_profile"].get("idle_gaps") and m["backend"] != "cpu"]
             if gapped:
-                lines += ["Largest idle gaps per step, by the kernels around them (ms per step, gaps per step):", ""]
+                lines += ["Largest idle gaps per step in the profiled call, by the kernels around them (ms per step, gaps "
+                          "per step; that call is the loop's first, XLA's warm-up of its command buffer, so these are gaps "
+                          "between launches from the host, not the replayed graph's):", ""]
                 for r in gapped:
                     lines.append(f"- {r['decoder']}: " + "; ".join(
                         f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["step_profile"]["idle_gaps"][:5]))

@@ -869,6 +869,12 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
     step_profile = None
     if profile:
+        # The profiled call is the compiled loop's first: on a GPU XLA runs it as the command buffer's warm-up (its log:
+        # "Executing warm up iteration of command buffer thunk"), seemingly thunk by thunk (the H200 trace held every
+        # iteration's kernels and a predicate copy a step), so the kernel times hold but the gaps between them are
+        # those of launches from the host, not of the graph the timed calls replay.
+        # (A later call replays the graph, where the trace held about one iteration of a captured loop:
+        # benchmarks/decode_context.py profiles one step for that reason.)
         copy = jax.tree.map(jnp.copy, state)  # the loop donates its state
         step_profile = profiling.profile_call(loop, (*args, copy), steps_of=steps_of)
         del copy
