@@ -242,10 +242,10 @@ __global__ void __launch_bounds__(kTableThreads) moe_group_table_kernel(const in
                                                                     int64_t R) {
   __shared__ int64_t warp_sums[32];
   __shared__ int64_t first_item[kTableThreads];  // this round: each expert's first item, relative to the round
-  kdtree::wait_for_previous_grid();
-  kdtree::allow_dependent_launch();
   __shared__ int32_t first_row[kTableThreads];
   __shared__ int32_t row_count[kTableThreads];
+  kdtree::wait_for_previous_grid();
+  kdtree::allow_dependent_launch();
   int64_t items_before = 0, rows_before = 0;
   for (int64_t e0 = 0; e0 < E; e0 += kTableThreads) {
     const int64_t e = e0 + threadIdx.x;

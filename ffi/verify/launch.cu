@@ -2,6 +2,7 @@
 // safe inside CUDA graph capture (XLA command buffers).
 #include <mutex>
 
+#include "../pdl.cuh"
 #include "kernels.h"
 
 namespace kdtree::verify {
@@ -12,7 +13,6 @@ std::once_flag setup_once[kMaxDevices];
 cudaError_t setup_status[kMaxDevices];
 int optin_smem[kMaxDevices];
 bool hopper_ok[kMaxDevices];
-bool pdl_ok[kMaxDevices];  // programmatic dependent launch: compute capability 9.0 and later
 
 #if defined(KDTREE_WITH_HOPPER)
 constexpr bool kHopperBuilt = true;
@@ -29,7 +29,6 @@ cudaError_t ensure_setup(int device) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
     optin_smem[device] = smem;
-    pdl_ok[device] = major >= 9;
     if (err == cudaSuccess) err = wide_kernel_setup();
     if (err == cudaSuccess && smem >= pipelined_kernel_smem_bytes()) err = pipelined_kernel_setup();
 #if defined(KDTREE_WITH_HOPPER)
@@ -58,7 +57,7 @@ int64_t resolve_variant(int64_t requested, int64_t rows, int device) {
 cudaError_t launch_verify(const Params& p, int64_t batch, int64_t variant, int device, cudaStream_t stream, bool main,
                           bool merge) {
   if (cudaError_t err = ensure_setup(device); err != cudaSuccess) return err;
-  const bool pdl = pdl_ok[device];
+  const bool pdl = kdtree::pdl_supported();  // `device` is the current device (api.cu asks it)
   if (main) {
     switch (variant) {
       case kWide: launch_wide_kernel(p, batch, stream, pdl); break;
