@@ -356,15 +356,6 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     return row
 
 
-def one_step_left(state):
-    """The loop state with every sequence one step from its token limit, so that the compiled decode loop runs exactly
-    one step, the same work as any (positions come from the caches, not from the output count). The profile takes
-    one step this way: where a command buffer replays the loop, the trace held the kernels of about one iteration
-    of the eight the loop ran (114 a step against the step's ~870, H200, jaxlib 0.11.2, 23f2872)."""
-    limit = state.out.shape[1] - state.accepted_hist.shape[0]
-    return state._replace(num_out=jnp.full_like(state.num_out, limit - 1))
-
-
 def command_buffer_note(meta: dict, rows: list) -> str:
     """How the step loops ran: inside command buffers (as the engine's) or from the host (a round trip a step)."""
     if "command_buffers" not in meta:
@@ -752,9 +743,11 @@ def main(argv=None):
             if args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"):
                 try:
                     final = None
-                    s = one_step_left(jax.tree.map(jnp.copy, job.args[2]))
+                    s = engine.one_step_left(jax.tree.map(jnp.copy, job.args[2]))
                     first = not any("profile" in e for e in extra.values())  # keep raw stats of one trace
-                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s),
+                    # The one-step run does the call's set-up once, as the timed eight-step call does: that work
+                    # counts an eighth a step (call_steps), as in the timed step.
+                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), call_steps=steps_run,
                                                          steps_of=lambda out: out.step, sample=12 if first else 0)
                 except Exception as e:  # a failed profile leaves the timing and the components timed alone
                     extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -903,7 +896,9 @@ def write_markdown(path, meta, rows):
                  ("head_ms", "head"), ("tree_accept_commit_ms", "tree+accept+commit")]
         lines += ["", "Inside the step (profile) vs alone (own loop), ms per step; other: kernels outside the "
                   "named parts (embedding, pool writes, the loop's bookkeeping); idle: the step less the union of its "
-                  "kernels (launch gaps); kernels: per step.", "",
+                  "kernels (launch gaps, and the call's launch spread over its steps); kernels: per step. The profile "
+                  "is of a one-step run of the loop; the kernels outside the loop (set-up a call does once) count "
+                  "1/steps of the timed call a step, as in the timed step.", "",
                   "| L | T | attention | " + " | ".join(n for _, n in names[1:]) + " | other | idle | step | kernels |",
                   "|---|---|" + "---|" * (len(names) + 4)]
         for r in profiled:

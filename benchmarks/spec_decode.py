@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
                         "which lets a CUDA graph capture the decode loop on a GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="profile each decoder's warm-up call: a step's kernel time by part (drafter, tree, the verify "
+                   help="profile one step of each decoder's loop (a one-step call after the warm-up, the graph replayed as in the timed calls): a step's kernel time by part (drafter, tree, the verify "
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")
@@ -748,7 +748,8 @@ def render(result: dict) -> str:
         profiled = [r for r in sub if r.get("step_profile")]
         if profiled:
             parts = ("drafter", "tree_accept_commit", "attention", "moe", "dense", "head", "other")
-            lines += [f"Where a step goes ({label}; ms of kernels per step by part, from one profiled warm-up call; "
+            lines += [f"Where a step goes ({label}; ms of kernels per step by part, from a profiled one-step call after the warm-up, the "
+                      "chunk's set-up outside its loop counted once a chunk; "
                       + ("on a CPU thunks overlap and the profiler slows them, so the parts need not add up to the step"
                          if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels") + "):", "",
                       "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle "
@@ -763,9 +764,9 @@ def render(result: dict) -> str:
             lines.append("")
             gapped = [r for r in profiled if r["step_profile"].get("idle_gaps") and m["backend"] != "cpu"]
             if gapped:
-                lines += ["Largest idle gaps per step in the profiled call, by the kernels around them (ms per step, gaps "
-                          "per step; that call is the loop's first, XLA's warm-up of its command buffer, so these are gaps "
-                          "between launches from the host, not the replayed graph's):", ""]
+                lines += ["Largest idle gaps in the profiled call, by the kernels around them (ms per step, gaps "
+                          "per step; the profiled call is one step, so a gap once a call counts whole, e.g. the launch of the "
+                          "chunk's graph):", ""]
                 for r in gapped:
                     lines.append(f"- {r['decoder']}: " + "; ".join(
                         f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["step_profile"]["idle_gaps"][:5]))

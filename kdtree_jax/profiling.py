@@ -72,15 +72,18 @@ class HloIndex:
     instruction's name with "." and "-" as "_") -> instruction."""
 
     _INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-    _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+    _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
     def __init__(self, hlo_text: str):
         self.op_name, self.opcode, self.target, self.place, self.order = {}, {}, {}, {}, {}
+        self.entry = None  # the ENTRY computation: its instructions run once a call, outside every loop
         computation = None
         for line in hlo_text.splitlines():
             if (m := self._COMPUTATION.match(line)) is not None:
-                computation = m.group(1)
+                computation = m.group(2)
                 self.order[computation] = []
+                if m.group(1):
+                    self.entry = computation
                 continue
             if computation is None or (m := self._INSTR.match(line)) is None:
                 continue
@@ -142,6 +145,18 @@ def kernel_events(xspace_path: str, module_names=(), sample: int = 0):
     return events, [{"kernel": k[:100], **v} for k, v in seen.items()]
 
 
+def _weight(event) -> float:
+    """How many times an event counts (`profile_call` weighs the kernels outside the loops; 1 otherwise)."""
+    return event[6] if len(event) > 6 else 1.0
+
+
+def outside_loops(event, hlo: HloIndex) -> bool:
+    """Whether a kernel comes from the program's ENTRY computation, outside every loop: work a call does once
+    (set-up before its loop, results after it) whatever the number of steps its loop runs."""
+    instr = resolve(event, hlo)[2] or (event[5] if event[5] in hlo.place else None)
+    return instr is not None and hlo.entry is not None and hlo.place[instr][0] == hlo.entry
+
+
 def busy_ns(events) -> float:
     """Length of the union of the events' intervals (kernels that overlap count once)."""
     total, end = 0.0, None
@@ -193,7 +208,7 @@ def resolve(event, hlo: HloIndex):
     """(component, how, instruction or None) of one kernel, or (None, None, None): by XLA's annotation (its
     op_name path), by the instruction it names, by its kernel name (XLA names a fusion's kernel after the
     instruction), or, for this project's own CUDA kernels (FFI custom calls), by their names."""
-    _, _, _, name, op_name, hlo_op = event
+    name, op_name, hlo_op = event[3:6]
     if op_name:
         return component_of(op_name), "annotation", hlo_op if hlo_op in hlo.place else None
     if hlo_op in hlo.op_name:
@@ -266,7 +281,7 @@ def attribute(events, hlo: HloIndex):
             if component is None:
                 component, how = (last or "other"), ("previous kernel" if last else "none")
             last = component
-            ns = line_events[i][2] - line_events[i][1]
+            ns = (line_events[i][2] - line_events[i][1]) * _weight(line_events[i])
             out[component] += ns
             how_ns[how] = how_ns.get(how, 0.0) + ns
             kernel = kernel_family(line_events[i][3])
@@ -275,7 +290,7 @@ def attribute(events, hlo: HloIndex):
             for table, key in ((families, kernel), (ops, f"{kernel} <- {op}")):
                 entry = table[component].setdefault(key, [0.0, 0])
                 entry[0] += ns
-                entry[1] += 1
+                entry[1] += _weight(line_events[i])
     return out, how_ns, families, ops
 
 
@@ -302,17 +317,29 @@ def trace_kernels(compiled, args, sample: int = 0):
     return output, events, stats_sample
 
 
-def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None) -> dict:
+def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None, call_steps=None) -> dict:
     """Run compiled(*args) once under the profiler; kernel time per component per step (ms), the union of the
     kernel intervals per step ("busy_ms"), the kernel count, how the kernels were attributed ("resolved_ms"),
     and each component's largest kernel families ("top_kernels": [name, ms, launches] per step) and kernel families by
     the op they serve ("top_ops": "kernel family <- op family", the op_name's last scopes; "?" where none resolved). `compiled`: a jax Compiled (its HLO text maps instructions to
     op_names). sample: include that many kernels' raw stats; steps_of: a
-    function of the program's output giving the steps to divide by (instead of `steps`)."""
+    function of the program's output giving the steps to divide by (instead of `steps`); call_steps: the steps of
+    the call the profile stands for, when the profiled run is shorter (a one-step run of a loop timed at eight steps
+    a call): the kernels outside the program's loops (`outside_loops`) run once a call, so they count 1/call_steps
+    a step instead of 1/steps ("outside_loops": their kernels and ms a call)."""
     output, events, stats_sample = trace_kernels(compiled, args, sample)  # attribute() clips them per stream
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")
+    outside = [ev for ev in events if call_steps and outside_loops(ev, index)]
+    if outside:
+        inside = [ev for ev in events if not (call_steps and outside_loops(ev, index))]
+        weight = steps / call_steps
+        events = inside + [(*ev[:6], weight) for ev in outside]
+        busy = busy_ns(inside) + busy_ns(outside) * weight
+        kernels = len(inside) + len(outside) * weight
+    else:
+        busy, kernels = busy_ns(events), len(events)
     by_component, how_ns, families, ops = attribute(events, index)
 
     def largest(tables, count):  # per component: its `count` largest entries, ms and launches per step
@@ -322,13 +349,15 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None)
     result = {"source": "device kernels" if jax.default_backend() == "gpu" else "host thunks",
               "components_ms": {k: v / steps / 1e6 for k, v in by_component.items()},
               "kernel_sum_ms": sum(by_component.values()) / steps / 1e6,
-              "busy_ms": busy_ns(events) / steps / 1e6,
+              "busy_ms": busy / steps / 1e6,
               "steps": steps,
-              "kernels_per_step": len(events) / steps,
+              "kernels_per_step": kernels / steps,
               "resolved_ms": {k: v / steps / 1e6 for k, v in how_ns.items()},
               "top_kernels": largest(families, 6),
               "top_ops": largest(ops, 12),
               "idle_gaps": largest({"idle": idle_gaps(events)}, 12).get("idle", [])}
+    if call_steps:
+        result["outside_loops"] = {"kernels": len(outside), "ms_per_call": busy_ns(outside) / 1e6, "call_steps": call_steps}
     if sample:
         result["stats_sample"] = stats_sample
     return result

@@ -121,3 +121,25 @@ def test_idle_gaps_charged_to_the_kernels_around_them():
     gaps = profiling.idle_gaps(events)
     assert gaps == {"fusion -> moe_pair_gate_up_kernel<true, 4>": [3 * us, 1], "fusion -> fusion": [3 * us, 2]}
     assert sum(v[0] for v in gaps.values()) == 44 * us - profiling.busy_ns(events)
+
+
+def test_kernels_outside_the_loop_count_once_a_call():
+    """call_steps: a profiled run shorter than the call it stands for counts the kernels of the ENTRY computation
+    (set-up before the loop) once a call, 1/call_steps a step, and the loop's kernels per profiled step."""
+    @jax.jit
+    def program(x):
+        y = jnp.sin(x) * 3.0  # outside the loop: once a call
+        return jax.lax.fori_loop(0, 2, lambda i, y: jnp.tanh(y @ y), y)
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(64, 64)), jnp.float32)
+    compiled = program.lower(x).compile()
+    compiled(x).block_until_ready()
+    index = profiling.HloIndex(compiled.as_text())
+    assert index.entry is not None and index.entry in index.order
+    plain = profiling.profile_call(compiled, (x,), steps=2)
+    weighed = profiling.profile_call(compiled, (x,), steps=2, call_steps=8)
+    outside = weighed["outside_loops"]["kernels"]
+    assert outside >= 1 and weighed["outside_loops"]["call_steps"] == 8
+    total = plain["kernels_per_step"] * 2
+    assert weighed["kernels_per_step"] == pytest.approx((total - outside) / 2 + outside / 8)
+    assert 0 < weighed["busy_ms"] <= weighed["kernel_sum_ms"] + 1e-9

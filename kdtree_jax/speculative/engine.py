@@ -846,6 +846,15 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
     return state, (drafter if req.use_drafter else None), t_prefill
 
 
+def one_step_left(state: LoopState) -> LoopState:
+    """The state with every sequence one step from its token limit, so that a compiled loop runs exactly one step,
+    the same work as any (positions come from the caches, not from the output count). Profiles take one step this
+    way: where a command buffer replays a captured loop, the trace held the kernels of about one iteration of the
+    eight the loop ran (114 a step against the step's ~870, Kimi-K2 rank on an H200, jaxlib 0.11.2, 23f2872)."""
+    limit = state.out.shape[1] - state.accepted_hist.shape[0]
+    return state._replace(num_out=jnp.full_like(state.num_out, limit - 1))
+
+
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
               chunk_steps: int = 0, on_chunk=None, on_progress=None):
     """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
@@ -869,14 +878,15 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
     step_profile = None
     if profile:
-        # The profiled call is the compiled loop's first: on a GPU XLA runs it as the command buffer's warm-up (its log:
-        # "Executing warm up iteration of command buffer thunk"), seemingly thunk by thunk (the H200 trace held every
-        # iteration's kernels and a predicate copy a step), so the kernel times hold but the gaps between them are
-        # those of launches from the host, not of the graph the timed calls replay.
-        # (A later call replays the graph, where the trace held about one iteration of a captured loop:
-        # benchmarks/decode_context.py profiles one step for that reason.)
-        copy = jax.tree.map(jnp.copy, state)  # the loop donates its state
-        step_profile = profiling.profile_call(loop, (*args, copy), steps_of=steps_of)
+        # A compiled loop's first call is, on a GPU, XLA's warm-up of its command buffer (its log: "Executing warm up
+        # iteration of command buffer thunk"), run thunk by thunk, with the gaps of launches from the host; later calls
+        # replay the graph, where the trace holds about one iteration of a captured loop. So: one unprofiled call,
+        # then a profiled one-step call (one_step_left), whose set-up outside the loop counts once a chunk (once a
+        # step where one call runs the whole decode, chunk_steps 0: its length is not known yet).
+        # (The states are copies: the loop donates its state.)
+        jax.block_until_ready(loop(*args, one_step_left(jax.tree.map(jnp.copy, state))))
+        copy = one_step_left(jax.tree.map(jnp.copy, state))
+        step_profile = profiling.profile_call(loop, (*args, copy), steps_of=steps_of, call_steps=chunk_steps or None)
         del copy
     t1 = time.perf_counter()
     if chunk_steps:
