@@ -896,16 +896,21 @@ def write_markdown(path, meta, rows):
                  ("head_ms", "head"), ("tree_accept_commit_ms", "tree+accept+commit")]
         lines += ["", "Inside the step (profile) vs alone (own loop), ms per step; other: kernels outside the "
                   "named parts (embedding, pool writes, the loop's bookkeeping); idle: the step less the union of its "
-                  "kernels (launch gaps, and the call's launch spread over its steps); kernels: per step. The profile "
-                  "is of a one-step run of the loop; the kernels outside the loop (set-up a call does once) count "
-                  "1/steps of the timed call a step, as in the timed step.", "",
-                  "| L | T | attention | " + " | ".join(n for _, n in names[1:]) + " | other | idle | step | kernels |",
-                  "|---|---|" + "---|" * (len(names) + 4)]
+                  "kernels; in the step: of that, the GPU's idle time between the first and the last kernel of the profiled "
+                  "step (the graph's own gaps; the rest is the call's: its launch and the host, spread over its "
+                  "steps, which moves with the host from run to run); kernels: per step. The profile is of a one-step "
+                  "run of the loop; the kernels outside the loop (set-up a call does once) count 1/steps of the timed "
+                  "call a step, as in the timed step.", "",
+                  "| L | T | attention | " + " | ".join(n for _, n in names[1:])
+                  + " | other | idle | in the step | step | kernels |",
+                  "|---|---|" + "---|" * (len(names) + 5)]
         for r in profiled:
             cells = " | ".join(f"{r[k]:.3f} / {r['alone_ms'][k]:.3f}" if r["alone_ms"].get(k) is not None
                                else f"{r[k]:.3f} / –" for k, _ in names)
+            in_step = r["profile"].get("loop_idle_ms")
+            in_step = "–" if in_step is None else f"{in_step:.3f} ({100 * in_step / r['step_ms']:.1f}%)"
             lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
-                         f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {r['profile']['kernels_per_step']:.0f} |")
+                         f"{r['idle_ms']:.3f} | {in_step} | {r['step_ms']:.3f} | {r['profile']['kernels_per_step']:.0f} |")
     shown = next((r for r in profiled if (r["context"], r["nodes"], r["impl"]) == (65536, 9, "auto")),
                  profiled[0] if profiled else None)
     if shown is not None and shown["profile"].get("top_kernels"):

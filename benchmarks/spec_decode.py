@@ -751,15 +751,20 @@ def render(result: dict) -> str:
             lines += [f"Where a step goes ({label}; ms of kernels per step by part, from a profiled one-step call after the warm-up, the "
                       "chunk's set-up outside its loop counted once a chunk; "
                       + ("on a CPU thunks overlap and the profiler slows them, so the parts need not add up to the step"
-                         if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels") + "):", "",
+                         if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels; in the step: "
+                         "of that, the GPU's idle time between the first and the last kernel of the profiled step, the "
+                         "graph's own gaps (the rest is the chunk's launch and the host's reads, spread over its steps)")
+                      + "):", "",
                       "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle "
-                      "| kernels / step |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| in the step | kernels / step |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in profiled:
                 prof = r["step_profile"]
+                in_step = prof.get("loop_idle_ms")
                 lines.append(f"| {r['decoder']} | {prof['step_ms']:.3f} | "
                              + " | ".join(f"{prof['components_ms'][k]:.3f}" for k in parts)
-                             + (" | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} |")
+                             + (" | – | – |" if m["backend"] == "cpu" else f" | {prof['idle_ms']:.3f} | "
+                                + ("–" if in_step is None else f"{in_step:.3f}") + " |")
                              + f" {prof['kernels_per_step']:.0f} |")
             lines.append("")
             gapped = [r for r in profiled if r["step_profile"].get("idle_gaps") and m["backend"] != "cpu"]

@@ -182,47 +182,31 @@ __device__ __forceinline__ void gate_up_sums(const uint16_t* x, int64_t x_stride
 
 // Down sums of kRows activation rows (hid, hid + hid_stride, ...: float32 [I] each; the first n real) for the
 // block's 64 hidden columns starting at `col0`: wd is one expert's [I, H] weights. On return (after a block
-// barrier) red[0] holds the per-warp sums.  With one row (a pair's own expert) a thread issues the loads of two
-// steps before the first step's FMAs: at K2's TP8-rank width (I = 256) that is all of its weight loads in one
-// round trip instead of two; the sums run in the same order, so the bits are those of one step at a time.
+// barrier) red[0] holds the per-warp sums.
 template <bool kVec, int kRows>
 __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, int n, const uint16_t* wd, int64_t I,
                                           int64_t H, int64_t col0, Reduction<1>& red) {
   const ThreadPart t = thread_part(col0, H);
   const int slice = t.slice, col_valid = t.col_valid;
   wd += t.col;
-  constexpr int kAhead = kRows == 1 ? 2 : 1;  // more rows hold more accumulators: one step at a time
-  constexpr int64_t kStride = int64_t{kSlices} * kStep;
 
   float acc[1][kRows][8] = {};
-  for (int64_t i0 = int64_t{slice} * kStep; i0 < I; i0 += kAhead * kStride) {
-    uint4 d_raw[kAhead][kStep];
-    float hv[kAhead][kRows][8];
+  for (int64_t i0 = int64_t{slice} * kStep; i0 < I; i0 += int64_t{kSlices} * kStep) {
+    uint4 d_raw[kStep];
 #pragma unroll
-    for (int a = 0; a < kAhead; ++a) {
-      const int64_t s0 = i0 + a * kStride;
+    for (int i = 0; i < kStep; ++i) d_raw[i] = load_bf16x8<kVec>(wd + (i0 + i) * H, i0 + i < I ? col_valid : 0);
+    const int i_valid = static_cast<int>(I - i0 < 8 ? I - i0 : 8);
+    float hv[kRows][8];
 #pragma unroll
-      for (int i = 0; i < kStep; ++i) d_raw[a][i] = load_bf16x8<kVec>(wd + (s0 + i) * H, s0 + i < I ? col_valid : 0);
-    }
+    for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + i0, r < n ? i_valid : 0, hv[r]);
 #pragma unroll
-    for (int a = 0; a < kAhead; ++a) {
-      const int64_t s0 = i0 + a * kStride;
-      const int i_valid = static_cast<int>(I - s0 < 8 ? (I - s0 > 0 ? I - s0 : 0) : 8);
+    for (int i = 0; i < kStep; ++i) {
+      float d[8];
+      unpack(d_raw[i], d);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + s0, r < n ? i_valid : 0, hv[a][r]);
-    }
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int a = 0; a < kAhead; ++a) {
-      if (i0 + a * kStride >= I) break;  // no such step (its loads were zeros): add nothing, as one step at a time
-#pragma unroll
-      for (int i = 0; i < kStep; ++i) {
-        float d[8];
-        unpack(d_raw[a][i], d);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[a][r][i], d[j], acc[0][r][j]);
-      }
+        for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[r][i], d[j], acc[0][r][j]);
     }
   }
   reduce_slices<kRows, 1>(acc, red);

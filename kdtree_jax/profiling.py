@@ -157,6 +157,19 @@ def outside_loops(event, hlo: HloIndex) -> bool:
     return instr is not None and hlo.entry is not None and hlo.place[instr][0] == hlo.entry
 
 
+def loop_gaps(events, hlo: HloIndex, steps: int) -> dict:
+    """The device's own idle time inside a loop's steps: from the first to the last kernel that names a part of the
+    step (XLA's loop-control kernels, such as a conditional node's `set_while_condition`, and copies name none),
+    that span less the union of every kernel in it, per step ("loop_span_ms", "loop_idle_ms"). What the span leaves
+    out, before the first kernel of the loop (a graph's launch) and after the last, is the call's, not the steps'."""
+    named = [ev for ev in events if resolve(ev, hlo)[0] is not None]
+    if not named:
+        return {}
+    lo, hi = min(ev[1] for ev in named), max(ev[2] for ev in named)
+    within = [(ev[0], max(ev[1], lo), min(ev[2], hi)) for ev in events if ev[2] > lo and ev[1] < hi]
+    return {"loop_span_ms": (hi - lo) / steps / 1e6, "loop_idle_ms": (hi - lo - busy_ns(within)) / steps / 1e6}
+
+
 def busy_ns(events) -> float:
     """Length of the union of the events' intervals (kernels that overlap count once)."""
     total, end = 0.0, None
@@ -358,6 +371,7 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None,
               "idle_gaps": largest({"idle": idle_gaps(events)}, 12).get("idle", [])}
     if call_steps:
         result["outside_loops"] = {"kernels": len(outside), "ms_per_call": busy_ns(outside) / 1e6, "call_steps": call_steps}
+        result.update(loop_gaps(inside if outside else events, index, steps))
     if sample:
         result["stats_sample"] = stats_sample
     return result

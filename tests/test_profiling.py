@@ -143,3 +143,23 @@ def test_kernels_outside_the_loop_count_once_a_call():
     total = plain["kernels_per_step"] * 2
     assert weighed["kernels_per_step"] == pytest.approx((total - outside) / 2 + outside / 8)
     assert 0 < weighed["busy_ms"] <= weighed["kernel_sum_ms"] + 1e-9
+
+
+def test_loop_gaps_span_the_named_kernels():
+    """The idle inside a loop's steps: the span of the kernels that name a part, less the union of the kernels in it;
+    what lies before the first (a graph's launch after an unnamed control kernel) is left out."""
+    hlo = profiling.HloIndex("""HloModule jit_step, is_scheduled=true
+
+%body.1 (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  %fusion.1 = f32[] fusion(f32[] %p), kind=kLoop, calls=%fc.1, metadata={op_name="jit(step)/while/body/verify/mul"}
+  ROOT %fusion.2 = f32[] fusion(f32[] %fusion.1), kind=kLoop, calls=%fc.2, metadata={op_name="jit(step)/while/body/verify/moe/add"}
+}
+""")
+    ms = 1_000_000
+    events = [("Stream #1", 0 * ms, 1 * ms, "set_while_condition", None, None),
+              ("Stream #1", 5 * ms, 7 * ms, "fusion_1", None, None),
+              ("Stream #1", 8 * ms, 9 * ms, "fusion_2", None, None),
+              ("Stream #1", 9 * ms, 12 * ms, "fusion_1", None, None)]
+    gaps = profiling.loop_gaps(events, hlo, steps=2)
+    assert gaps == {"loop_span_ms": 3.5, "loop_idle_ms": 0.5}
