@@ -51,6 +51,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -329,7 +330,9 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     enter only through the MoE and the per-step parts. Rows from before the dense parts were timed
     (no "dense_ms") get "dense_rest_ms", the step less the other parts, instead of "unaccounted_ms".
     Profiled rows (their parts measured inside the step) also get the kernels outside every part and the
-    GPU's idle time (the step less the union of its kernels), which together make "unaccounted".
+    GPU's idle time (the step less the union of its kernels), which together make "unaccounted"; rows with the
+    loop's own step (one-step calls timed too) get its idle time, the loop's step less the union of the kernels
+    inside the loop ("loop_idle_ms"): the step's idle once the call's cost is spread over enough steps.
     """
     parts = ("attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms")
     f = row["floors"]
@@ -342,6 +345,10 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     if row.get("profile"):  # unaccounted = kernels outside the named parts + the GPU idle between kernels
         measured.update(other_kernels_ms=row["profile"]["components_ms"]["other"],
                         idle_ms=s - row["profile"]["busy_ms"])
+        outside = row["profile"].get("outside_loops")
+        if row.get("loop_step_ms") is not None and outside:  # the loop's step less the union of the loop's kernels
+            loop_busy = row["profile"]["busy_ms"] - outside["ms_per_call"] / outside["call_steps"]
+            measured["loop_idle_ms"] = row["loop_step_ms"] - loop_busy
     layer_part = s - per_step
     missing = 61 - layers
     projected = s + missing * ((layer_part - row["moe_ms"]) / layers + row["moe_ms"] / max(num_moe, 1))
@@ -696,6 +703,10 @@ def main(argv=None):
                 results[key] = time_job(key, exe, jobs[key])
             except Exception as e:
                 results[key] = e
+        for key, (exe, _) in compiled.items():
+            if (key[0] == "step" and isinstance(results.get(key), float) and time_left() >= 0
+                    and (args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"))):
+                profile_job(key, exe, jobs[key])
         log(f"group {impl_set}: timed in {time.perf_counter() - t2:.0f} s")
 
     def route_like_steps(nodes, jobs, counts_exe):
@@ -719,6 +730,21 @@ def main(argv=None):
         meta["moe_inputs"][str(nodes)] = {"distinct_rows": u, "distinct_experts": got, "steps_distinct_experts": want}
         log(f"MoE inputs for T = {nodes}: {u} distinct rows reach {got:.1f} experts per layer (steps: {want:.1f})")
 
+    def profile_job(key, exe, job):
+        """Profile a step loop after every timing of its group: a trace taken of a replayed CUDA graph can leave
+        later replays slower (the engine's timed decode read 2x slow after one, spec_decode at 0ec9d93, H200)."""
+        steps_run = extra[key]["steps"]
+        try:
+            s = engine.one_step_left(jax.tree.map(jnp.copy, job.args[2]))
+            first = not any("profile" in e for e in extra.values())  # keep raw stats of one trace
+            # The one-step run does the call's set-up once, as the timed call does: that work counts 1/steps_run a
+            # step (call_steps), as in the timed step.
+            extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), call_steps=steps_run,
+                                                 steps_of=lambda out: out.step, sample=12 if first else 0)
+        except Exception as e:  # a failed profile leaves the timing and the components timed alone
+            extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+            log(f"profile of {key}: {extra[key]['profile_error']}")
+
     def time_job(key, exe, job):
         kind = key[0]
         if kind == "step":
@@ -740,18 +766,21 @@ def main(argv=None):
             extra[key] = {"steps": steps_run, "host_driven_loops": runtime.host_driven_loops(exe.as_text() or ""),
                           "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1)),
                           "moe_distinct_in_step": float(active.sum(-1).mean() / steps_run) if active.size else None}
-            if args.profile == "all" or (args.profile == "kernel" and key[3] == "auto"):
-                try:
-                    final = None
-                    s = engine.one_step_left(jax.tree.map(jnp.copy, job.args[2]))
-                    first = not any("profile" in e for e in extra.values())  # keep raw stats of one trace
-                    # The one-step run does the call's set-up once, as the timed eight-step call does: that work
-                    # counts an eighth a step (call_steps), as in the timed step.
-                    extra[key]["profile"] = profile_call(exe, (job.args[0], job.args[1], s), call_steps=steps_run,
-                                                         steps_of=lambda out: out.step, sample=12 if first else 0)
-                except Exception as e:  # a failed profile leaves the timing and the components timed alone
-                    extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
-                    log(f"profile of {key}: {extra[key]['profile_error']}")
+            # The loop's step apart from its call: one-step calls of the same program, timed alike. The timed call
+            # less a one-step call is steps_run - 1 steps of the loop alone: the call's launch, set-up and host
+            # time cancel, and what remains of it is the one-step call less one loop step.
+            ones = []
+            for _ in range(3):
+                final = None
+                s = engine.one_step_left(jax.tree.map(jnp.copy, job.args[2]))
+                jax.block_until_ready(s)
+                t = time.perf_counter()
+                final = exe(job.args[0], job.args[1], s)
+                jax.block_until_ready(final.num_out)
+                ones.append(time.perf_counter() - t)
+            if steps_run > 1 and int(final.step) == 1:
+                loop_step = (float(np.median(times[1:])) - float(np.median(ones))) / (steps_run - 1)
+                extra[key].update(loop_step_ms=loop_step * 1e3, call_ms=(float(np.median(ones)) - loop_step) * 1e3)
             return float(np.median(times[1:])) / steps_run
         if kind == "moe_counts":
             return np.asarray(exe(*job.args))
@@ -896,21 +925,25 @@ def write_markdown(path, meta, rows):
                  ("head_ms", "head"), ("tree_accept_commit_ms", "tree+accept+commit")]
         lines += ["", "Inside the step (profile) vs alone (own loop), ms per step; other: kernels outside the "
                   "named parts (embedding, pool writes, the loop's bookkeeping); idle: the step less the union of its "
-                  "kernels; in the step: of that, the GPU's idle time between the first and the last kernel of the profiled "
-                  "step (the graph's own gaps; the rest is the call's: its launch and the host, spread over its "
-                  "steps, which moves with the host from run to run); kernels: per step. The profile is of a one-step "
-                  "run of the loop; the kernels outside the loop (set-up a call does once) count 1/steps of the timed "
-                  "call a step, as in the timed step.", "",
+                  "kernels. The timed step is a call's time over its steps, so it holds the call's own cost (its launch, "
+                  "set-up and host time) spread over them; one-step calls of the same program, timed alike, part the "
+                  "two: loop step = (timed call - one-step call) / (steps - 1); call = one-step call - loop step; idle "
+                  "in the loop = loop step - the union of the kernels inside the loop (% of the loop step); in the body: "
+                  "the profiled body's own gaps (first to last kernel of the step). The profile is of a one-step run of "
+                  "the loop; the kernels outside the loop (set-up a call does once) count 1/steps of the timed call a "
+                  "step, as in the timed step.", "",
                   "| L | T | attention | " + " | ".join(n for _, n in names[1:])
-                  + " | other | idle | in the step | step | kernels |",
-                  "|---|---|" + "---|" * (len(names) + 5)]
+                  + " | other | idle | step | loop step | idle in the loop | in the body | call | kernels |",
+                  "|---|---|" + "---|" * (len(names) + 8)]
         for r in profiled:
             cells = " | ".join(f"{r[k]:.3f} / {r['alone_ms'][k]:.3f}" if r["alone_ms"].get(k) is not None
                                else f"{r[k]:.3f} / –" for k, _ in names)
-            in_step = r["profile"].get("loop_idle_ms")
-            in_step = "–" if in_step is None else f"{in_step:.3f} ({100 * in_step / r['step_ms']:.1f}%)"
+            body = r["profile"].get("loop_idle_ms")
+            loop = "– | – | –" if r.get("loop_idle_ms") is None else (
+                f"{r['loop_step_ms']:.3f} | {r['loop_idle_ms']:.3f} ({100 * r['loop_idle_ms'] / r['loop_step_ms']:.1f}%)"
+                f" | {'–' if body is None else f'{body:.3f}'} | {r['call_ms']:.2f}")
             lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
-                         f"{r['idle_ms']:.3f} | {in_step} | {r['step_ms']:.3f} | {r['profile']['kernels_per_step']:.0f} |")
+                         f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {loop} | {r['profile']['kernels_per_step']:.0f} |")
     shown = next((r for r in profiled if (r["context"], r["nodes"], r["impl"]) == (65536, 9, "auto")),
                  profiled[0] if profiled else None)
     if shown is not None and shown["profile"].get("top_kernels"):
@@ -944,6 +977,14 @@ def write_markdown(path, meta, rows):
                   f"- tree + accept + commit < 2% of the step: {span([100 * r['tree_share'] for r in kernel], '{:.1f}')}% of "
                   f"this {meta['layers']}-layer step ({'met' if max(r['tree_share'] for r in kernel) < 0.02 else 'missed'}), "
                   f"{span([100 * r['projected_61_layer_tree_share'] for r in kernel], '{:.2f}')}% of the projected 61-layer step"]
+        looped = [r for r in kernel if r.get("loop_idle_ms") is not None]
+        if looped:
+            share = {r["nodes"]: r["loop_idle_ms"] / r["loop_step_ms"] for r in looped}
+            lines.append("- idle ≤ 3% of the loop's step: " + "; ".join(
+                f"T = {t}: {100 * v:.1f}% ({'met' if v <= 0.03 else 'missed'})" for t, v in sorted(share.items()))
+                + "; a chunk of k steps adds the call's cost / k to each: k ≥ " + ", ".join(
+                f"{max(1, math.ceil(r['call_ms'] / (0.03 * r['loop_step_ms'])))} (T = {r['nodes']})" for r in looped)
+                + " keep it ≤ 3% of the step")
     def distinct_span(t):
         vals = [r["moe_distinct_experts_per_layer"] for r in rows
                 if r["nodes"] == t and r.get("moe_distinct_experts_per_layer") is not None]

@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
                         "which lets a CUDA graph capture the decode loop on a GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="profile one step of each decoder's loop (a one-step call after the warm-up, the graph replayed as in the timed calls): a step's kernel time by part (drafter, tree, the verify "
+                   help="profile one step of each decoder's loop (a one-step call after the timed decode, the graph replayed as in the timed calls): a step's kernel time by part (drafter, tree, the verify "
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")
@@ -748,15 +748,16 @@ def render(result: dict) -> str:
         profiled = [r for r in sub if r.get("step_profile")]
         if profiled:
             parts = ("drafter", "tree_accept_commit", "attention", "moe", "dense", "head", "other")
-            lines += [f"Where a step goes ({label}; ms of kernels per step by part, from a profiled one-step call after the warm-up, the "
+            lines += [f"Where a step goes ({label}; ms of kernels per step by part, from a profiled one-step call after the timed decode, the "
                       "chunk's set-up outside its loop counted once a chunk; "
                       + ("on a CPU thunks overlap and the profiler slows them, so the parts need not add up to the step"
-                         if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels; in the step: "
-                         "of that, the GPU's idle time between the first and the last kernel of the profiled step, the "
-                         "graph's own gaps (the rest is the chunk's launch and the host's reads, spread over its steps)")
+                         if m["backend"] == "cpu" else "idle: the timed step less the union of its kernels; in the body: "
+                         "of that, the GPU's idle time between the first and the last kernel of the loop body's profiled "
+                         "step, the graph's own gaps (the rest is the loop's relaunch of its body each step, the chunk's "
+                         "launch and the host's reads, spread over its steps)")
                       + "):", "",
                       "| decoder | step ms | drafter | tree+accept+commit | attention | MoE | dense | head | other | idle "
-                      "| in the step | kernels / step |",
+                      "| in the body | kernels / step |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in profiled:
                 prof = r["step_profile"]

@@ -68,7 +68,7 @@ def test_cli_rejects_bad_arguments(capsys):
 
 
 def test_cli_profile_splits_the_step_by_part(capsys):
-    """--profile: one profiled step of the decode loop before the timed run; the output is unchanged, the step's
+    """--profile: one profiled step of the decode loop after the timed run; the output is unchanged, the step's
     kernel time is split by part (every part of a speculative step shows up) and printed on one line. The prompt and
     lengths are test_cli_json_in_process's: the decode loop compiled there serves every run here."""
     base = ["--prompt", "def f(x):", "--max-new-tokens", "6", "--budget", "4"]

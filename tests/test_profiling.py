@@ -145,19 +145,33 @@ def test_kernels_outside_the_loop_count_once_a_call():
     assert 0 < weighed["busy_ms"] <= weighed["kernel_sum_ms"] + 1e-9
 
 
-def test_loop_gaps_span_the_named_kernels():
-    """The idle inside a loop's steps: the span of the kernels that name a part, less the union of the kernels in it;
-    what lies before the first (a graph's launch after an unnamed control kernel) is left out."""
+def test_loop_gaps_span_the_loop_body():
+    """The idle inside a loop's steps: the span of the body's kernels, less the union of the kernels in it; what lies
+    before the first (the loop's test, a named kernel of its condition, and the launch of its body graph after an
+    unnamed control kernel) and the ENTRY computation's set-up are left out."""
     hlo = profiling.HloIndex("""HloModule jit_step, is_scheduled=true
+
+%cond.1 (c: f32[]) -> pred[] {
+  %c = f32[] parameter(0)
+  ROOT %fusion.3 = pred[] fusion(f32[] %c), kind=kLoop, calls=%fc.3, metadata={op_name="jit(step)/while/cond/lt"}
+}
 
 %body.1 (p: f32[]) -> f32[] {
   %p = f32[] parameter(0)
   %fusion.1 = f32[] fusion(f32[] %p), kind=kLoop, calls=%fc.1, metadata={op_name="jit(step)/while/body/verify/mul"}
   ROOT %fusion.2 = f32[] fusion(f32[] %fusion.1), kind=kLoop, calls=%fc.2, metadata={op_name="jit(step)/while/body/verify/moe/add"}
 }
+
+ENTRY %main.1 (a: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %fusion.4 = f32[] fusion(f32[] %a), kind=kLoop, calls=%fc.4, metadata={op_name="jit(step)/verify/transpose"}
+  ROOT %while.1 = f32[] while(f32[] %fusion.4), condition=%cond.1, body=%body.1
+}
 """)
     ms = 1_000_000
-    events = [("Stream #1", 0 * ms, 1 * ms, "set_while_condition", None, None),
+    events = [("Stream #1", 0 * ms, 1 * ms, "fusion_4", None, None),
+              ("Stream #1", 1 * ms, 2 * ms, "fusion_3", None, None),
+              ("Stream #1", 2 * ms, 3 * ms, "set_while_condition", None, None),
               ("Stream #1", 5 * ms, 7 * ms, "fusion_1", None, None),
               ("Stream #1", 8 * ms, 9 * ms, "fusion_2", None, None),
               ("Stream #1", 9 * ms, 12 * ms, "fusion_1", None, None)]

@@ -858,7 +858,7 @@ def one_step_left(state: LoopState) -> LoopState:
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
               chunk_steps: int = 0, on_chunk=None, on_progress=None):
     """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
-    only), optionally profile it once on a copy of the state, run it: -> (final state, compile s, decode s,
+    only), run it, optionally profile one step of it on a copy of the state: -> (final state, compile s, decode s,
     step profile or None, host syncs). chunk_steps 0: the whole decode in one call (`decode_loop`); k: the
     chunked loop (`ChunkedLoop`), on_chunk(tokens, start, num_out) after each chunk."""
     t1 = time.perf_counter()
@@ -876,18 +876,10 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         on_progress("compile", 1, 1)
     host_loops = _host_driven_loops(loop, (jax.tree.structure((target, drafter)), spec, chunk_steps,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
-    step_profile = None
-    if profile:
-        # A compiled loop's first call is, on a GPU, XLA's warm-up of its command buffer (its log: "Executing warm up
-        # iteration of command buffer thunk"), run thunk by thunk, with the gaps of launches from the host; later calls
-        # replay the graph, where the trace holds about one iteration of a captured loop. So: one unprofiled call,
-        # then a profiled one-step call (one_step_left), whose set-up outside the loop counts once a chunk (once a
-        # step where one call runs the whole decode, chunk_steps 0: its length is not known yet).
-        # (The states are copies: the loop donates its state.)
-        jax.block_until_ready(loop(*args, one_step_left(jax.tree.map(jnp.copy, state))))
-        copy = one_step_left(jax.tree.map(jnp.copy, state))
-        step_profile = profiling.profile_call(loop, (*args, copy), steps_of=steps_of, call_steps=chunk_steps or None)
-        del copy
+    # The profiled call comes after the timed decode: a trace taken of a replayed CUDA graph left the graph's later
+    # replays slower (the timed decode at 2x its step after one, spec_decode at 0ec9d93, H200). Its state is a copy
+    # taken now (the loop donates its state).
+    profile_state = one_step_left(jax.tree.map(jnp.copy, state)) if profile else None
     t1 = time.perf_counter()
     if chunk_steps:
         final, host_syncs = runner.run(state, on_chunk, max_chunks=-(-spec.max_new_tokens // chunk_steps) + 2)
@@ -897,6 +889,16 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
             on_chunk(*jax.device_get((final.out, jnp.zeros_like(final.num_out), final.num_out)))
     final.num_out.block_until_ready()
     t_decode = time.perf_counter() - t1
+    step_profile = None
+    if profile:
+        # A compiled loop's first call is, on a GPU, XLA's warm-up of its command buffer (its log: "Executing warm up
+        # iteration of command buffer thunk"), run thunk by thunk, with the gaps of launches from the host; later calls
+        # replay the graph, where the trace holds about one iteration of a captured loop. The timed decode was such a
+        # first call at least once, so the profile is of a one-step replay (one_step_left), whose set-up outside the
+        # loop counts once a chunk (once a step where one call runs the whole decode, chunk_steps 0).
+        step_profile = profiling.profile_call(loop, (*args, profile_state), steps_of=steps_of,
+                                              call_steps=chunk_steps or None)
+        del profile_state
     kv_pool.check_overflow(final.cache)
     return final, t_compile, t_decode, step_profile, host_syncs, host_loops
 
