@@ -249,7 +249,11 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
                                     / max(sum(r.stats["steps"] for r in results), 1))
     stats["host_driven_loops"] = first.stats.get("host_driven_loops")
     if profile:
-        stats["step_profile"] = first.stats["profile"]
+        prof = dict(first.stats["profile"])
+        if warmup and stats.get("target_forwards"):  # the timed step, not the first call's (it builds the graph)
+            prof["step_ms"] = 1e3 * stats["decode_seconds"] / stats["target_forwards"]
+            prof["idle_ms"] = prof["step_ms"] - prof["busy_ms"]
+        stats["step_profile"] = prof
     stats["wall_seconds"] = time.perf_counter() - t0
     return stats, [t for r in results for t in r.tokens]
 
