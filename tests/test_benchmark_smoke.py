@@ -184,7 +184,8 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert "idle_ms" in row and "other_kernels_ms" in row
     # One-step calls part the loop's step from the call's own cost; its idle is against the loop's kernels only.
     assert row["loop_step_ms"] > 0 and "call_ms" in row and "loop_idle_ms" in row
-    assert row["chained_call_ms"] is not None  # the chained one-step calls each ran their step
+    # The engine's chunked loop over the state's room (4 chunks of 2 steps, tau 1 with random weights).
+    assert row["engine_chunks"]["steps"] == 8 and row["engine_step_ms"] > 0 and "engine_idle_ms" in row
     assert "idle in the loop" in (tmp_path / "dc.md").read_text()
     # The profile is of one step (a run with one step left: a captured loop's replay shows one iteration's kernels),
     # the timing of all of them; the idle gaps are listed by the kernels around them.
