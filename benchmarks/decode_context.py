@@ -28,6 +28,10 @@ commit; "unaccounted" is the step less them: kernels outside every part plus the
 in jitted loops of the same shapes (benchmarks/components.py), kept beside for comparison; a part alone
 pays its own launches and bookkeeping, and those loops summed to ~1.2x the step. Rows without a profile
 (--profile none or kernel, or a failed profile) show the parts timed alone.
+Idle, apart from the call: the timed step is a call's time over its steps, so it holds the call's own cost (launch,
+set-up kernels, host) spread over them. One-step calls of the same program part the two (the loop's step and a
+call's cost), and the engine's chunked loop (`--engine-chunks`) is timed as a decode runs it; each one's idle is
+against the union of the loop's kernels from the profile, which runs after every timing of its group.
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
 weights of the experts the router activated in the timed step itself (the engine's router statistics:
