@@ -995,8 +995,9 @@ def write_markdown(path, meta, rows):
             lines.append(f"- {part}: " + "; ".join(f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in top[:4]))
     gapped = [r for r in profiled if r["profile"].get("idle_gaps")]
     if gapped:
-        lines += ["", "Largest idle gaps per step, by the kernels around them (the kernel that ended last -> the kernel "
-                  "that starts; ms per step, gaps per step):", ""]
+        lines += ["", "Largest idle gaps per step in the profiled call, by the kernels around them (the kernel that ended "
+                  "last -> the kernel that starts; ms per step, gaps per step; the profiled call runs on a fresh copy of "
+                  "the state, and its gaps need not be the timed loop's: the idle columns above are those):", ""]
         for r in gapped:
             lines.append(f"- L = {r['context']}, T = {r['nodes']}, {r['impl']}: " + "; ".join(
                 f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["profile"]["idle_gaps"][:6]))
