@@ -763,21 +763,28 @@ def main(argv=None):
             extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
             log(f"profile of {key}: {extra[key]['profile_error']}")
 
+    def time_fresh(run, state, prepare, reps):
+        """([seconds] of reps runs, the last run's output): run(prepare(a fresh copy of state)) each time. The loop
+        donates its state, so every run gets its own copy, made one at a time: four copies made up front held four
+        pools at once (out of memory at 200k on the H200 with 26 layers, 2026-11-30), and the previous run's output
+        (which holds a pool) is dropped before the next copy."""
+        times, final = [], None
+        for _ in range(reps):
+            final = None
+            s = prepare(jax.tree.map(jnp.copy, state))
+            jax.block_until_ready(s)
+            t = time.perf_counter()
+            final = run(s)
+            jax.block_until_ready(final)
+            times.append(time.perf_counter() - t)
+        return times, final
+
     def time_job(key, exe, job):
         kind = key[0]
         if kind == "step":
-            # The loop donates its state, so every run gets a fresh copy, made one at a time: four copies made
-            # up front held four pools at once (out of memory at 200k on the H200 with 26 layers, 2026-11-30),
-            # and the previous run's output (which holds a pool) is dropped before the next copy.
-            times, final = [], None
-            for _ in range(4):
-                final = None
-                s = jax.tree.map(jnp.copy, job.args[2])
-                jax.block_until_ready(s)
-                t = time.perf_counter()
-                final = exe(job.args[0], job.args[1], s)
-                jax.block_until_ready(final.num_out)
-                times.append(time.perf_counter() - t)
+            def run(s):
+                return exe(job.args[0], job.args[1], s)
+            times, final = time_fresh(run, job.args[2], lambda s: s, 4)
             steps_run = int(final.step)
             hist = np.asarray(final.accepted_hist)
             active = np.asarray(final.expert_load.device_active)  # [moe layers, devices], summed over steps
@@ -787,15 +794,8 @@ def main(argv=None):
             # The loop's step apart from its call: one-step calls of the same program, timed alike. The timed call
             # less a one-step call is steps_run - 1 steps of the loop alone: the call's launch, set-up and host
             # time cancel, and what remains of it is the one-step call less one loop step.
-            ones = []
-            for _ in range(3):
-                final = None
-                s = engine.one_step_left(jax.tree.map(jnp.copy, job.args[2]))
-                jax.block_until_ready(s)
-                t = time.perf_counter()
-                final = exe(job.args[0], job.args[1], s)
-                jax.block_until_ready(final.num_out)
-                ones.append(time.perf_counter() - t)
+            final = None  # its pool, dropped before the next copies
+            ones, final = time_fresh(run, job.args[2], engine.one_step_left, 3)
             one_call_steps = int(final.step)
             if steps_run > 1 and one_call_steps == 1:
                 loop_step = (float(np.median(times[1:])) - float(np.median(ones))) / (steps_run - 1)
@@ -803,15 +803,7 @@ def main(argv=None):
             return float(np.median(times[1:])) / steps_run
         if kind == "chunks":  # the engine's pipelined chunks over the state's room, from a fresh copy each run
             job.runner.compiled = exe
-            times = []
-            for _ in range(3):
-                final = None
-                s = jax.tree.map(jnp.copy, job.args[0])
-                jax.block_until_ready(s)
-                t = time.perf_counter()
-                final, chunks = job.runner.run(s)
-                jax.block_until_ready(final.num_out)
-                times.append(time.perf_counter() - t)
+            times, (final, chunks) = time_fresh(job.runner.run, job.args[0], lambda s: s, 3)
             extra[key] = {"steps": int(final.step), "chunks": chunks}
             return float(np.median(times[1:])) / int(final.step)
         if kind == "moe_counts":
