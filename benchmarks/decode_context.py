@@ -29,9 +29,9 @@ in jitted loops of the same shapes (benchmarks/components.py), kept beside for c
 pays its own launches and bookkeeping, and those loops summed to ~1.2x the step. Rows without a profile
 (--profile none or kernel, or a failed profile) show the parts timed alone.
 Idle, apart from the call: the timed step is a call's time over its steps, so it holds the call's own cost (launch,
-set-up kernels, host) spread over them. One-step calls of the same program part the two (the loop's step and a
-call's cost), and the engine's chunked loop (`--engine-chunks`) is timed as a decode runs it; each one's idle is
-against the union of the loop's kernels from the profile, which runs after every timing of its group.
+set-up kernels, host; the call runs on a fresh copy of the state) spread over them. The engine's chunked loop
+(`--engine-chunks`) is timed as a decode runs it; its idle is against the union of the loop's kernels from the
+profile, which runs after every timing of its group.
 Floors: the bytes each must read over the best copy bandwidth measured in the same run (cudaMemcpy
 through ffi/bench.cu when the extension has CUDA, and two XLA loops; the largest is used): KV rows; the
 weights of the experts the router activated in the timed step itself (the engine's router statistics:
@@ -335,8 +335,8 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
     (no "dense_ms") get "dense_rest_ms", the step less the other parts, instead of "unaccounted_ms".
     Profiled rows (their parts measured inside the step) also get the kernels outside every part and the
     GPU's idle time (the step less the union of its kernels), which together make "unaccounted"; rows with the
-    loop's own step (one-step calls timed too) get its idle time, the loop's step less the union of the kernels
-    inside the loop ("loop_idle_ms"): the step's idle once the call's cost is spread over enough steps.
+    engine's chunked loop timed get its step's idle time, less the union of the kernels inside the loop
+    ("engine_idle_ms"), and the timed call's own cost ("call_ms": the timed step beyond the engine's, times its steps).
     """
     parts = ("attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms")
     f = row["floors"]
@@ -350,11 +350,12 @@ def derive(row: dict, layers: int, num_moe: int) -> dict:
         measured.update(other_kernels_ms=row["profile"]["components_ms"]["other"],
                         idle_ms=s - row["profile"]["busy_ms"])
         outside = row["profile"].get("outside_loops")
-        if row.get("loop_step_ms") is not None and outside:  # the loop's step less the union of the loop's kernels
+        if row.get("engine_step_ms") is not None and outside:
+            # The decode's step (its chunks' calls included) less the union of the kernels inside the loop; the timed
+            # call's own cost is what its step holds beyond the engine's, over its steps.
             loop_busy = row["profile"]["busy_ms"] - outside["ms_per_call"] / outside["call_steps"]
-            measured["loop_idle_ms"] = row["loop_step_ms"] - loop_busy
-            if row.get("engine_step_ms") is not None:  # the decode's step: its chunks' calls included
-                measured["engine_idle_ms"] = row["engine_step_ms"] - loop_busy
+            measured["engine_idle_ms"] = row["engine_step_ms"] - loop_busy
+            measured["call_ms"] = row["steps"] * (s - row["engine_step_ms"])
     layer_part = s - per_step
     missing = 61 - layers
     projected = s + missing * ((layer_part - row["moe_ms"]) / layers + row["moe_ms"] / max(num_moe, 1))
@@ -763,15 +764,15 @@ def main(argv=None):
             extra[key]["profile_error"] = f"{type(e).__name__}: {e}"[:300]
             log(f"profile of {key}: {extra[key]['profile_error']}")
 
-    def time_fresh(run, state, prepare, reps):
-        """([seconds] of reps runs, the last run's output): run(prepare(a fresh copy of state)) each time. The loop
+    def time_fresh(run, state, reps):
+        """([seconds] of reps runs, the last run's output): run(a fresh copy of state) each time. The loop
         donates its state, so every run gets its own copy, made one at a time: four copies made up front held four
         pools at once (out of memory at 200k on the H200 with 26 layers, 2026-11-30), and the previous run's output
         (which holds a pool) is dropped before the next copy."""
         times, final = [], None
         for _ in range(reps):
             final = None
-            s = prepare(jax.tree.map(jnp.copy, state))
+            s = jax.tree.map(jnp.copy, state)
             jax.block_until_ready(s)
             t = time.perf_counter()
             final = run(s)
@@ -784,26 +785,17 @@ def main(argv=None):
         if kind == "step":
             def run(s):
                 return exe(job.args[0], job.args[1], s)
-            times, final = time_fresh(run, job.args[2], lambda s: s, 4)
+            times, final = time_fresh(run, job.args[2], 4)
             steps_run = int(final.step)
             hist = np.asarray(final.accepted_hist)
             active = np.asarray(final.expert_load.device_active)  # [moe layers, devices], summed over steps
             extra[key] = {"steps": steps_run, "host_driven_loops": runtime.host_driven_loops(exe.as_text() or ""),
                           "tau": float((hist * (np.arange(hist.shape[0]) + 1)).sum() / max(int(hist.sum()), 1)),
                           "moe_distinct_in_step": float(active.sum(-1).mean() / steps_run) if active.size else None}
-            # The loop's step apart from its call: one-step calls of the same program, timed alike. The timed call
-            # less a one-step call is steps_run - 1 steps of the loop alone: the call's launch, set-up and host
-            # time cancel, and what remains of it is the one-step call less one loop step.
-            final = None  # its pool, dropped before the next copies
-            ones, final = time_fresh(run, job.args[2], engine.one_step_left, 3)
-            one_call_steps = int(final.step)
-            if steps_run > 1 and one_call_steps == 1:
-                loop_step = (float(np.median(times[1:])) - float(np.median(ones))) / (steps_run - 1)
-                extra[key].update(loop_step_ms=loop_step * 1e3, call_ms=(float(np.median(ones)) - loop_step) * 1e3)
             return float(np.median(times[1:])) / steps_run
         if kind == "chunks":  # the engine's pipelined chunks over the state's room, from a fresh copy each run
             job.runner.compiled = exe
-            times, (final, chunks) = time_fresh(job.runner.run, job.args[0], lambda s: s, 3)
+            times, (final, chunks) = time_fresh(job.runner.run, job.args[0], 3)
             extra[key] = {"steps": int(final.step), "chunks": chunks}
             return float(np.median(times[1:])) / int(final.step)
         if kind == "moe_counts":
@@ -952,31 +944,24 @@ def write_markdown(path, meta, rows):
                  ("head_ms", "head"), ("tree_accept_commit_ms", "tree+accept+commit")]
         lines += ["", "Inside the step (profile) vs alone (own loop), ms per step; other: kernels outside the "
                   "named parts (embedding, pool writes, the loop's bookkeeping); idle: the step less the union of its "
-                  "kernels. The timed step is a call's time over its steps, so it holds the call's own cost (its launch, "
-                  "set-up and host time) spread over them; one-step calls of the same program, timed alike, part the "
-                  "two: loop step = (timed call - one-step call) / (steps - 1); call = one-step call - loop step (a "
-                  "fresh copy of the state each call); idle in the loop = loop step - the union of the kernels inside "
-                  "the loop (% of the loop step). engine step: the engine's chunked loop (ChunkedLoop, as a decode runs "
-                  "it: the next chunk enqueued before the host reads the last; its calls' cost included), run over its "
-                  "chunks; its idle = engine step - the same union (%). The profile is of a one-step run of the loop, "
-                  "after the timings; the kernels outside the loop (set-up a call does once) count 1/steps of the "
-                  "timed call a step, as in the timed step.", "",
+                  "kernels. The timed step is one call's time over its steps, so it holds the call's own cost (its "
+                  "launch, set-up and host time, on a fresh copy of the state) spread over them. engine step: the "
+                  "engine's chunked loop (ChunkedLoop, as a decode runs it: the next chunk enqueued before the host "
+                  "reads the last; its calls' cost included) over its chunks; its idle = engine step - the union of the "
+                  "kernels inside the loop (% of the engine step); call = steps x (step - engine step). The profile is "
+                  "of a one-step run of the loop, after the timings; the kernels outside the loop (set-up a call does "
+                  "once) count 1/steps of the timed call a step, as in the timed step.", "",
                   "| L | T | attention | " + " | ".join(n for _, n in names[1:])
-                  + " | other | idle | step | loop step | idle in the loop | call | engine step (chunks) | its idle | kernels |",
-                  "|---|---|" + "---|" * (len(names) + 9)]
-
-        def pct(ms, of):
-            return f"{ms:.3f} ({100 * ms / of:.1f}%)"
+                  + " | other | idle | step | engine step (chunks) | its idle | call | kernels |",
+                  "|---|---|" + "---|" * (len(names) + 7)]
         for r in profiled:
             cells = " | ".join(f"{r[k]:.3f} / {r['alone_ms'][k]:.3f}" if r["alone_ms"].get(k) is not None
                                else f"{r[k]:.3f} / –" for k, _ in names)
-            loop = "– | – | –" if r.get("loop_idle_ms") is None else (
-                f"{r['loop_step_ms']:.3f} | {pct(r['loop_idle_ms'], r['loop_step_ms'])} | {r['call_ms']:.2f}")
-            chunked = "– | –" if r.get("engine_idle_ms") is None else (
-                f"{r['engine_step_ms']:.3f} ({r['engine_chunks']['chunks']}) | "
-                f"{pct(r['engine_idle_ms'], r['engine_step_ms'])}")
+            chunked = "– | – | –" if r.get("engine_idle_ms") is None else (
+                f"{r['engine_step_ms']:.3f} ({r['engine_chunks']['chunks']}) | {r['engine_idle_ms']:.3f} "
+                f"({100 * r['engine_idle_ms'] / r['engine_step_ms']:.1f}%) | {r['call_ms']:.2f}")
             lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
-                         f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {loop} | {chunked} | "
+                         f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {chunked} | "
                          f"{r['profile']['kernels_per_step']:.0f} |")
     shown = next((r for r in profiled if (r["context"], r["nodes"], r["impl"]) == (65536, 9, "auto")),
                  profiled[0] if profiled else None)
@@ -1012,16 +997,12 @@ def write_markdown(path, meta, rows):
                   f"- tree + accept + commit < 2% of the step: {span([100 * r['tree_share'] for r in kernel], '{:.1f}')}% of "
                   f"this {meta['layers']}-layer step ({'met' if max(r['tree_share'] for r in kernel) < 0.02 else 'missed'}), "
                   f"{span([100 * r['projected_61_layer_tree_share'] for r in kernel], '{:.2f}')}% of the projected 61-layer step"]
-        looped = [r for r in kernel if r.get("loop_idle_ms") is not None]
-        if looped:
-            def verdict(v):
-                return f"{100 * v:.1f}% ({'met' if v <= 0.03 else 'missed'})"
-            lines.append("- idle ≤ 3% of the step: in the loop's step " + "; ".join(
-                f"T = {r['nodes']}: {verdict(r['loop_idle_ms'] / r['loop_step_ms'])}" for r in looped)
-                + (f"; in the engine's step (chunks of {meta.get('steps')} steps, their calls included) " + "; ".join(
-                    f"T = {r['nodes']}: {verdict(r['engine_idle_ms'] / r['engine_step_ms'])}"
-                    for r in looped if r.get("engine_idle_ms") is not None)
-                   if any(r.get("engine_idle_ms") is not None for r in looped) else ""))
+        chunked = [r for r in kernel if r.get("engine_idle_ms") is not None]
+        if chunked:
+            lines.append(f"- idle ≤ 3% of the engine's step (chunks of {meta.get('steps')} steps, their calls included): "
+                         + "; ".join(f"T = {r['nodes']}: {100 * r['engine_idle_ms'] / r['engine_step_ms']:.1f}% "
+                                     f"({'met' if r['engine_idle_ms'] <= 0.03 * r['engine_step_ms'] else 'missed'})"
+                                     for r in chunked))
     def distinct_span(t):
         vals = [r["moe_distinct_experts_per_layer"] for r in rows
                 if r["nodes"] == t and r.get("moe_distinct_experts_per_layer") is not None]
