@@ -648,8 +648,8 @@ def main(argv=None):
                     if args.engine_chunks and impl == impls[0]:
                         runner = engine.ChunkedLoop(target, drafter, dataclasses.replace(
                             spec, max_new_tokens=room_steps), args.steps)
-                        jobs[("chunks", context, nodes, impl)] = Job("chunks", runner, (st,))
-                        jobs[("chunks", context, nodes, impl)].runner = runner
+                        job = jobs[("chunks", context, nodes, impl)] = Job("chunks", runner, (st,))
+                        job.runner = runner  # time_job gives it the compiled program and runs its chunks
                     batch = AttentionBatch(st.cache.slot_table, jnp.array([context + nodes], jnp.int32),
                                            causal_mask(1, nodes), st.cache.slot_table[:, context:context + nodes])
                     q = jax.random.normal(jax.random.key(2), (1, nodes, cfg.num_attention_heads, cfg.cache_dim),

@@ -486,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave XLA's command buffers as XLA_FLAGS set them (default: kdtree_jax.runtime.configure(), "
                         "which lets a CUDA graph capture the decode loop on a GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="profile one step of each decoder's loop (a one-step call after the timed decode, the graph replayed as in the timed calls): a step's kernel time by part (drafter, tree, the verify "
+                   help="profile one step of each decoder's loop (a one-step call after the timed decode, the graph "
+                        "replayed as in the timed calls): a step's kernel time by part (drafter, tree, the verify "
                         "pass's attention / MoE / dense, head) and the device's idle time, in the JSON and a table")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable)")

@@ -153,11 +153,17 @@ def _weight(event) -> float:
     return event[6] if len(event) > 6 else 1.0
 
 
+def computation_of(event, hlo: HloIndex):
+    """The HLO computation a kernel's instruction sits in, or None where the kernel names no instruction (library
+    kernels, and this project's FFI kernels replayed in a CUDA graph)."""
+    instr = resolve(event, hlo)[2] or (event[5] if event[5] in hlo.place else None)
+    return None if instr is None else hlo.place[instr][0]
+
+
 def outside_loops(event, hlo: HloIndex) -> bool:
     """Whether a kernel comes from the program's ENTRY computation, outside every loop: work a call does once
     (set-up before its loop, results after it) whatever the number of steps its loop runs."""
-    instr = resolve(event, hlo)[2] or (event[5] if event[5] in hlo.place else None)
-    return instr is not None and hlo.entry is not None and hlo.place[instr][0] == hlo.entry
+    return hlo.entry is not None and computation_of(event, hlo) == hlo.entry
 
 
 def loop_gaps(events, hlo: HloIndex, steps: int) -> dict:
@@ -167,10 +173,9 @@ def loop_gaps(events, hlo: HloIndex, steps: int) -> dict:
     set-up, the loop's first test and the launch of its body (a conditional node's body graph: ~1-3 ms in a
     profiled call on an H200, once a call), and what follows the last step, is the call's, not the steps'."""
     def in_body(ev):
-        instr = resolve(ev, hlo)[2] or (ev[5] if ev[5] in hlo.place else None)
-        if instr is None:  # this project's FFI kernels name no instruction under a graph: they are a part's
+        computation = computation_of(ev, hlo)
+        if computation is None:  # this project's FFI kernels name no instruction under a graph: they are a part's
             return resolve(ev, hlo)[0] is not None
-        computation = hlo.place[instr][0]
         return computation != hlo.entry and computation not in hlo.conditions
     body = [ev for ev in events if in_body(ev)]
     if not body:
@@ -354,9 +359,10 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None,
     if steps_of is not None:
         steps = max(int(steps_of(output)), 1)
     index = HloIndex(compiled.as_text() or "")
-    outside = [ev for ev in events if call_steps and outside_loops(ev, index)]
+    once = [bool(call_steps) and outside_loops(ev, index) for ev in events]
+    outside = [ev for ev, o in zip(events, once) if o]
+    inside = [ev for ev, o in zip(events, once) if not o]
     if outside:
-        inside = [ev for ev in events if not (call_steps and outside_loops(ev, index))]
         weight = steps / call_steps
         events = inside + [(*ev[:6], weight) for ev in outside]
         busy = busy_ns(inside) + busy_ns(outside) * weight
@@ -381,7 +387,7 @@ def profile_call(compiled, args, steps: int = 1, sample: int = 0, steps_of=None,
               "idle_gaps": largest({"idle": idle_gaps(events)}, 12).get("idle", [])}
     if call_steps:
         result["outside_loops"] = {"kernels": len(outside), "ms_per_call": busy_ns(outside) / 1e6, "call_steps": call_steps}
-        result.update(loop_gaps(inside if outside else events, index, steps))
+        result.update(loop_gaps(inside, index, steps))
     if sample:
         result["stats_sample"] = stats_sample
     return result
