@@ -12,6 +12,7 @@ from flax import nnx
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterCache, DrafterConfig, init_drafter
+from kdtree_jax.speculative import step as step_ops
 from kdtree_jax.speculative.engine import generate
 
 TINY = kdtree_jax.ModelConfig.preset("tiny")
@@ -150,7 +151,7 @@ def test_tree_temperature_sharpens_the_ddtree_ranking():
                             bonus=jnp.array([7], jnp.int32))
     for tree_temperature, tokens in ((1.0, [7, 1, 2]), (0.3, [7, 1, 3])):
         spec = engine.SpecConfig(budget=2, topk=2, tree_temperature=tree_temperature)
-        tree = engine._draft_tree(FixedDrafter(), None, state, spec)
+        tree = step_ops.draft_tree(FixedDrafter(), None, state, spec)
         assert np.asarray(tree.tokens)[0].tolist() == tokens
 
 

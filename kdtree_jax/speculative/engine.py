@@ -37,160 +37,17 @@ from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import replicate
 from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import budget_policy
+from kdtree_jax.speculative import cost_model as cost_models
 from kdtree_jax.speculative import tree as trees
-
-TreeShape = Union[str, tuple]  # "ddtree", "chain", or a static branching tuple such as (4, 2, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static settings of one compiled decode loop."""
-
-    tree: TreeShape = "ddtree"
-    budget: int = 16  # DDTree nodes besides the root; 0: autoregressive
-    topk: int = 4  # drafter candidates per depth
-    # DDTree ranks prefixes by the drafter's probabilities divided by this temperature (< 1 sharpens).
-    # A drafter distilled on soft labels learns the target's spread, but greedy verification accepts a
-    # token whenever it is the target's argmax, which happens far more often than its probability says;
-    # sharpening makes the tree trust the drafter's top choice deeper. 1.0: the probabilities as they are.
-    tree_temperature: float = 1.0
-    temperature: float = 0.0
-    top_k: int = 0  # target sampling filters (temperature > 0)
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    impl: str = "auto"  # verify-attention implementation
-    # Every verify row computed bit for bit as the one-token step computes it, so that greedy speculative output
-    # equals autoregressive output token for token in bfloat16 (model/row_invariant.py; on a GPU it needs the XLA
-    # flags of kdtree_jax.runtime.configure(row_invariant=True)). Off by default: it costs speed.
-    row_invariant: bool = False
-    expert_devices: int = 1  # expert-load statistics group the expert slots into this many devices
-
-
-class ExpertLoad(NamedTuple):
-    """Router statistics summed over the verify passes of active steps (per MoE layer)."""
-
-    slot_tokens: jnp.ndarray  # [n_moe, slots] tokens routed to each physical expert slot
-    device_tokens: jnp.ndarray  # [n_moe, devices] the same, per device (slots split contiguously)
-    device_active: jnp.ndarray  # [n_moe, devices] experts with >= 1 token, per device
-    imbalance: jnp.ndarray  # [n_moe] sum over steps of max/mean device tokens
-
-    @staticmethod
-    def zeros(num_moe: int, slots: int, devices: int) -> "ExpertLoad":
-        return ExpertLoad(jnp.zeros((num_moe, slots), jnp.int32), jnp.zeros((num_moe, devices), jnp.int32),
-                          jnp.zeros((num_moe, devices), jnp.int32), jnp.zeros((num_moe,), jnp.float32))
-
-    def add(self, counts) -> "ExpertLoad":
-        num_moe, devices = self.device_tokens.shape
-        if num_moe == 0:  # a target without MoE layers
-            return self
-        per_device = counts.reshape(num_moe, devices, -1)
-        tokens = per_device.sum(-1)
-        mean = jnp.maximum(tokens.mean(-1), 1e-9)
-        return ExpertLoad(self.slot_tokens + counts, self.device_tokens + tokens,
-                          self.device_active + (per_device > 0).sum(-1).astype(jnp.int32),
-                          self.imbalance + tokens.max(-1) / mean)
-
-
-class LoopState(NamedTuple):
-    """The decode loop's carry. Build it with `initial_state` (by keyword); a step returns `_replace`d copies."""
-
-    cache: KVCache
-    dcache: Optional[DrafterCache]
-    bonus: jnp.ndarray  # [B] the last emitted token, not yet in the target cache
-    out: jnp.ndarray  # [B, max_new + D + 1] emitted tokens
-    num_out: jnp.ndarray  # [B]
-    active: jnp.ndarray  # [B] bool
-    step: jnp.ndarray  # [] loop iterations
-    key: jnp.ndarray
-    accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
-    stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
-    expert_load: ExpertLoad
-
+from kdtree_jax.speculative.step import (ExpertLoad, LoopState, PendingContext, SpecConfig, TreeShape,
+                                         pending_capacity, speculative_step)
 
 @dataclasses.dataclass
 class GenerateResult:
     tokens: list  # per sequence, the generated token ids (prompt excluded, stop token included)
     stats: dict
 
-
-def _draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig) -> trees.Tree:
-    start = state.cache.seq_lens
-    if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
-        return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
-    with jax.named_scope("drafter"):
-        # The top-k of log_softmax(logits / t) in one kernel on a GPU (ops/topk.py): the same candidates as
-        # top_k(log_softmax(log_softmax(logits) / t)), since log_softmax(log_softmax(x) / t) = log_softmax(x / t).
-        # A drafter-like object with only __call__ (log-probs, as tests' fixed drafters) works too: the log-probs'
-        # log_softmax is themselves, up to rounding.
-        scores = getattr(drafter, "logits", drafter)
-        logits = scores(target, state.dcache, state.bonus, start)  # [B, D, V]
-        tree_temperature = spec.tree_temperature if spec.tree == "ddtree" else 1.0
-        # Over a mesh the lm head splits the vocabulary, and the partitioner would gather the whole logits to every
-        # device for the custom call; XLA's top_k there is partitioned (a fused per-shard merge is left to do).
-        mesh = getattr(target, "mesh", None)
-        impl = "auto" if mesh is None or mesh.size == 1 else "xla"
-        top_lp, top_tok = topk_ops.log_softmax_top_k(logits, spec.topk, tree_temperature, impl=impl)
-    with jax.named_scope("tree"):
-        if spec.tree == "ddtree":
-            return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
-        if spec.tree == "chain":
-            return trees.build_chain(top_tok, top_lp, state.bonus, start)
-        return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
-
-
-def _speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
-                      loop_weights=None) -> LoopState:
-    # The named scopes name the step's parts in the compiled program's metadata, which is how a profile
-    # of the step attributes its kernels (kdtree_jax/profiling.py).
-    tree = _draft_tree(drafter, target, state, spec)
-    num_nodes = tree.num_nodes
-    with jax.named_scope("tree"):
-        cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
-    hidden_layers = () if drafter is None else drafter.target_layer_ids
-    # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
-    with jax.named_scope("verify"):
-        fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
-                     hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights,
-                     row_invariant=spec.row_invariant)
-    cache = cache._replace(pages=fwd.kv_pages)
-
-    with jax.named_scope("accept"):
-        if spec.temperature == 0:
-            acc = acceptance.accept_greedy(tree, fwd.logits)
-        else:
-            acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
-                                            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
-    active = state.active
-    with jax.named_scope("commit"):
-        cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
-    num_keep = jnp.where(active, acc.num_accepted + 1, 0)
-
-    dcache = state.dcache
-    if drafter is not None:
-        with jax.named_scope("drafter"):
-            path = jnp.clip(acc.path, 0, num_nodes - 1)
-            path_hidden = jnp.take_along_axis(fwd.hidden, path[None, :, :, None], axis=2)  # [n, B, D+1, H]
-            dcache = drafter.extend_context(dcache, path_hidden, num_keep)
-
-    # Emit: the accepted tokens then the bonus, cut after a stop token.
-    emitted = acc.emitted  # [B, D+1], -1 past num_emitted
-    width = emitted.shape[1]
-    j = jnp.arange(width)[None, :]
-    in_step = j < jnp.where(active, acc.num_emitted, 0)[:, None]
-    is_stop = in_step & (emitted[:, :, None] == state.stop_ids[None, None, :]).any(-1)
-    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), width)
-    n_emit = jnp.minimum(jnp.where(active, acc.num_emitted, 0), first_stop + 1)
-    rows = jnp.arange(emitted.shape[0])[:, None]
-    dest = jnp.where(j < n_emit[:, None], state.num_out[:, None] + j, state.out.shape[1])
-    out = state.out.at[rows, dest].set(emitted, mode="drop")
-    num_out = state.num_out + n_emit
-    max_new = state.out.shape[1] - width
-    still = active & ~is_stop.any(1) & (num_out < max_new)
-
-    hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
-    return state._replace(cache=cache, dcache=dcache, bonus=jnp.where(active, acc.bonus, state.bonus), out=out,
-                          num_out=num_out, active=still, step=state.step + 1, accepted_hist=hist,
-                          expert_load=state.expert_load.add(fwd.expert_counts))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -204,7 +61,7 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
     # Weights derived from the parameters are computed here, once: inside the body XLA would redo them at
     # every step (it does not hoist the layout copies it adds after its loop-invariant code motion).
     loop_weights = target.loop_weights()
-    return jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, loop_weights), state)
+    return jax.lax.while_loop(cond, lambda s: speculative_step(target, drafter, s, spec, loop_weights), state)
 
 
 # The device-resident loop, k steps per host iteration --------------------------------------------------------------
@@ -256,7 +113,7 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
     def cond(s: LoopState):
         return (s.step < stop_step) & s.active.any()
 
-    state = jax.lax.while_loop(cond, lambda s: _speculative_step(target, drafter, s, spec, loop_weights), state)
+    state = jax.lax.while_loop(cond, lambda s: speculative_step(target, drafter, s, spec, loop_weights), state)
     width = state.accepted_hist.shape[0]
     index = start[:, None] + jnp.arange(steps * width, dtype=jnp.int32)[None, :]
     tokens = jnp.take_along_axis(state.out, jnp.minimum(index, state.out.shape[1] - 1), axis=1)
@@ -360,9 +217,12 @@ def _reset_row_state(state: LoopState, row) -> LoopState:
     dcache = state.dcache
     if dcache is not None:
         dcache = dcache._replace(lens=jnp.where(which, 0, dcache.lens))
+    pending = state.pending
+    if pending is not None:  # an adaptive loop's features not yet in the drafter's context: the old sequence's
+        pending = pending._replace(count=jnp.where(which, 0, pending.count))
     return state._replace(cache=kv_pool.reset_sequences(state.cache, which), dcache=dcache,
                           out=jnp.where(which[:, None], -1, state.out), num_out=jnp.where(which, 0, state.num_out),
-                          active=state.active & ~which)
+                          active=state.active & ~which, pending=pending)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -779,13 +639,15 @@ def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, ma
 
 
 def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
-                  stop_ids, key, expert_load: ExpertLoad, active=None) -> LoopState:
+                  stop_ids, key, expert_load: ExpertLoad, active=None,
+                  adaptive: Optional[tuple] = None) -> LoopState:
     """The decode loop's starting state (the public way to build a LoopState, for `decode_loop`).
 
     cache: the target's pool after the prompts (the first token not yet in it); dcache: the drafter's
     context over the same positions (None without a drafter); first_tokens [B]: each sequence's first
     generated token (the first tree's root), already emitted; width: D + 1 (tokens a step can emit; 1
-    without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence).
+    without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence);
+    adaptive: (PolicyState, PendingContext) for a loop whose SpecConfig has a menu (`adaptive_parts`), else None.
     """
     first_tokens = jnp.asarray(first_tokens, jnp.int32)
     batch = first_tokens.shape[0]
@@ -801,7 +663,94 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
         accepted_hist=jnp.zeros((width,), jnp.int32),
         stop_ids=jnp.asarray(stop_ids, jnp.int32),
         expert_load=expert_load,
+        policy=None if adaptive is None else adaptive[0],
+        pending=None if adaptive is None else adaptive[1],
     )
+
+
+def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batch: int,
+                   costs: Optional[dict] = None) -> tuple:
+    """The adaptive loop's extra state for `initial_state(adaptive=...)`: (the policy's state with these costs, from
+    `CostModel.costs`, or placeholders until `calibrate` measures them; the drafter's pending context)."""
+    costs = dict(costs or {})
+    prior = {k: costs.pop(k, None) for k in ("bin_ratio", "expected")}
+    policy = budget_policy.init_state(spec.menu, **costs, **{k: v for k, v in prior.items() if v is not None})
+    pending = PendingContext.zeros(len(drafter.target_layer_ids), batch, pending_capacity(drafter.cfg.depth),
+                                   target.cfg.hidden_size, target.dtype)
+    return policy, pending
+
+
+def with_costs(state: LoopState, spec: SpecConfig, costs: dict) -> LoopState:
+    """The state with the policy's costs (and acceptance prior) replaced: same shapes, so no compile."""
+    counters = state.policy
+    costs = dict(costs)
+    prior = {k: costs.pop(k, None) for k in ("bin_ratio", "expected")}
+    fresh = budget_policy.init_state(spec.menu, **costs, **{k: v for k, v in prior.items() if v is not None})
+    return state._replace(policy=fresh._replace(chosen=counters.chosen, predicted_tokens=counters.predicted_tokens,
+                                                observed_tokens=counters.observed_tokens,
+                                                sequence_steps=counters.sequence_steps))
+
+
+CALIBRATION_STEPS = (2, 10)  # a timing's short and long run, in steps, where one call runs the whole decode
+CALIBRATION_CALLS = (1, 3)  # the same in chained calls of the chunked loop
+
+
+def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, depth: int, on_progress=None) -> dict:
+    """Time every menu budget in the compiled adaptive loop `call` (ChunkedLoop or decode_loop's compiled program),
+    each on a copy of `state` with the policy forced to it: -> a cost_model point (make_point) with the run's
+    acceptance as the prior. The state itself is not touched. A step's cost is the difference of a long and a short
+    run over the difference of their steps, which leaves out what a call costs whatever it runs (its launch, the
+    loop weights, the read of the result). An entry that cannot beat autoregressive decoding even if every drafted
+    token were accepted ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least
+    as much."""
+    menu = spec.menu
+    base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
+                          num_out=jnp.ones_like(state.num_out))
+
+    def timed(force: int, long: bool):
+        copy = jax.tree.map(jnp.copy, base)
+        copy = copy._replace(policy=copy.policy._replace(force=jnp.int32(force)))
+        calls = 1
+        if chunk_steps:
+            calls = CALIBRATION_CALLS[long]
+        else:  # decode_loop runs until max_new_tokens steps: start it that many steps before
+            copy = copy._replace(step=jnp.full_like(copy.step, max(spec.max_new_tokens - CALIBRATION_STEPS[long], 0)))
+        start = int(copy.step)
+        jax.block_until_ready(copy)
+        t0 = time.perf_counter()
+        out = call(copy)
+        for _ in range(calls - 1):
+            out = call(out.state)
+        final = out.state if isinstance(out, ChunkOutput) else out
+        steps = int(final.step) - start  # reads the device: the timing ends here
+        return (time.perf_counter() - t0) * 1e3, steps, final
+
+    def step_ms(force: int):
+        short = min((timed(force, False) for _ in range(2)), key=lambda r: r[0])
+        long = min((timed(force, True) for _ in range(2)), key=lambda r: r[0])
+        if long[1] > short[1]:
+            return max((long[0] - short[0]) / (long[1] - short[1]), 1e-6), long[2]
+        return long[0] / max(long[1], 1), long[2]
+
+    modes = ["ar"] + list(range(len(menu)))
+    ms, prior = {}, None
+    timed(len(menu), False)  # warm-up (on a GPU, the first call of a program runs its command buffer's warm-up)
+    for n, mode in enumerate(modes):
+        if on_progress is not None:
+            on_progress("calibrate", n, len(modes))
+        ms[mode], final = step_ms(len(menu) if mode == "ar" else mode)
+        if mode != "ar" and menu[mode] > 0:
+            prior = final.policy
+            if (1 + min(menu[mode], depth)) / ms[mode] < 1.0 / ms["ar"]:
+                break
+    steps = CALIBRATION_CALLS[1] * chunk_steps if chunk_steps else CALIBRATION_STEPS[1]
+    if on_progress is not None:
+        on_progress("calibrate", len(modes), len(modes))
+    batch = state.bonus.shape[0]
+    context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
+    return cost_models.make_point(batch, context, menu, ms, steps=steps,
+                                  bin_ratio=None if prior is None else budget_policy.bin_ratio(prior),
+                                  expected=None if prior is None else np.asarray(prior.expected))
 
 
 def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec: SpecConfig, *, seed: int,
@@ -840,9 +789,15 @@ def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec:
     t_prefill = time.perf_counter() - t0
 
     active = ~np.isin(first_np, req.stop) & (spec.max_new_tokens > 1)
+    adaptive = None
+    if spec.menu and req.use_drafter:
+        adaptive = adaptive_parts(target, drafter, spec, batch)
+        if mesh is not None:
+            adaptive = replicate(adaptive, mesh)
     state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,
                           width=(req.depth if req.use_drafter else 0) + 1, stop_ids=req.stop, key=key,
-                          expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active)
+                          expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active,
+                          adaptive=adaptive)
     return state, (drafter if req.use_drafter else None), t_prefill
 
 
@@ -856,11 +811,12 @@ def one_step_left(state: LoopState) -> LoopState:
 
 
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
-              chunk_steps: int = 0, on_chunk=None, on_progress=None):
+              chunk_steps: int = 0, on_chunk=None, on_progress=None, prepare=None):
     """Compile the loop ahead (cached by jax for later calls with the same shapes, so tokens/s times decoding
     only), run it, optionally profile one step of it on a copy of the state: -> (final state, compile s, decode s,
     step profile or None, host syncs). chunk_steps 0: the whole decode in one call (`decode_loop`); k: the
-    chunked loop (`ChunkedLoop`), on_chunk(tokens, start, num_out) after each chunk."""
+    chunked loop (`ChunkedLoop`), on_chunk(tokens, start, num_out) after each chunk. prepare(call, state) -> state,
+    after the compile: the adaptive budget's calibration (`_prepare_costs`)."""
     t1 = time.perf_counter()
     if on_progress is not None:
         on_progress("compile", 0, 1)
@@ -876,6 +832,8 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         on_progress("compile", 1, 1)
     host_loops = _host_driven_loops(loop, (jax.tree.structure((target, drafter)), spec, chunk_steps,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
+    if prepare is not None:  # the adaptive budget's costs, measured with this very program (no compile)
+        state = prepare(lambda s: loop(*args, s), state)
     # The profiled call comes after the timed decode: a trace taken of a replayed CUDA graph left the graph's later
     # replays slower (the timed decode at 2x its step after one, spec_decode at 0ec9d93, H200). Its state is a copy
     # taken now (the loop donates its state).
@@ -963,6 +921,9 @@ def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, 
         "num_nodes": num_nodes,
         "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
     }
+    if spec.menu and final.policy is not None:
+        stats["budget"] = "auto"
+        stats["budget_policy"] = budget_policy.summary(final.policy, spec.menu)
     if step_profile is not None:
         step_ms = t_decode / max(int(final.step), 1) * 1e3
         stats["profile"] = {**step_profile, "step_ms": step_ms, "idle_ms": step_ms - step_profile["busy_ms"]}
@@ -975,14 +936,70 @@ def _loop_on_device() -> bool:
     return jax.default_backend() == "gpu" and runtime.command_buffers_configured()
 
 
+def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, topk: int) -> tuple:
+    """The menu of DDTree budgets an adaptive loop chooses from, () for a fixed budget or no adaptive loop.
+
+    budget "auto" with a drafter and tree "ddtree": `menu` (default budget_policy.DEFAULT_MENU) cut to the budgets the
+    drafter's depth and topk can fill, with 0 (the autoregressive step) always in it. A number: ()."""
+    if not isinstance(budget, str):
+        if menu is not None:
+            raise ValueError("menu is for budget='auto'; a numeric budget verifies that budget every step")
+        return ()
+    if budget != "auto":
+        raise ValueError(f"budget must be an integer >= 0 or 'auto'; got {budget!r}")
+    if drafter is None or tree != "ddtree":
+        return ()
+    limit = min(trees.max_ddtree_budget(drafter.cfg.depth, topk), MAX_TREE_NODES - 1)
+    chosen = budget_policy.DEFAULT_MENU if menu is None else tuple(menu)
+    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0 for b in chosen):
+        raise ValueError(f"menu must hold integer budgets >= 0; got {list(chosen)}")
+    entries = sorted({0, *(int(b) for b in chosen if b <= limit)})
+    if len(entries) < 2:
+        raise ValueError(f"menu needs a budget in [1, {limit}] (the prefixes the drafter's depth and topk make); "
+                         f"got {list(chosen)}")
+    return tuple(entries)
+
+
+def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call, state: LoopState, *,
+                   chunk_steps: int, recalibrate: bool, on_progress, info: dict) -> LoopState:
+    """The adaptive loop's costs for this batch and context: from the cache, or calibrated now with `call` (and
+    cached). Fills `info` with what happened, for stats["budget_policy"]."""
+    key = cost_models.fingerprint(target, drafter, spec)
+    model = cost_models.CostModel.load(key)
+    batch = state.bonus.shape[0]
+    context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
+    point = None if recalibrate else model.lookup(batch, context)
+    t0 = time.perf_counter()
+    measured = point is None
+    if measured:
+        point = calibrate(call, state, spec, chunk_steps=chunk_steps, depth=drafter.cfg.depth,
+                          on_progress=on_progress)
+        model.add(point)
+        model.save()
+    info.update(calibrated=measured, calibration_seconds=time.perf_counter() - t0, cost_model=str(model.path))
+    state = with_costs(state, spec, model.costs(batch, context))
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:
+        state = state._replace(policy=replicate(state.policy, mesh))
+    return state
+
+
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
-             budget: int = 16, topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
+             budget: Union[int, str] = "auto", topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
              profile: bool = False, chunk_steps: Optional[int] = None, on_tokens=None,
-             on_progress=None, row_invariant: bool = False) -> GenerateResult:
+             on_progress=None, row_invariant: bool = False, calibrate: bool = False,
+             menu: Optional[Sequence[int]] = None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
+
+    budget "auto" (the default): each step chooses its DDTree budget from `menu` (default
+    budget_policy.DEFAULT_MENU, 0 = an autoregressive step that skips the drafter) by the drafter's own probabilities
+    and a cost model of this device (budget_policy.py, cost_model.py). The cost model is measured once per model
+    pair, device, batch size and context (a few seconds, with this call's compiled loop: nothing extra compiles)
+    and cached under the user's cache directory; calibrate=True measures again. stats["budget_policy"] reports the
+    steps each budget got and the predicted vs observed tokens per step. A number keeps that budget every step.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
     top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
@@ -1018,6 +1035,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
     `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
     """
+    menu = adaptive_menu(budget, menu, drafter, tree, topk)
+    if isinstance(budget, str):
+        budget = max(menu) if menu else 0
     req = _validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
                     tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree,
                     top_k=top_k, top_p=top_p)
@@ -1031,7 +1051,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       budget=budget if req.use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
-                      row_invariant=bool(row_invariant))
+                      row_invariant=bool(row_invariant), menu=menu if req.use_drafter else ())
     if row_invariant and jax.default_backend() == "gpu" and not runtime.row_invariant_configured():
         warnings.warn("generate(row_invariant=True) without the XLA flags of kdtree_jax.runtime.configure("
                       "row_invariant=True) (call it before the first JAX computation): rows may still depend on the "
@@ -1067,8 +1087,13 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                     streamed[b] = end
             return finished
 
+    calibration = {}
+    prepare = None
+    if spec.menu:
+        prepare = functools.partial(_prepare_costs, target, loop_drafter, spec, chunk_steps=chunk_steps,
+                                    recalibrate=calibrate, on_progress=on_progress, info=calibration)
     final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
-        target, loop_drafter, state, spec, profile, chunk_steps, on_chunk, on_progress)
+        target, loop_drafter, state, spec, profile, chunk_steps, on_chunk, on_progress, prepare)
 
     out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
     tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
@@ -1081,6 +1106,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     stats["decoding"] = "speculative" if req.use_drafter else "autoregressive"
     if not req.use_drafter:
         stats["tree"] = "autoregressive"
+    if "budget_policy" in stats:
+        stats["budget_policy"].update(calibration)
     stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
                  host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)

@@ -1,0 +1,226 @@
+"""The goodput-adaptive tree budget: which DDTree budget a step verifies, chosen on the device each step.
+
+A DDTree of budget b is the b most probable prefixes of the drafter's candidates, so the tree of budget b is the
+first b + 1 nodes of the tree of any larger budget (tree.py's node order). A node's score is the sum of the
+drafter's log-probs along its path, so exp(score) estimates the chance that the verify pass accepts the node's whole
+path, and a step that verifies the first b nodes is expected to emit
+
+    E(b) = 1 + sum over nodes n = 1..b of q(n),    q(n) = calibrated exp(score(n))
+
+tokens per sequence (the 1 is the bonus token every step emits). A step costs c_draft + c_verify(b) (the cost model,
+cost_model.py, measured on the device), except an autoregressive step, which runs no drafter and costs c_ar. The
+policy picks, once per step for the whole batch, the menu entry with the most expected tokens per second.
+
+Two decisions a step, both on the device (no host round trip, no recompilation: every menu entry is compiled into
+the one loop and `lax.switch` picks one):
+
+1. Draft or not (before the drafter runs, so that a step that does not speculate does not pay for it). The policy
+   keeps, per menu entry, a running mean of each step's predicted tokens per sequence (`expected`, updated on every
+   drafted step). It drafts when the best predicted rate with the drafter, max_b n E(b) / (c_draft + c_verify(b)),
+   reaches the autoregressive rate n / c_ar; otherwise the step is autoregressive and the drafter is skipped. A
+   closed gate still probes: every `probe_every` steps it drafts once to refresh the prediction (a probe that finds
+   speculation still loses doubles the interval; one that finds it pays reopens the gate). The first interval is
+   what keeps the probes' drafter cost at PROBE_SHARE of the autoregressive time.
+2. Which budget (after the drafter ran): argmax over the menu of E(b) / (c_draft + c_verify(b)), where budget 0 (a
+   root-only verify) is scored 1 / (c_draft + c_ar). Since budget 0 is in the menu, a drafted step never takes
+   more time per expected token than an autoregressive step plus the drafter's cost on that step: its choice
+   satisfies E(b) / (c_draft + c_verify(b)) >= 1 / (c_draft + c_ar). With the gate's probes bounded as above, the
+   policy cannot be slower than autoregressive decoding by more than the drafter's cost on the steps it drafts
+   (and only when its predictions are wrong, which the calibration corrects).
+
+Calibration: exp(score) is the drafter's (tree-temperature sharpened) belief, not the verify pass's acceptance
+rate. The policy keeps, in bins of predicted probability, the decayed sums of predicted and observed acceptances
+of every verified node, and scales each node's prediction by its bin's observed / predicted ratio (a reliability
+diagram learned online). The sums start from a prior (a ratio of 1, or the calibration run's, cost_model.py) and
+decay by CALIBRATION_DECAY a drafted step, so they follow the text's easy and hard stretches.
+
+Pure functions on the loop's carry (`PolicyState`); engine.py / step.py call them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The default menu of budgets (0: autoregressive). Chosen from the measured sweeps: 4-64 spans the best fixed
+# budgets of every batch size measured (32 at batch 1, 8-16 at batch 16; benchmarks/results), and each entry
+# compiles one more verify pass into the loop.
+DEFAULT_MENU = (0, 4, 8, 16, 32, 64)
+# Upper edges of the calibration bins over log(predicted probability); the last bin holds everything below.
+BIN_EDGES = (-0.05, -0.15, -0.3, -0.6, -1.0, -1.6, -2.5, -4.0)
+NUM_BINS = len(BIN_EDGES) + 1
+CALIBRATION_DECAY = 0.98  # per drafted step: the bins remember the last ~50 steps
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior ratio in each bin
+EXPECTED_DECAY = 0.5  # the gate's running mean of predicted tokens: half from the last drafted step
+PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
+PROBE_MIN, PROBE_MAX = 4, 1024
+FORCE_POLICY = -1  # PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i; len(menu): AR
+
+
+class PolicyState(NamedTuple):
+    """The policy's part of the loop's carry (all on device, tiny). Costs are per step of the whole batch, ms."""
+
+    cost_ar: jnp.ndarray  # [] f32 an autoregressive step (no drafter)
+    cost_draft: jnp.ndarray  # [] f32 the drafter and the tree
+    cost_verify: jnp.ndarray  # [M] f32 the rest of a drafted step per menu entry (entry 0: a root-only verify)
+    cost_slope: jnp.ndarray  # [M + 1] f32 ms per context token of the mean active row (entries, then AR)
+    context0: jnp.ndarray  # [] f32 the mean context the costs were measured at
+    bin_pred: jnp.ndarray  # [NUM_BINS] f32 decayed sums of predicted acceptance probabilities
+    bin_acc: jnp.ndarray  # [NUM_BINS] f32 decayed counts of accepted nodes
+    expected: jnp.ndarray  # [M] f32 running mean of predicted tokens per sequence per menu entry
+    since_draft: jnp.ndarray  # [] int32 steps since the last drafted step
+    probe_every: jnp.ndarray  # [] int32 a closed gate's probe interval
+    force: jnp.ndarray  # [] int32 FORCE_POLICY, or the menu entry (or len(menu): AR) every step takes (calibration)
+    chosen: jnp.ndarray  # [M + 1] int32 steps per menu entry drafted, then steps without the drafter
+    predicted_tokens: jnp.ndarray  # [] f32 sum over drafted steps and active rows of E(chosen budget)
+    observed_tokens: jnp.ndarray  # [] f32 the tokens those rows emitted
+    sequence_steps: jnp.ndarray  # [] f32 active rows summed over drafted steps
+
+
+def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
+               context0=0.0, bin_ratio=None, expected=None, force: int = FORCE_POLICY) -> PolicyState:
+    """A fresh policy state. Costs in ms (any consistent unit); cost_verify [M] defaults to cost_ar for every entry
+    (so that only the predictions decide); bin_ratio [NUM_BINS] the calibration prior (default 1: trust the
+    drafter); expected [M] the gate's prior (default: optimistic, 1 + b, so that the first step drafts)."""
+    m = len(menu)
+    menu_arr = np.asarray(menu, np.float32)
+    cost_verify = np.full((m,), cost_ar, np.float32) if cost_verify is None else np.asarray(cost_verify, np.float32)
+    cost_slope = np.zeros((m + 1,), np.float32) if cost_slope is None else np.asarray(cost_slope, np.float32)
+    ratio = np.ones((NUM_BINS,), np.float32) if bin_ratio is None else np.asarray(bin_ratio, np.float32)
+    expected = 1.0 + menu_arr if expected is None else np.asarray(expected, np.float32)
+    if cost_verify.shape != (m,) or cost_slope.shape != (m + 1,) or expected.shape != (m,):
+        raise ValueError(f"cost_verify and expected must have one entry per menu budget ({m}), cost_slope {m + 1}")
+    return PolicyState(
+        cost_ar=jnp.float32(cost_ar), cost_draft=jnp.float32(cost_draft), cost_verify=jnp.asarray(cost_verify),
+        cost_slope=jnp.asarray(cost_slope), context0=jnp.float32(context0),
+        bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
+        expected=jnp.asarray(expected), since_draft=jnp.int32(0),
+        probe_every=jnp.int32(probe_interval(cost_draft, cost_ar)), force=jnp.int32(force),
+        chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.float32(0),
+        sequence_steps=jnp.float32(0))
+
+
+def probe_interval(cost_draft: float, cost_ar: float) -> int:
+    """Steps between a closed gate's probes so that their drafter cost is PROBE_SHARE of the AR time."""
+    if not cost_ar > 0:
+        return PROBE_MIN
+    return int(np.clip(np.ceil(cost_draft / (PROBE_SHARE * cost_ar)), PROBE_MIN, PROBE_MAX))
+
+
+def _costs(policy: PolicyState, context):
+    """(c_ar, c_draft, c_verify [M]) at the batch's mean context."""
+    shift = context - policy.context0
+    slope = policy.cost_slope
+    return (jnp.maximum(policy.cost_ar + slope[-1] * shift, 1e-6), policy.cost_draft,
+            jnp.maximum(policy.cost_verify + slope[:-1] * shift, 1e-6))
+
+
+def mean_context(seq_lens, active):
+    n = jnp.maximum(active.sum(), 1)
+    return (jnp.where(active, seq_lens, 0).sum() / n).astype(jnp.float32)
+
+
+def should_draft(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
+    """The gate, before the drafter: [] bool."""
+    c_ar, c_draft, c_verify = _costs(policy, context)
+    speculative = jnp.asarray(np.asarray(menu) > 0)
+    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), 0.0)
+    gate = rates.max() >= 1.0 / c_ar
+    probe = policy.since_draft + 1 >= policy.probe_every
+    forced = jnp.where(policy.force >= len(menu), False, True)
+    return jnp.where(policy.force == FORCE_POLICY, gate | probe, forced)
+
+
+def _bins(log_p):
+    edges = jnp.asarray(BIN_EDGES, jnp.float32)
+    return (log_p[..., None] < edges).sum(-1)  # 0: the most confident bin
+
+
+def calibrated(policy: PolicyState, scores, valid) -> jnp.ndarray:
+    """Each node's calibrated acceptance probability q [B, T] from its drafter score (root and padding: 0)."""
+    ratio = policy.bin_acc / jnp.maximum(policy.bin_pred, 1e-6)
+    p = jnp.exp(jnp.minimum(scores, 0.0))
+    q = jnp.minimum(p * ratio[_bins(scores)], 1.0)
+    node = jnp.arange(scores.shape[1])[None, :]
+    return jnp.where(valid & (node > 0), q, 0.0)
+
+
+def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
+    """E(b) per sequence and menu entry [B, M]: 1 + the calibrated probabilities of the first b nodes."""
+    total = jnp.cumsum(q, axis=1)  # [B, T]: total[:, i] = q[1] + ... + q[i]
+    return 1.0 + jnp.stack([total[:, b] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
+
+
+def choose(policy: PolicyState, menu: Sequence[int], q, active, context) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """After the drafter: (the menu entry [] int32, E [M] summed over active rows)."""
+    c_ar, c_draft, c_verify = _costs(policy, context)
+    expected = jnp.where(active[:, None], expected_tokens(q, menu), 0.0).sum(0)  # [M]
+    cost = c_draft + jnp.where(jnp.asarray(np.asarray(menu) > 0), c_verify, c_ar)
+    best = jnp.argmax(expected / cost).astype(jnp.int32)
+    forced = jnp.clip(policy.force, 0, len(menu) - 1)
+    return jnp.where(policy.force == FORCE_POLICY, best, forced), expected
+
+
+def update(policy: PolicyState, menu: Sequence[int], *, drafted, choice, scores, valid, expected, path,
+           num_accepted, active, context) -> PolicyState:
+    """The step's observations: the calibration bins (every verified node of a drafted step: its raw drafter
+    probability exp(score) and whether the walk accepted it), the gate's running prediction and probe interval, and
+    the counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
+    expected [M] the step's E summed over active rows (`choose`)."""
+    c_ar, c_draft, c_verify = _costs(policy, context)
+    menu_arr = np.asarray(menu, np.int32)
+    budget = jnp.asarray(menu_arr)[choice]
+    n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
+    num_nodes = scores.shape[1]
+    node = jnp.arange(num_nodes)[None, :]
+    verified = (node >= 1) & (node <= budget) & valid & active[:, None] & drafted
+    on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
+        path > 0)
+    bins = _bins(scores)
+    raw = jnp.exp(jnp.minimum(scores, 0.0))
+    add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
+    add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
+    decay = jnp.where(drafted, CALIBRATION_DECAY, 1.0)
+    # A drafted step that beat autoregressive decoding (by its prediction, drafter included) keeps the gate's probes
+    # at their base interval; one that did not doubles it.
+    cost = c_draft + jnp.where(choice > 0, c_verify[choice], c_ar)
+    paid = (choice > 0) & (expected[choice] / cost >= n / c_ar)
+    base = jnp.clip(jnp.ceil(c_draft / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
+    probe_every = jnp.where(drafted, jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)),
+                            policy.probe_every)
+    emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.float32)
+    return policy._replace(
+        bin_pred=policy.bin_pred * decay + add_pred, bin_acc=policy.bin_acc * decay + add_acc,
+        expected=jnp.where(drafted, (1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
+                           policy.expected),
+        since_draft=jnp.where(drafted, 0, policy.since_draft + 1), probe_every=probe_every,
+        chosen=policy.chosen.at[jnp.where(drafted, choice, len(menu_arr))].add(1),
+        predicted_tokens=policy.predicted_tokens + jnp.where(drafted, expected[choice], 0.0),
+        observed_tokens=policy.observed_tokens + jnp.where(drafted, emitted, 0.0),
+        sequence_steps=policy.sequence_steps + jnp.where(drafted, n, 0.0),
+    )
+
+
+def bin_ratio(policy: PolicyState) -> np.ndarray:
+    """The calibration's observed / predicted ratio per bin (host), e.g. to carry as the next run's prior."""
+    return np.asarray(policy.bin_acc) / np.maximum(np.asarray(policy.bin_pred), 1e-6)
+
+
+def summary(policy: PolicyState, menu: Sequence[int]) -> dict:
+    """What a run's policy did, for GenerateResult.stats and /metrics: steps per budget (a histogram; "ar" counts
+    the steps that skipped the drafter), and the predicted vs observed tokens per sequence-step of drafted steps."""
+    chosen = np.asarray(policy.chosen).tolist()
+    seq_steps = float(policy.sequence_steps)
+    return {
+        "menu": list(menu),
+        "budget_steps": {str(b): int(c) for b, c in zip(menu, chosen[:-1])},
+        "steps_without_drafter": int(chosen[-1]),
+        "predicted_tau": float(policy.predicted_tokens) / seq_steps if seq_steps else float("nan"),
+        "observed_tau": float(policy.observed_tokens) / seq_steps if seq_steps else float("nan"),
+        "calibration": bin_ratio(policy).round(3).tolist(),
+        "costs_ms": {"ar": float(policy.cost_ar), "draft": float(policy.cost_draft),
+                     "verify": np.asarray(policy.cost_verify).round(4).tolist()},
+    }

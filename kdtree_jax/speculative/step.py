@@ -1,0 +1,337 @@
+"""One decode step, the body of the engine's loop: draft, build the tree, verify, accept, commit, emit.
+
+Two kinds of step share the verify-and-commit half (`verify_and_commit`):
+- `speculative_step`, a fixed tree (SpecConfig.menu empty): the DDTree of SpecConfig.budget (0: autoregressive, no
+  drafter), the chain or a static shape, every step;
+- `adaptive_step` (SpecConfig.menu set, budget "auto"): each step the policy (budget_policy.py) decides whether to
+  run the drafter at all and which budget of the menu to verify. The DDTree of the menu's largest budget is built
+  once; a budget b verifies its first b + 1 nodes (a best-first tree's prefix is the tree of the smaller budget), one
+  `lax.switch` branch per menu entry, all in the one compiled loop.
+
+The drafter's context in an adaptive loop is extended lazily: a step appends the target features of the tokens it
+committed to `PendingContext`, and the features are projected into the drafter's cache only before the drafter runs
+(or when the ring is full). An autoregressive step then costs what a fixed autoregressive step costs (plus the
+append), not a drafter pass; the drafter sees the same context either way (each position's keys and values depend
+on its own features and position only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax import kv_pool
+from kdtree_jax.kv_pool import KVCache
+from kdtree_jax.model.drafter import Drafter, DrafterCache
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.ops import topk as topk_ops
+from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import budget_policy as policy_ops
+from kdtree_jax.speculative import tree as trees
+
+TreeShape = Union[str, tuple]  # "ddtree", "chain", or a static branching tuple such as (4, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of one compiled decode loop."""
+
+    tree: TreeShape = "ddtree"
+    budget: int = 16  # DDTree nodes besides the root; 0: autoregressive
+    topk: int = 4  # drafter candidates per depth
+    # DDTree ranks prefixes by the drafter's probabilities divided by this temperature (< 1 sharpens).
+    # A drafter distilled on soft labels learns the target's spread, but greedy verification accepts a
+    # token whenever it is the target's argmax, which happens far more often than its probability says;
+    # sharpening makes the tree trust the drafter's top choice deeper. 1.0: the probabilities as they are.
+    tree_temperature: float = 1.0
+    temperature: float = 0.0
+    top_k: int = 0  # target sampling filters (temperature > 0)
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    impl: str = "auto"  # verify-attention implementation
+    # Every verify row computed bit for bit as the one-token step computes it, so that greedy speculative output
+    # equals autoregressive output token for token in bfloat16 (model/row_invariant.py; on a GPU it needs the XLA
+    # flags of kdtree_jax.runtime.configure(row_invariant=True)). Off by default: it costs speed.
+    row_invariant: bool = False
+    expert_devices: int = 1  # expert-load statistics group the expert slots into this many devices
+    # The adaptive budget (budget "auto"): the DDTree budgets a step may verify (0: autoregressive, no drafter pass),
+    # chosen per step by budget_policy.py; empty: every step verifies `budget`. With a menu, budget = max(menu).
+    menu: tuple = ()
+
+
+class ExpertLoad(NamedTuple):
+    """Router statistics summed over the verify passes of active steps (per MoE layer)."""
+
+    slot_tokens: jnp.ndarray  # [n_moe, slots] tokens routed to each physical expert slot
+    device_tokens: jnp.ndarray  # [n_moe, devices] the same, per device (slots split contiguously)
+    device_active: jnp.ndarray  # [n_moe, devices] experts with >= 1 token, per device
+    imbalance: jnp.ndarray  # [n_moe] sum over steps of max/mean device tokens
+
+    @staticmethod
+    def zeros(num_moe: int, slots: int, devices: int) -> "ExpertLoad":
+        return ExpertLoad(jnp.zeros((num_moe, slots), jnp.int32), jnp.zeros((num_moe, devices), jnp.int32),
+                          jnp.zeros((num_moe, devices), jnp.int32), jnp.zeros((num_moe,), jnp.float32))
+
+    def add(self, counts) -> "ExpertLoad":
+        num_moe, devices = self.device_tokens.shape
+        if num_moe == 0:  # a target without MoE layers
+            return self
+        per_device = counts.reshape(num_moe, devices, -1)
+        tokens = per_device.sum(-1)
+        mean = jnp.maximum(tokens.mean(-1), 1e-9)
+        return ExpertLoad(self.slot_tokens + counts, self.device_tokens + tokens,
+                          self.device_active + (per_device > 0).sum(-1).astype(jnp.int32),
+                          self.imbalance + tokens.max(-1) / mean)
+
+
+class LoopState(NamedTuple):
+    """The decode loop's carry. Build it with `initial_state` (by keyword); a step returns `_replace`d copies."""
+
+    cache: KVCache
+    dcache: Optional[DrafterCache]
+    bonus: jnp.ndarray  # [B] the last emitted token, not yet in the target cache
+    out: jnp.ndarray  # [B, max_new + D + 1] emitted tokens
+    num_out: jnp.ndarray  # [B]
+    active: jnp.ndarray  # [B] bool
+    step: jnp.ndarray  # [] loop iterations
+    key: jnp.ndarray
+    accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
+    stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
+    expert_load: ExpertLoad
+    # The adaptive budget's state (SpecConfig.menu set; None otherwise).
+    policy: Optional[policy_ops.PolicyState] = None
+    pending: Optional["PendingContext"] = None
+
+
+class PendingContext(NamedTuple):
+    """Target features of committed tokens not yet in the drafter's cache (an adaptive loop's lazy context)."""
+
+    hidden: jnp.ndarray  # [len(drafter.target_layer_ids), B, R, hidden]: row b's first count[b] are real
+    count: jnp.ndarray  # [B] int32
+
+    @staticmethod
+    def zeros(num_layers: int, batch: int, capacity: int, hidden: int, dtype) -> "PendingContext":
+        return PendingContext(jnp.zeros((num_layers, batch, capacity, hidden), dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def draft_scores(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig):
+    """The drafter's pass: per depth, the top-`spec.topk` (log-probs, tokens) [B, D, K]."""
+    start = state.cache.seq_lens
+    with jax.named_scope("drafter"):
+        # The top-k of log_softmax(logits / t) in one kernel on a GPU (ops/topk.py): the same candidates as
+        # top_k(log_softmax(log_softmax(logits) / t)), since log_softmax(log_softmax(x) / t) = log_softmax(x / t).
+        # A drafter-like object with only __call__ (log-probs, as tests' fixed drafters) works too: the log-probs'
+        # log_softmax is themselves, up to rounding.
+        scores = getattr(drafter, "logits", drafter)
+        logits = scores(target, state.dcache, state.bonus, start)  # [B, D, V]
+        tree_temperature = spec.tree_temperature if spec.tree == "ddtree" else 1.0
+        # Over a mesh the lm head splits the vocabulary, and the partitioner would gather the whole logits to every
+        # device for the custom call; XLA's top_k there is partitioned (a fused per-shard merge is left to do).
+        mesh = getattr(target, "mesh", None)
+        impl = "auto" if mesh is None or mesh.size == 1 else "xla"
+        return topk_ops.log_softmax_top_k(logits, spec.topk, tree_temperature, impl=impl)
+
+
+def draft_tree(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig) -> trees.Tree:
+    start = state.cache.seq_lens
+    if drafter is None or (spec.budget == 0 and spec.tree == "ddtree"):
+        return trees.root_only_tree(state.bonus, start, max_depth=0 if drafter is None else drafter.cfg.depth)
+    top_lp, top_tok = draft_scores(drafter, target, state, spec)
+    with jax.named_scope("tree"):
+        if spec.tree == "ddtree":
+            return trees.build_ddtree(top_lp, top_tok, state.bonus, start, spec.budget)
+        if spec.tree == "chain":
+            return trees.build_chain(top_tok, top_lp, state.bonus, start)
+        return trees.build_static(top_lp, top_tok, state.bonus, start, tuple(spec.tree))
+
+
+class Verified(NamedTuple):
+    """What `verify_and_commit` hands back besides the state."""
+
+    acc: acceptance.Acceptance
+    path_hidden: Optional[jnp.ndarray]  # [len(hidden layers), B, D+1, hidden]: the accepted path's target features
+    num_keep: jnp.ndarray  # [B] committed tokens per sequence (accepted nodes + the root; 0 when inactive)
+
+
+def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
+                      tree: trees.Tree, loop_weights=None) -> tuple[LoopState, Verified]:
+    """The step after the tree: verify every node in one target pass, walk the acceptance, commit the accepted path's
+    slots, emit its tokens (cut after a stop token). The drafter's context is the caller's to extend."""
+    # The named scopes name the step's parts in the compiled program's metadata, which is how a profile
+    # of the step attributes its kernels (kdtree_jax/profiling.py).
+    num_nodes = tree.num_nodes
+    with jax.named_scope("tree"):
+        cache, slots, batch = kv_pool.begin_chunk(state.cache, num_nodes, tree.mask)
+    hidden_layers = () if drafter is None else drafter.target_layer_ids
+    # Padding nodes carry token -1; any valid id will do for their (unused) verify rows.
+    with jax.named_scope("verify"):
+        fwd = target(jnp.maximum(tree.tokens, 0), tree.positions, cache.pages, batch,
+                     hidden_layers=hidden_layers, impl=spec.impl, loop_weights=loop_weights,
+                     row_invariant=spec.row_invariant)
+    cache = cache._replace(pages=fwd.kv_pages)
+
+    with jax.named_scope("accept"):
+        if spec.temperature == 0:
+            acc = acceptance.accept_greedy(tree, fwd.logits)
+        else:
+            acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
+                                            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+    active = state.active
+    with jax.named_scope("commit"):
+        cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
+    num_keep = jnp.where(active, acc.num_accepted + 1, 0)
+
+    path_hidden = None
+    if drafter is not None:
+        path = jnp.clip(acc.path, 0, num_nodes - 1)
+        path_hidden = jnp.take_along_axis(fwd.hidden, path[None, :, :, None], axis=2)  # [n, B, D+1, H]
+
+    # Emit: the accepted tokens then the bonus, cut after a stop token.
+    emitted = acc.emitted  # [B, D+1], -1 past num_emitted
+    width = emitted.shape[1]
+    j = jnp.arange(width)[None, :]
+    in_step = j < jnp.where(active, acc.num_emitted, 0)[:, None]
+    is_stop = in_step & (emitted[:, :, None] == state.stop_ids[None, None, :]).any(-1)
+    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), width)
+    n_emit = jnp.minimum(jnp.where(active, acc.num_emitted, 0), first_stop + 1)
+    rows = jnp.arange(emitted.shape[0])[:, None]
+    dest = jnp.where(j < n_emit[:, None], state.num_out[:, None] + j, state.out.shape[1])
+    out = state.out.at[rows, dest].set(emitted, mode="drop")
+    num_out = state.num_out + n_emit
+    max_new = state.out.shape[1] - width
+    still = active & ~is_stop.any(1) & (num_out < max_new)
+
+    hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
+    state = state._replace(cache=cache, bonus=jnp.where(active, acc.bonus, state.bonus), out=out,
+                           num_out=num_out, active=still, step=state.step + 1, accepted_hist=hist,
+                           expert_load=state.expert_load.add(fwd.expert_counts))
+    return state, Verified(acc, path_hidden, num_keep)
+
+
+def speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
+                     loop_weights=None) -> LoopState:
+    """One step of a fixed tree: draft, verify, commit, extend the drafter's context (module docstring)."""
+    if spec.menu:
+        return adaptive_step(target, drafter, state, spec, loop_weights)
+    tree = draft_tree(drafter, target, state, spec)
+    state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
+    if drafter is not None:
+        with jax.named_scope("drafter"):
+            state = state._replace(dcache=drafter.extend_context(state.dcache, verified.path_hidden,
+                                                                 verified.num_keep))
+    return state
+
+
+# The adaptive budget -------------------------------------------------------------------------------------------------
+
+
+def pending_capacity(depth: int) -> int:
+    """Rows of an adaptive loop's PendingContext: two steps' worth of committed tokens (D + 1 each), so that the ring
+    is flushed at most once every D + 1 autoregressive steps."""
+    return 2 * (depth + 1)
+
+
+def _flush(drafter: Drafter, dcache: DrafterCache, pending: PendingContext):
+    with jax.named_scope("drafter"):
+        dcache = drafter.extend_context(dcache, pending.hidden, pending.count)
+    return dcache, pending._replace(count=jnp.zeros_like(pending.count))
+
+
+def _root_tree(bonus, start, num_nodes: int, depth: int) -> trees.Tree:
+    """A tree of `num_nodes` nodes whose first node is the root (what an autoregressive step verifies) and whose others
+    are padding; the padding's mask rows are left empty (only the root is ever verified from it)."""
+    batch = bonus.shape[0]
+    node = jnp.arange(num_nodes, dtype=jnp.int32)[None, :]
+    words = -(-num_nodes // 32)
+    mask = jnp.zeros((batch, num_nodes, words), jnp.uint32).at[:, 0, 0].set(1)
+    return trees.Tree(tokens=jnp.where(node == 0, bonus[:, None], trees.PAD_TOKEN).astype(jnp.int32),
+                      parents=jnp.broadcast_to(jnp.where(node == 0, -1, 0), (batch, num_nodes)).astype(jnp.int32),
+                      depths=jnp.broadcast_to(jnp.minimum(node, 1), (batch, num_nodes)).astype(jnp.int32),
+                      positions=(start[:, None] + jnp.minimum(node, 1)).astype(jnp.int32), mask=mask,
+                      valid=jnp.broadcast_to(node == 0, (batch, num_nodes)),
+                      scores=jnp.broadcast_to(jnp.where(node == 0, 0.0, -jnp.inf), (batch, num_nodes)).astype(
+                          jnp.float32), max_depth=depth)
+
+
+def _at_most_once(run, body, carry):
+    """body(carry) if `run` (a traced bool) else carry, as a while loop of at most one trip. Not a `lax.cond`: XLA
+    copies a buffer that a conditional's branch updates in place (measured: the whole KV pool, every step, in each
+    branch of a `lax.switch` inside the decode loop), while a loop's carry is updated in place. A menu of branches is
+    one such loop per entry, at most one of which runs."""
+    carry, _ = jax.lax.while_loop(lambda c: c[1], lambda c: (body(c[0]), jnp.zeros((), bool)),
+                                  (carry, jnp.asarray(run, bool)))
+    return carry
+
+
+def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig,
+                  loop_weights=None) -> LoopState:
+    """One step of the adaptive budget (module docstring; budget_policy.py for the policy)."""
+    menu, policy, pending = spec.menu, state.policy, state.pending
+    depth = drafter.cfg.depth
+    width = depth + 1
+    num_nodes = max(menu) + 1
+    context = policy_ops.mean_context(state.cache.seq_lens, state.active)
+    with jax.named_scope("policy"):
+        drafted = policy_ops.should_draft(policy, menu, context)
+    # The drafter's context is brought up to date only when the drafter runs (or the ring would overflow).
+    flush = drafted | (pending.count.max() + width > pending.hidden.shape[2])
+    dcache, pending = _at_most_once(flush, lambda c: _flush(drafter, *c), (state.dcache, pending))
+    state = state._replace(dcache=dcache)
+
+    # The drafter's conditional gets only what its branches read, and returns only new arrays (the tree).
+    def with_drafter(operands):
+        dcache, bonus, seq_lens, active = operands
+        draft_state = LoopState(cache=state.cache._replace(seq_lens=seq_lens), dcache=dcache, bonus=bonus, out=None,
+                                num_out=None, active=active, step=None, key=None, accepted_hist=None, stop_ids=None,
+                                expert_load=None)
+        tree = draft_tree(drafter, target, draft_state, dataclasses.replace(spec, budget=num_nodes - 1))
+        with jax.named_scope("policy"):
+            q = policy_ops.calibrated(policy, tree.scores, tree.valid)
+            choice, expected = policy_ops.choose(policy, menu, q, active, context)
+        return tree, choice, expected
+
+    def without_drafter(operands):
+        _, bonus, seq_lens, _ = operands
+        tree = _root_tree(bonus, seq_lens, num_nodes, depth)
+        return tree, jnp.int32(0), jnp.zeros((len(menu),), jnp.float32)
+
+    tree, choice, expected = jax.lax.cond(drafted, with_drafter, without_drafter,
+                                          (state.dcache, state.bonus, state.cache.seq_lens, state.active))
+
+    # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
+    # and the drafter's context need of the walk.
+    verify_fields = ("cache", "bonus", "out", "num_out", "active", "step", "accepted_hist", "expert_load")
+
+    def verify_budget(budget: int):
+        def run(carry):
+            sub = state._replace(**dict(zip(verify_fields, carry[0])))
+            prefix = trees.tree_prefix(tree, budget + 1)
+            sub, verified = verify_and_commit(target, drafter, sub, spec, prefix, loop_weights)
+            return (tuple(getattr(sub, f) for f in verify_fields), verified.acc.path, verified.acc.num_accepted,
+                    verified.path_hidden.astype(pending.hidden.dtype), verified.num_keep)
+        return run
+
+    active = state.active
+    batch = active.shape[0]
+    none = (tuple(getattr(state, f) for f in verify_fields), jnp.full((batch, width), -1, jnp.int32),
+            jnp.zeros((batch,), jnp.int32), jnp.zeros(pending.hidden.shape[:2] + (width,) + pending.hidden.shape[3:],
+                                                      pending.hidden.dtype), jnp.zeros((batch,), jnp.int32))
+    carry = none
+    for i, budget in enumerate(menu):
+        carry = _at_most_once(choice == i, verify_budget(budget), carry)
+    fields, path, num_accepted, path_hidden, num_keep = carry
+    state = state._replace(**dict(zip(verify_fields, fields)))
+    with jax.named_scope("drafter"):
+        rows = jnp.arange(num_keep.shape[0])[:, None]
+        j = jnp.arange(width)[None, :]
+        dest = jnp.where(j < num_keep[:, None], pending.count[:, None] + j, pending.hidden.shape[2])
+        pending = PendingContext(pending.hidden.at[:, rows, dest].set(path_hidden, mode="drop"),
+                                 pending.count + num_keep)
+    with jax.named_scope("policy"):
+        policy = policy_ops.update(policy, menu, drafted=drafted, choice=choice, scores=tree.scores, valid=tree.valid,
+                                   expected=expected, path=path, num_accepted=num_accepted, active=active,
+                                   context=context)
+    return state._replace(policy=policy, pending=pending)
