@@ -56,10 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
-    p.add_argument("--budget", type=int, default=None,
-                   help="DDTree nodes per step besides the root (default 16, and 8 for --batch-file, where a larger "
-                        "tree costs every row; 0: plain autoregressive decoding; at most "
-                        f"{engine.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or static tree has its own size")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="DDTree nodes per step besides the root. 'auto' (default): each step picks its budget from "
+                        "{0, 4, 8, 16, 32, 64} by the drafter's own probabilities and a cost model of this device "
+                        "(0: an autoregressive step that skips the drafter), measured once per model, device and batch "
+                        "size in a few seconds and cached (see --calibrate); a number: that budget every step (0: plain "
+                        f"autoregressive decoding; at most {engine.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or "
+                        "static tree has its own size")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --budget auto: measure the step cost model again instead of using the cached one "
+                        "(after a driver, library or hardware change)")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature; < 1 trusts the "
@@ -269,25 +275,35 @@ class StopWatch:
         return bool(self.stops) and find_stop(self.tokenizer.decode(ids), self.stops) is not None
 
 
-DEFAULT_BUDGET = 16
-# A batch (--batch-file) verifies every row's tree in one pass, so its step grows with the budget where a single
-# prompt's hardly does: with the default pair, budget 8 beat 16 at 16 prompts on the H200 (57,218 vs 51,832 tok/s,
-# 1.08x vs 0.98x autoregressive, benchmarks/results/spec_decode_profile_h200.md) and on the CPU (765 vs 519 tok/s,
-# benchmarks/results/spec_decode_batch16_cpu.md).
-DEFAULT_BATCH_BUDGET = 8
+# The adaptive budget (engine.generate(budget="auto"), kdtree_jax/speculative/budget_policy.py) for a single prompt and
+# for a batch alike: a fixed budget's best value depends on the batch, the context and the device (with the default
+# pair on the H200, 16 at one prompt and 8 at 16 prompts), which is what the policy measures instead of guessing.
+DEFAULT_BUDGET = "auto"
+
+
+def _budget(text: str):
+    """--budget: 'auto' or an integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer; got {text!r}") from None
 
 
 def check_flags(args, tree) -> None:
     """The checks that need no model, before loading one (the rest come from generate's own validation)."""
     if args.budget is None:
-        args.budget = DEFAULT_BATCH_BUDGET if args.batch_file is not None else DEFAULT_BUDGET
+        args.budget = DEFAULT_BUDGET
     elif tree != "ddtree":
         _fail(f"--budget sizes a DDTree only; --tree {args.tree} verifies "
               + ("the drafter's top-1 path (block_size - 1 drafted nodes)" if tree == "chain" else
                  "the static shape given") + ": drop --budget")
     if args.max_new_tokens < 1:
         _fail(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
-    if not 0 <= args.budget <= engine.MAX_TREE_NODES - 1:
+    if args.calibrate and args.budget != "auto":
+        _fail("--calibrate measures the cost model of --budget auto; drop it with a numeric --budget")
+    if args.budget != "auto" and not 0 <= args.budget <= engine.MAX_TREE_NODES - 1:
         _fail(f"--budget must be in [0, {engine.MAX_TREE_NODES - 1}] (tree nodes a step verifies); got {args.budget}")
     if args.topk < 1:
         _fail(f"--topk must be >= 1; got {args.topk}")
@@ -358,6 +374,9 @@ class ProgressBar:
             self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, disable=None, leave=False)
         if phase == "prefill":
             self.bar.update(done - self.bar.n)
+        elif phase == "calibrate" and done < total:
+            self.bar.set_description(f"measuring the tree-budget cost model ({done}/{total}; once per model, device "
+                                     "and batch)")
         elif done < total:
             self.bar.set_description("compiling the decode loop")
         else:
@@ -394,7 +413,15 @@ def summary_lines(stats: dict, *, load_seconds: float, wall_seconds: float) -> l
              f"{stats['compile_seconds']:.1f} s (once per shape), decode {stats['decode_seconds']:.2f} s "
              f"= {stats['tokens_per_second']:.1f} tok/s decoding alone"]
     tree = stats["tree"]
-    if stats["budget"]:
+    policy = stats.get("budget_policy")
+    if policy:
+        used = ", ".join(f"{b}: {n}" for b, n in policy["budget_steps"].items() if n)
+        lines.append(f"tau {stats['tau']:.2f} tokens per target pass over {stats['steps']} steps · adaptive budget "
+                     f"(DDTree, tree temperature {stats['tree_temperature']:g}): steps per budget {{{used or '-'}}}, "
+                     f"{policy['steps_without_drafter']} autoregressive steps without the drafter; drafted steps "
+                     f"predicted {policy['predicted_tau']:.2f} and kept {policy['observed_tau']:.2f} tokens per "
+                     "sequence" + (" · cost model measured now" if policy.get("calibrated") else ""))
+    elif stats["budget"]:
         shape = (f"DDTree of {stats['budget']} drafted nodes, tree temperature {stats['tree_temperature']:g}"
                  if tree == "ddtree" else "chain" if tree == "chain" else f"static tree {tree}")
         lines.append(f"tau {stats['tau']:.2f} tokens per target pass (each of the {stats['steps']} verify passes of "
@@ -449,7 +476,7 @@ def main(argv=None) -> int:
                                   temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
                                   seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
                                   stop_ids=stop_ids, on_tokens=stream, on_progress=progress,
-                                  row_invariant=args.row_invariant)
+                                  row_invariant=args.row_invariant, calibrate=args.calibrate)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
@@ -508,7 +535,8 @@ def run_batch(args, tree, stops, t_start) -> int:
               file=sys.stderr, flush=True)
         with Heartbeat("prefill, compile and decode"):
             res = engine.generate(target, drafter, ids, **kwargs, seed=args.seed, impl=args.impl,
-                                  row_invariant=args.row_invariant, on_tokens=StopWatch(tokenizer, stops))
+                                  row_invariant=args.row_invariant, on_tokens=StopWatch(tokenizer, stops),
+                                  calibrate=args.calibrate)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     stats = {**res.stats, "load_seconds": load_seconds, "wall_seconds": time.perf_counter() - t_start,

@@ -42,6 +42,9 @@ if not os.environ.get(SESSION_CACHE):
     os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="kdtree_jax_test_xla_cache_")
     atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SESSION_CACHE]
+# The adaptive budget's measured cost models (kdtree_jax/speculative/cost_model.py) go to this session's directory,
+# never the user's cache: every run measures its own, as a fresh clone does.
+os.environ["KDTREE_JAX_CACHE"] = os.path.join(os.environ[SESSION_CACHE], "kdtree_jax_cache")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 
 import jax  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kdtree_jax.generate import DEFAULT_BATCH_BUDGET, DEFAULT_BUDGET, TokenStream, build_parser, check_flags, main as cli_main
+from kdtree_jax.generate import DEFAULT_BUDGET, TokenStream, build_parser, check_flags, main as cli_main
 from kdtree_jax.tokenizer import ByteTokenizer
 
 BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8"]
@@ -86,17 +86,22 @@ def test_batch_file_jsonl_in_jsonl_out(tmp_path, capsys):
     assert "holds no prompt" in cli_error(capsys, ["--batch-file", str(path)])
 
 
-def test_default_budget_is_smaller_for_a_batch():
-    """Without --budget a single prompt gets DEFAULT_BUDGET and a --batch-file DEFAULT_BATCH_BUDGET (a batch pays for
-    every row's tree in one pass); an explicit --budget wins in both."""
+def test_default_budget_is_auto():
+    """Without --budget a single prompt and a --batch-file both get the adaptive budget; a number or 'auto' given
+    explicitly wins; anything else is a one-line usage error; --calibrate goes with auto only."""
     def budget(argv):
         args = build_parser().parse_args(argv)
         check_flags(args, "ddtree")
         return args.budget
-    assert (DEFAULT_BUDGET, DEFAULT_BATCH_BUDGET) == (16, 8)
-    assert budget(["--prompt", "x"]) == DEFAULT_BUDGET
-    assert budget(["--batch-file", "prompts.jsonl"]) == DEFAULT_BATCH_BUDGET
+    assert DEFAULT_BUDGET == "auto"
+    assert budget(["--prompt", "x"]) == "auto"
+    assert budget(["--batch-file", "prompts.jsonl"]) == "auto"
     assert budget(["--batch-file", "prompts.jsonl", "--budget", "32"]) == 32
+    assert budget(["--prompt", "x", "--budget", "AUTO"]) == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prompt", "x", "--budget", "big"])
+    with pytest.raises(SystemExit):
+        budget(["--prompt", "x", "--budget", "8", "--calibrate"])
 
 
 def cli_error(capsys, argv):

@@ -544,6 +544,9 @@ def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, ma
             raise ValueError(f"{name} must be an integer; got {value!r}") from None
 
     cfg = target.cfg
+    if isinstance(budget, str):  # "auto": the loop's trees are sized by the menu's largest budget
+        menu = adaptive_menu(budget, None, drafter, tree, topk if isinstance(topk, int) else 1)
+        budget = max(menu) if menu else 0
     prompts, _ = _as_batch(prompt_ids)
     if not prompts:
         raise ValueError("prompt_ids holds no prompt")
@@ -939,8 +942,8 @@ def _loop_on_device() -> bool:
 def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, topk: int) -> tuple:
     """The menu of DDTree budgets an adaptive loop chooses from, () for a fixed budget or no adaptive loop.
 
-    budget "auto" with a drafter and tree "ddtree": `menu` (default budget_policy.DEFAULT_MENU) cut to the budgets the
-    drafter's depth and topk can fill, with 0 (the autoregressive step) always in it. A number: ()."""
+    budget "auto" with a drafter and tree "ddtree": `menu` (default budget_policy.DEFAULT_MENU), each entry capped at the
+    prefixes the drafter's depth and topk make, with 0 (the autoregressive step) always in it. A number: ()."""
     if not isinstance(budget, str):
         if menu is not None:
             raise ValueError("menu is for budget='auto'; a numeric budget verifies that budget every step")
@@ -953,7 +956,7 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
     chosen = budget_policy.DEFAULT_MENU if menu is None else tuple(menu)
     if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0 for b in chosen):
         raise ValueError(f"menu must hold integer budgets >= 0; got {list(chosen)}")
-    entries = sorted({0, *(int(b) for b in chosen if b <= limit)})
+    entries = sorted({0, *(min(int(b), limit) for b in chosen)})
     if len(entries) < 2:
         raise ValueError(f"menu needs a budget in [1, {limit}] (the prefixes the drafter's depth and topk make); "
                          f"got {list(chosen)}")
@@ -961,9 +964,13 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
 
 
 def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call, state: LoopState, *,
-                   chunk_steps: int, recalibrate: bool, on_progress, info: dict) -> LoopState:
-    """The adaptive loop's costs for this batch and context: from the cache, or calibrated now with `call` (and
-    cached). Fills `info` with what happened, for stats["budget_policy"]."""
+                   chunk_steps: int, recalibrate: bool, on_progress, info: dict, costs: Optional[dict] = None
+                   ) -> LoopState:
+    """The adaptive loop's costs for this batch and context: given (`costs`), from the cache, or calibrated now with
+    `call` (and cached). Fills `info` with what happened, for stats["budget_policy"]."""
+    if costs is not None:
+        info.update(calibrated=False, calibration_seconds=0.0, cost_model="given")
+        return _replicated_policy(target, with_costs(state, spec, costs))
     key = cost_models.fingerprint(target, drafter, spec)
     model = cost_models.CostModel.load(key)
     batch = state.bonus.shape[0]
@@ -977,11 +984,12 @@ def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call
         model.add(point)
         model.save()
     info.update(calibrated=measured, calibration_seconds=time.perf_counter() - t0, cost_model=str(model.path))
-    state = with_costs(state, spec, model.costs(batch, context))
+    return _replicated_policy(target, with_costs(state, spec, model.costs(batch, context)))
+
+
+def _replicated_policy(target: Transformer, state: LoopState) -> LoopState:
     mesh = getattr(target, "mesh", None)
-    if mesh is not None:
-        state = state._replace(policy=replicate(state.policy, mesh))
-    return state
+    return state if mesh is None else state._replace(policy=replicate(state.policy, mesh))
 
 
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
@@ -991,7 +999,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
              profile: bool = False, chunk_steps: Optional[int] = None, on_tokens=None,
              on_progress=None, row_invariant: bool = False, calibrate: bool = False,
-             menu: Optional[Sequence[int]] = None) -> GenerateResult:
+             menu: Optional[Sequence[int]] = None, costs: Optional[dict] = None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
     budget "auto" (the default): each step chooses its DDTree budget from `menu` (default
@@ -1000,6 +1008,9 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     pair, device, batch size and context (a few seconds, with this call's compiled loop: nothing extra compiles)
     and cached under the user's cache directory; calibrate=True measures again. stats["budget_policy"] reports the
     steps each budget got and the predicted vs observed tokens per step. A number keeps that budget every step.
+    costs: the policy's costs as `CostModel.costs` gives them (cost_ar, cost_draft, cost_verify [one per menu entry],
+    optionally cost_slope, context0, bin_ratio, expected), used instead of the cache and calibration: research on the
+    policy itself, or a decode that must not depend on timing.
 
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
     top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
@@ -1091,7 +1102,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     prepare = None
     if spec.menu:
         prepare = functools.partial(_prepare_costs, target, loop_drafter, spec, chunk_steps=chunk_steps,
-                                    recalibrate=calibrate, on_progress=on_progress, info=calibration)
+                                    recalibrate=calibrate, on_progress=on_progress, info=calibration, costs=costs)
     final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
         target, loop_drafter, state, spec, profile, chunk_steps, on_chunk, on_progress, prepare)
 
