@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import jax
+import pytest
 
 import kdtree_jax
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
@@ -23,7 +24,10 @@ def _chi_square_p_value(stat: float, dof: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_first_three_tokens_match_autoregressive_distribution():
+# "auto": the adaptive budget's program (menu 0 / 2 / 4, costs given so that the choice follows the drafter, not
+# the timing): whichever budget a step takes, every emitted token is an exact sample.
+@pytest.mark.parametrize("budget", [4, "auto"])
+def test_first_three_tokens_match_autoregressive_distribution(budget):
     cfg = kdtree_jax.ModelConfig.preset("tiny").replace(vocab_size=VOCAB)
     target = kdtree_jax.init_model(cfg, seed=21)
     drafter = init_drafter(cfg, DrafterConfig(block_size=4, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
@@ -45,8 +49,10 @@ def test_first_three_tokens_match_autoregressive_distribution():
     for seed in range(4):
         # chunk_size 8: the 5-token prompt is prefilled as one 8-position chunk (the default pads it to 16, and the
         # prefill of 5000 rows is most of a call's time).
-        res = generate(target, drafter, [PROMPT] * per_call, max_new_tokens=3, budget=4, topk=3,
-                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed, chunk_size=8)
+        adaptive = dict(menu=(0, 2, 4), costs={"cost_ar": 1.0, "cost_draft": 0.1, "cost_verify": [1.0, 1.05, 1.1]})
+        res = generate(target, drafter, [PROMPT] * per_call, max_new_tokens=3, budget=budget, topk=3,
+                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed, chunk_size=8,
+                       **(adaptive if budget == "auto" else {}))
         toks = np.array(res.tokens)
         np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
         taus.append(res.stats["tau"])

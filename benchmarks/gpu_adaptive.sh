@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One H200 call for the adaptive budget (issue 42): build for sm_90, then under $OUT
+#   adaptive_overhead_h200.*  the adaptive program's step against the fixed programs, per budget (batch 1 / 16 / 64)
+#   budget_sweep_h200.*       each fixed budget's tok/s beside auto's and AR's per (batch, temperature, context)
+#   spec_decode_h200.*        spec_decode.py with auto in its budgets, static batches and continuous batching (--refill)
+#   generate_auto.json        the CLI's first run with --budget auto (calibration included)
+#   KDTREE_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_adaptive.sh
+# env: STAGES (default "overhead generate sweep refill"), SESSION_S (default 540), SWEEP_ARGS, REFILL_ARGS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} KDTREE_JAX_CACHE=/tmp/kdtree_jax_cache
+t_begin=$(date +%s)
+SESSION_S=${SESSION_S:-540}
+STAGES=${STAGES:-overhead generate sweep refill}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [ "${SKIP_BUILD:-0}" = 0 ]; then
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+echo "build: $(( $(date +%s) - t_begin )) s"
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local left=$(( SESSION_S - ($(date +%s) - t_begin) ))
+  [ "$left" -lt 20 ] && { echo "$name: skipped (no time left)"; return; }
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.stdout" 2> "$OUT/$name.log"
+  echo "$name: rc=$? in $(( $(date +%s) - t )) s"
+  grep -v '^{' "$OUT/$name.log" | tr '\r' '\n' | grep -v 'it/s\]' | tail -8
+}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+has overhead && stage overhead 150 python3 benchmarks/adaptive_overhead.py --batch 1,16,64 --out "$OUT" \
+  && cat "$OUT"/adaptive_overhead_*.md
+has generate && stage generate 90 python3 -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 128 \
+  --json && cp "$OUT/generate.stdout" "$OUT/generate_auto.json" && python3 -c "
+import json; s = json.load(open('$OUT/generate_auto.json'))['stats']; p = s['budget_policy']
+print('generate auto:', round(s['tokens_per_second']), 'tok/s, tau', round(s['tau'], 2), 'host loops', s['host_driven_loops'], p['budget_steps'], 'no drafter', p['steps_without_drafter'], 'calibration', round(p['calibration_seconds'], 1), 's')"
+has sweep && [ -f benchmarks/budget_sweep.py ] && stage sweep 300 python3 benchmarks/budget_sweep.py --out "$OUT" ${SWEEP_ARGS:-} \
+  && cat "$OUT"/budget_sweep_*.md | head -60
+has refill && stage refill 200 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \
+  --budgets auto,8,16 --prompts 16 --max-new-tokens 96 --out "$OUT" ${REFILL_ARGS:-} && tail -30 "$OUT"/spec_decode_*.md
+ls -la "$OUT"
