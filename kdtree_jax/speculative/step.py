@@ -319,10 +319,15 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
     none = (tuple(getattr(state, f) for f in verify_fields), jnp.full((batch, width), -1, jnp.int32),
             jnp.zeros((batch,), jnp.int32), jnp.zeros(pending.hidden.shape[:2] + (width,) + pending.hidden.shape[3:],
                                                       pending.hidden.dtype), jnp.zeros((batch,), jnp.int32))
-    carry = none
-    for i, budget in enumerate(menu):
-        carry = _at_most_once(choice == i, verify_budget(budget), carry)
-    fields, path, num_accepted, path_hidden, num_keep = carry
+    # Entry 0 (a root-only verify: every autoregressive step) is tested first and alone, so that a cheap step
+    # evaluates two loop conditions rather than one per entry; the speculative entries sit inside the second loop.
+    def speculative(carry):
+        for i, budget in enumerate(menu[1:], start=1):
+            carry = _at_most_once(choice == i, verify_budget(budget), carry)
+        return carry
+
+    carry = _at_most_once(choice == 0, verify_budget(menu[0]), none)
+    fields, path, num_accepted, path_hidden, num_keep = _at_most_once(choice > 0, speculative, carry)
     state = state._replace(**dict(zip(verify_fields, fields)))
     with jax.named_scope("drafter"):
         rows = jnp.arange(num_keep.shape[0])[:, None]
