@@ -86,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", default="16,96", help="LO,HI: max_tokens per request, uniform")
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     p.add_argument("--max-len", type=int, default=256, help="the server's --max-len (positions a row)")
-    p.add_argument("--budget", type=int, default=None, help="the speculative server's --budget (default: its own)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="the speculative server's --budget: 'auto' (the adaptive budget, the server's default; each "
+                        "level's row then has the steps per budget and the predicted vs observed tau from its "
+                        "/metrics) or a number (default: the server's own)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="pass --calibrate to the speculative server (--budget auto: measure its cost model at start-up "
+                        "instead of using the cached one)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request list (prompts and lengths)")
     p.add_argument("--leak-requests", type=int, default=0,
@@ -114,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="4 requests at concurrency 1 and 2, short outputs; writes to a "
                                                         "temporary directory")
     return p
+
+
+def _budget(text: str):
+    """--budget: 'auto' or an integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer; got {text!r}") from None
 
 
 def _pair(text: str, name: str) -> tuple[int, int]:
@@ -170,8 +186,11 @@ def launch_server(mode: str, args, log_path: str):
         cmd += ["--chunk-steps", str(args.chunk_steps)]
     if mode == "autoregressive":
         cmd += ["--no-speculative"]
-    elif args.budget is not None:
-        cmd += ["--budget", str(args.budget)]
+    else:
+        if args.budget is not None:
+            cmd += ["--budget", str(args.budget)]
+        if args.calibrate:
+            cmd += ["--calibrate"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_SERVER_ENV or None)
     return proc, f"http://127.0.0.1:{port}"
@@ -322,11 +341,40 @@ def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int,
     }
     if errors:
         row["first_errors"] = errors[:3]
+    policy = budget_policy_delta(before, after)
+    if policy:
+        row["budget_policy"] = policy
     print(f"  {mode:>14} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms  "
           f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  occupancy {row['mean_occupancy']:.2f}  tau "
           f"{row['tau']:.2f}  compiles {row['compiles_during']}" + (f"  ERRORS {len(errors)}: {errors[0]}"
-                                                                    if errors else ""), file=sys.stderr, flush=True)
+                                                                    if errors else "")
+          + (f"  budgets {policy_text(policy)}" if policy else ""), file=sys.stderr, flush=True)
     return row
+
+
+def budget_policy_delta(before: dict, after: dict) -> dict:
+    """The adaptive budget's share of a level, from two /metrics scrapes ({} for a fixed budget): batch steps per
+    budget and without the drafter, and the predicted vs observed tokens per sequence step of its drafted steps."""
+    keys = [k for k in after if k.startswith('budget_steps_total{budget="')]
+    if not keys:
+        return {}
+    seq = after["drafted_sequence_steps_total"] - before.get("drafted_sequence_steps_total", 0)
+
+    def tokens(name):  # the gauges are since start: tau x steps, as the row's own tau
+        return (after[name] * after["drafted_sequence_steps_total"]
+                - before.get(name, 0) * before.get("drafted_sequence_steps_total", 0))
+
+    return {"budget_steps": {k.split('"')[1]: int(after[k] - before.get(k, 0)) for k in keys},
+            "steps_without_drafter": int(after["steps_without_drafter_total"]
+                                         - before.get("steps_without_drafter_total", 0)),
+            "predicted_tau": tokens("predicted_tau") / seq if seq else float("nan"),
+            "observed_tau": tokens("observed_tau") / seq if seq else float("nan")}
+
+
+def policy_text(policy: dict) -> str:
+    used = ", ".join(f"{b}: {n}" for b, n in policy["budget_steps"].items() if n)
+    return (f"{{{used or '-'}}}, {policy['steps_without_drafter']} without the drafter, tau predicted "
+            f"{policy['predicted_tau']:.2f} observed {policy['observed_tau']:.2f}")
 
 
 def leak_check(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float,
@@ -486,6 +534,14 @@ def write_markdown(path: str, data: dict) -> None:
                 f"{r['tpot_p50_ms']:.2f} / {r['tpot_p90_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {r['latency_p50_s']:.2f} | "
                 f"{r['mean_occupancy']:.2f} | {r['tau']:.2f} | {r['compiles_during']} | {r.get('errors', 0)} |")
     lines.append("")
+    adaptive = [r for mode in data["modes"] for r in mode["rows"] if r.get("budget_policy")]
+    if adaptive:
+        lines += ["Adaptive budget (--budget auto), per level from the server's /metrics: batch steps per budget (0: "
+                  "the drafter ran, only the root was verified), batch steps without the drafter, and tokens per "
+                  "sequence step of the drafted steps, predicted for the chosen budgets vs observed:", ""]
+        lines += [f"- {r['mode']}, concurrency {r['concurrency']}: {policy_text(r['budget_policy'])}"
+                  for r in adaptive]
+        lines.append("")
     if len(data["modes"]) == 2:
         spec, ar = ({r["concurrency"]: r for r in mode["rows"]} for mode in data["modes"])
         ratios = ", ".join(f"{c}: {spec[c]['tokens_per_s'] / ar[c]['tokens_per_s']:.2f}x" for c in spec if c in ar)
@@ -616,6 +672,8 @@ def main(argv=None) -> int:
                  "python": platform.python_version(), "requests": args.requests, "concurrency": sorted(levels),
                  "prompt_len": prompt_len, "max_new_tokens": new_tokens, "max_batch": args.max_batch,
                  "max_len": args.max_len, "dtype": args.dtype, "seed": args.seed, "cpu_count": os.cpu_count(),
+                 "budget": args.budget if args.budget is not None else "the server's default (auto)",
+                 "calibrate": args.calibrate,
                  "leak_requests": args.leak_requests, "disconnect_fraction": args.disconnect_fraction,
                  "deadline_s": args.deadline_s, "wall_s": time.monotonic() - t_start,
                  # other work on the machine takes the server's cores: the 1-minute load average around the run

@@ -3,6 +3,7 @@
     python benchmarks/spec_decode.py                                   # checkpoints/default, all budgets
     python benchmarks/spec_decode.py --prompts 16 --max-new-tokens 64  # a smaller run
     python benchmarks/spec_decode.py --smoke                           # random tiny pair, CPU, seconds
+    python benchmarks/spec_decode.py --budgets auto,16,32              # the adaptive budget against fixed ones
 
 Prompts: the held-out files of the corpus (kdtree_jax/corpus.py, split "eval"), tokenized with the
 checkpoint's tokenizer; prompt i is the window of --prompt-len tokens that ends where file i (round
@@ -10,7 +11,11 @@ robin) is cut, at a fraction (0.5 + i * 0.618...) mod 1 of its length (determini
 
 For each temperature (greedy and T = 0.7 by default) and each decoder — autoregressive (a root-only
 tree through the same jitted loop), chain (the drafter's top-1 at every depth), DDTree at each
---budgets value (best-first tree of `budget` nodes over the drafter's top---topk per depth) — every
+--budgets value (best-first tree of `budget` nodes over the drafter's top---topk per depth; `auto`: the
+adaptive budget, each step picking from {0, 4, 8, 16, 32, 64} by the drafter's probabilities and this
+device's cost model, engine.generate(budget="auto"); its rows add the steps per budget, the steps without
+the drafter and the predicted vs observed tau; the cost model is measured by the first call of each
+batch size and sampling mode that finds none cached, untimed, and --calibrate measures it anew) — every
 prompt is decoded for --max-new-tokens tokens in batches of --batch (default 1: latency, the case
 speculative decoding is for). The engine compiles the loop ahead of time, so timings are decode only:
 one warm-up call first (discarded), then tokens/s = sum of decoded tokens / sum of decode seconds over
@@ -79,7 +84,8 @@ from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax import kv_pool  # noqa: E402
 from kdtree_jax.serve.scheduler import compile_count  # noqa: E402
-from kdtree_jax.speculative import engine  # noqa: E402
+from kdtree_jax.speculative import budget_policy, engine  # noqa: E402
+from kdtree_jax.speculative import cost_model as cost_models  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -220,12 +226,44 @@ def aggregate(results: list, batch_sizes: list) -> dict:
     }
 
 
+def aggregate_policy(results: list, batch_sizes: list, first=None) -> dict:
+    """The adaptive budget's stats["budget_policy"] pooled over the batches of one configuration: steps per budget
+    and without the drafter summed; predicted and observed tau (each call's, over its drafted sequence steps)
+    averaged with weights drafted batch steps x batch size (a call's drafted sequence steps when every row is
+    active: the summaries carry ratios only); the cost model as the first (warm-up) call found or measured it."""
+    policies = [r.stats["budget_policy"] for r in results]
+    menu = policies[0]["menu"]
+    weights = np.array([sum(p["budget_steps"].values()) * b for p, b in zip(policies, batch_sizes)], np.float64)
+
+    def pooled(key):
+        values = np.array([p[key] for p in policies], np.float64)
+        ok = (weights > 0) & np.isfinite(values)
+        return float((values[ok] * weights[ok]).sum() / weights[ok].sum()) if ok.any() else float("nan")
+
+    head = (first or results[0]).stats["budget_policy"]
+    return {
+        "menu": menu,
+        "budget_steps": {str(b): int(sum(p["budget_steps"][str(b)] for p in policies)) for b in menu},
+        "steps_without_drafter": int(sum(p["steps_without_drafter"] for p in policies)),
+        "predicted_tau": pooled("predicted_tau"),
+        "observed_tau": pooled("observed_tau"),
+        "costs_ms": policies[-1]["costs_ms"],
+        "calibration": policies[-1]["calibration"],
+        "calibrated": bool(head.get("calibrated")),
+        "calibration_seconds": head.get("calibration_seconds"),
+        "cost_model": head.get("cost_model"),
+    }
+
+
 def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperature, top_k, top_p, seed,
                max_new_tokens, impl, warmup: bool = True, tree_temperature: float = 1.0, profile: bool = False,
-               chunk_steps: int = DEFAULT_CHUNK_STEPS, row_invariant: bool = False):
+               chunk_steps: int = DEFAULT_CHUNK_STEPS, row_invariant: bool = False, calibrate: bool = False):
     """Decodes every batch with one decoder; returns (aggregated stats, tokens per prompt, compile s).
     profile: the first call also runs the loop once under the profiler (kdtree_jax.profiling); its split of a
-    step's kernel time by part is stats["step_profile"] (with warmup, that call is not timed)."""
+    step's kernel time by part is stats["step_profile"] (with warmup, that call is not timed).
+    budget "auto": the adaptive budget; the first call takes the cost model from the cache or measures it (untimed:
+    engine.generate times the decode only; calibrate: measured again), and stats["budget_policy"] pools what the
+    policy did (aggregate_policy)."""
     kwargs = dict(max_new_tokens=max_new_tokens, budget=budget, topk=topk, temperature=temperature, top_k=top_k,
                   top_p=top_p, impl=impl, tree=tree, tree_temperature=tree_temperature, chunk_steps=chunk_steps,
                   row_invariant=row_invariant)
@@ -233,7 +271,9 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
     if tree == "ar":
         kwargs.update(tree="ddtree", budget=0)
     t0 = time.perf_counter()
-    first = generate(target, use, prompt_batches[0], seed=seed, profile=profile, **kwargs)  # compiles (or hits the cache)
+    # Compiles (or hits the cache); with budget "auto" it also finds or measures the cost model.
+    first = generate(target, use, prompt_batches[0], seed=seed, profile=profile,
+                     calibrate=calibrate and budget == "auto", **kwargs)
     compile_seconds = first.stats["compile_seconds"]
     results = [] if warmup else [first]
     for i, pb in enumerate(prompt_batches):
@@ -242,6 +282,8 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
         results.append(generate(target, use, pb, seed=seed + i, **kwargs))
     stats = aggregate(results, [len(pb) for pb in prompt_batches])
     stats["compile_seconds"] = compile_seconds
+    if "budget_policy" in first.stats:
+        stats["budget_policy"] = aggregate_policy(results, [len(pb) for pb in prompt_batches], first)
     # Host reads of the loop's output per decode step (one a chunk), and on a GPU the compiled loop's while loops
     # outside command buffers (each adds a host round trip per step: its predicate).
     stats["chunk_steps"] = chunk_steps
@@ -330,23 +372,30 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
 
 def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk, temperature, top_k, top_p, seed,
                max_new_tokens, impl, tree_temperature: float = 1.0, chunk_steps: int = DEFAULT_CHUNK_STEPS,
-               row_invariant: bool = False):
+               row_invariant: bool = False, calibrate: bool = False):
     """One decoder in refill mode: `prompts` (more than `batch`) through `batch` rows, chunks of `chunk_steps`
     steps. An untimed warm-up (the first batch + 1 prompts through the same rows) compiles the prefill, the admission
     and the chunk program; then the timed pass. -> (stats, tokens per prompt). Prompt i's first token is sampled with
-    seed + i (T > 0); the steps share the loop's random stream (seed)."""
+    seed + i (T > 0); the steps share the loop's random stream (seed).
+    budget "auto": the adaptive budget, its costs from the cost model that the static run of this decoder found or
+    measured (same batch size and prompt length), else (or with calibrate) measured now with the first `batch`
+    prompts in the rows, before the warm-up; stats["budget_policy"] is what the policy did in the timed pass."""
     use = None if tree == "ar" else drafter
     tree, budget = ("ddtree", 0) if tree == "ar" else (tree, budget)
     req = engine._validate(target, use, prompts[:batch], max_new_tokens=max_new_tokens, budget=budget, topk=topk,
                            tree_temperature=tree_temperature, temperature=temperature, stop_ids=(), tree=tree,
                            top_k=top_k, top_p=top_p)
+    # budget "auto": the menu generate() compiles in, and its largest budget sizes the trees (the pool's room).
+    menu = engine.adaptive_menu(budget, None, use, tree, topk) if req.use_drafter else ()
+    if isinstance(budget, str):
+        budget = max(menu) if menu else 0
     # The SpecConfig and the pool generate() builds for a batch of these prompts: the chunk program is then the one
     # the static run of the same decoder compiled, when it ran last (engine.chunked_loop).
     spec = engine.SpecConfig(tree=tree if isinstance(tree, str) else tuple(tree),
                              budget=budget if req.use_drafter else 0, topk=topk,
                              tree_temperature=float(tree_temperature), temperature=float(temperature),
                              top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
-                             row_invariant=bool(row_invariant))
+                             row_invariant=bool(row_invariant), menu=menu)
     use = use if req.use_drafter else None
     depth = req.depth if req.use_drafter else 0
     longest = max(len(p) for p in prompts)
@@ -354,13 +403,17 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     max_len = engine._round_up(engine._round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
     moe = [layer.mlp for layer in target.layers if layer.is_moe]
 
+    costs = {}  # budget "auto": the policy's costs (set below, after the compile)
+
     def empty_state():
         cache = kv_pool.init_cache(target.cfg, batch, max_len, dtype=target.dtype)
         dcache = use.init_cache(batch, max_len) if use is not None else None
-        return engine.initial_state(cache, dcache, np.zeros((batch,), np.int32), max_new_tokens=max_new_tokens,
+        adaptive = engine.adaptive_parts(target, use, spec, batch) if spec.menu else None
+        state = engine.initial_state(cache, dcache, np.zeros((batch,), np.int32), max_new_tokens=max_new_tokens,
                                      width=depth + 1, stop_ids=req.stop, key=jax.random.key(seed),
                                      expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
-                                     active=np.zeros((batch,), bool))
+                                     active=np.zeros((batch,), bool), adaptive=adaptive)
+        return engine.with_costs(state, spec, costs) if costs else state
 
     loop = engine.chunked_loop(target, use, spec, min(chunk_steps, max_new_tokens))
 
@@ -369,6 +422,11 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
 
     t0 = time.perf_counter()
     loop.compile(empty_state())  # a hit when the static run of this decoder just compiled it (generate's loop)
+    calibration = None
+    if spec.menu:
+        calibration = refill_costs(loop, empty_state(), spec, prompts[:batch], admit, target=target, drafter=use,
+                                   calibrate=calibrate)
+        costs.update(calibration.pop("costs"))
     # The warm-up admits into a fresh state, into the state an admission returns and into the one a chunk returns
     # (jax keys its programs on where the arguments live, and these differ): every program the timed pass runs.
     refill_pass(loop, empty_state(), prompts[:batch + 1], admit, max_new_tokens)
@@ -400,7 +458,58 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
         "compiles_after_warmup": compiles,
         "num_nodes": req.num_nodes,
     }
+    if spec.menu:
+        stats["budget_policy"] = {**budget_policy.summary(final.policy, spec.menu), **calibration}
     return stats, tokens
+
+
+def refill_costs(loop: engine.ChunkedLoop, state, spec, prompts: list, admit, *, target, drafter,
+                 calibrate: bool = False) -> dict:
+    """The adaptive refill loop's costs, as engine.generate finds them: the cached cost model's point for this batch
+    size and the prompts' mean length, else (or with calibrate) engine.calibrate with `prompts` (one a row) admitted
+    into `state`. -> {"costs": CostModel.costs(...), "calibrated", "calibration_seconds", "cost_model"}."""
+    batch = state.bonus.shape[0]
+    model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
+    context = float(np.mean([len(p) for p in prompts]))
+    t0 = time.perf_counter()
+    point = None if calibrate else model.lookup(batch, context)
+    if point is None:
+        for row, prompt in enumerate(prompts):
+            state, _ = admit(state, row, prompt, row)
+        model.add(engine.calibrate(loop, state, spec, chunk_steps=loop.steps, depth=drafter.cfg.depth))
+        model.save()
+    return {"costs": model.costs(batch, context), "calibrated": point is None,
+            "calibration_seconds": time.perf_counter() - t0, "cost_model": str(model.path)}
+
+def parse_budgets(value) -> list:
+    """--budgets: comma-separated integers and 'auto' (the adaptive budget), in the order given."""
+    budgets = []
+    for b in str(value).split(","):
+        b = b.strip().lower()
+        if not b:
+            continue
+        if b == "auto":
+            budgets.append("auto")
+            continue
+        try:
+            budgets.append(int(b))
+        except ValueError:
+            raise ValueError(f"--budgets must be integers or 'auto' separated by commas; got {value!r}") from None
+    if not budgets:
+        raise ValueError(f"--budgets names no budget; got {value!r}")
+    return budgets
+
+
+def policy_note(row: dict) -> str:
+    """The log line's adaptive-budget tail ("" for a fixed budget)."""
+    p = row.get("budget_policy")
+    if not p:
+        return ""
+    used = ", ".join(f"{b}: {n}" for b, n in p["budget_steps"].items() if n)
+    return (f"  steps per budget {{{used or '-'}}}, {p['steps_without_drafter']} without the drafter, tau predicted "
+            f"{_fmt(p['predicted_tau'], '.2f')} observed {_fmt(p['observed_tau'], '.2f')}"
+            + (f" (cost model measured: {p['calibration_seconds']:.1f} s)" if p.get("calibrated") else ""))
+
 
 def parse_batch_sizes(value) -> list[int]:
     """--batch: one size or several comma-separated, each >= 1."""
@@ -456,7 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--batch", default="1",
                    help="prompts decoded together (1: latency); several sizes comma-separated (e.g. 1,16), each a sweep")
-    p.add_argument("--budgets", default="8,16,32,64,128,256", help="DDTree budgets (tree nodes besides the root)")
+    p.add_argument("--budgets", default="8,16,32,64,128,256",
+                   help="DDTree budgets (tree nodes besides the root), comma-separated; 'auto' among them: the "
+                        "adaptive budget (engine.generate(budget='auto'): each step picks from {0, 4, 8, 16, 32, 64} "
+                        "by the drafter's probabilities and this device's measured cost model; its rows add the steps "
+                        "per budget, the steps without the drafter and the predicted vs observed tau)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with 'auto' in --budgets: measure the adaptive budget's cost model again (once per batch "
+                        "size, chunk size and temperature, untimed) instead of using the cached one")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth for DDTree")
     add_tree_temperature_argument(p)
     p.add_argument("--temperatures", default="0,0.7", help="0 = greedy; > 0 = exact sampling of the target")
@@ -538,12 +654,12 @@ def main(argv=None) -> int:
     target, drafter, tokenizer, pair = load_pair(args)
     resolve_tree_temperature(args)
     depth = drafter.cfg.depth
-    budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
+    budgets = parse_budgets(args.budgets)
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
     limit = trees.max_ddtree_budget(depth, args.topk)
-    bad = [b for b in budgets if not 1 <= b <= limit]
+    bad = [b for b in budgets if b != "auto" and not 1 <= b <= limit]
     if bad:
-        raise ValueError(f"--budgets must be in [1, {limit}] for block_size {drafter.cfg.block_size} and "
+        raise ValueError(f"--budgets must be 'auto' or in [1, {limit}] for block_size {drafter.cfg.block_size} and "
                          f"--topk {args.topk}; got {bad}")
     prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
     refill_prompts, refill_where = (heldout_prompts(tokenizer, args.refill, args.prompt_len) if args.refill
@@ -580,7 +696,8 @@ def main(argv=None) -> int:
                                            temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                            max_new_tokens=args.max_new_tokens, impl=args.impl,
                                            tree_temperature=args.tree_temperature, profile=args.profile,
-                                           chunk_steps=chunk, row_invariant=args.row_invariant)
+                                           chunk_steps=chunk, row_invariant=args.row_invariant,
+                                           calibrate=args.calibrate)
                 if tree == "ar":
                     ar_tokens, ar_tps = tokens, stats["tokens_per_second"]
                     first_ar.setdefault(temperature, tokens)
@@ -603,7 +720,8 @@ def main(argv=None) -> int:
                     f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}  "
                     f"host syncs/step {stats['host_syncs_per_step']:.3f}"
                     f"{'' if stats['host_driven_loops'] is None else ' host-driven loops %d' % stats['host_driven_loops']}  "
-                    f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s){same}")
+                    f"(compile {stats['compile_seconds']:.1f} s, {stats['wall_seconds']:.1f} s){same}"
+                    f"{policy_note(row)}")
                 if not args.refill:
                     continue
                 # The same decoder in refill mode, right after its static run: its chunk program is compiled.
@@ -629,7 +747,7 @@ def main(argv=None) -> int:
                     f"tau {stats['tau']:.3f}  {stats['tokens_per_second']:8.1f} tok/s  x{speedup:.2f}  "
                     f"{stats['target_forwards']} steps, occupancy {stats['occupancy']:.3f}  (warm-up "
                     f"{stats['warmup_seconds']:.1f} s, timed {stats['timed_seconds']:.2f} s, compiles after it "
-                    f"{stats['compiles_after_warmup']}){same}")
+                    f"{stats['compiles_after_warmup']}){same}{policy_note(refill_row)}")
     meta["seconds"] = time.perf_counter() - t_all
 
     name = f"spec_decode_{'smoke_' if args.smoke else ''}{device_slug()}"
@@ -750,6 +868,7 @@ def render(result: dict) -> str:
                     cells += [f"{r['identical_to_ar']}/{m['prompts']}", summarize_differences(r["first_difference"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += policy_lines(sub)
         profiled = [r for r in sub if r.get("step_profile")]
         if profiled:
             parts = ("drafter", "tree_accept_commit", "attention", "moe", "dense", "head", "other")
@@ -826,6 +945,32 @@ def render_refill(m: dict, rows: list, chunk_list: list) -> list:
                           [f"{r['identical_to_ar']}/{n}", summarize_differences(r["first_difference"])])
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += policy_lines(sub)
+    return lines
+
+
+def policy_lines(rows: list) -> list:
+    """What the adaptive budget's rows did, one line each (nothing for fixed budgets): batch steps per budget (0: the
+    drafter ran, only the root was verified), batch steps without the drafter, and the tokens per sequence step of the
+    drafted steps that the policy predicted for the budgets it chose against those it got; the cost model's costs."""
+    adaptive = [r for r in rows if r.get("budget_policy")]
+    if not adaptive:
+        return []
+    lines = ["Adaptive budget (`auto`): batch steps per budget (0: the drafter ran, only the root was verified), batch "
+             "steps without the drafter, and tokens per sequence step of the drafted steps, predicted for the chosen "
+             "budgets vs observed; the cost model's step costs (ms):", ""]
+    for r in adaptive:
+        p = r["budget_policy"]
+        used = ", ".join(f"{b}: {n}" for b, n in p["budget_steps"].items())
+        costs = p.get("costs_ms") or {}
+        verify = ", ".join(f"{b}: {v:.3g}" for b, v in zip(p["menu"], costs.get("verify", []))
+                           if v is not None and v < 1e29)  # pruned entries cost 1e30
+        lines.append(f"- {r['decoder']}: {{{used}}}, {p['steps_without_drafter']} without the drafter; tau predicted "
+                     f"{_fmt(p['predicted_tau'], '.3f')}, observed {_fmt(p['observed_tau'], '.3f')}"
+                     + (f"; costs: AR step {costs['ar']:.3g}, drafter {costs['draft']:.3g}, verify {{{verify}}}"
+                        if costs else "")
+                     + (f" (measured in this run, {p['calibration_seconds']:.1f} s)" if p.get("calibrated") else ""))
+    lines.append("")
     return lines
 
 

@@ -75,6 +75,32 @@ def test_spec_decode_smoke(tmp_path):
     assert "## Refill (continuous batching)" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
 
 
+def test_spec_decode_smoke_adaptive_budget(tmp_path, monkeypatch):
+    """--budgets auto: the adaptive budget next to autoregressive, static and --refill (greedy only, one decode loop
+    besides the autoregressive one): its rows carry the steps per budget (every step counted once, with the drafter or
+    without), predicted and observed tau, and the cost model, which the static run measures (a fresh cache) and the
+    refill run takes from the cache; greedy outputs equal the autoregressive ones."""
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path / "cache"))  # the cost model: never the user's cache
+    assert spec_decode.main(["--smoke", "--out", str(tmp_path), "--batch", "2", "--budgets", "auto",
+                             "--temperatures", "0", "--no-chain"] + NO_CACHE) == 0
+    data = json.loads(_one(tmp_path, "spec_decode_smoke_*.json").read_text())
+    assert data["meta"]["budgets"] == ["auto"]
+    rows = [r for r in data["rows"] if r["decoder"] == "DDTree auto"]
+    assert [r["mode"] for r in rows] == ["static", "refill"]
+    for r in rows:
+        p = r["budget_policy"]
+        assert r["budget"] == "auto" and r["num_nodes"] == max(p["menu"]) + 1 and p["menu"][0] == 0
+        assert sum(p["budget_steps"].values()) + p["steps_without_drafter"] == r["target_forwards"]
+        assert {"predicted_tau", "observed_tau", "costs_ms", "calibration"} <= set(p)
+        drafted = sum(p["budget_steps"].values()) > 0
+        assert (p["observed_tau"] is not None) == drafted  # NaN (null) without a drafted step
+        assert r["mismatches_vs_ar"] == 0 and 1.0 <= r["tau"]
+    assert rows[0]["budget_policy"]["calibrated"] and not rows[1]["budget_policy"]["calibrated"]
+    assert rows[0]["budget_policy"]["cost_model"] == rows[1]["budget_policy"]["cost_model"]
+    assert rows[0]["budget_policy"]["cost_model"].startswith(str(tmp_path / "cache"))
+    assert "Adaptive budget (`auto`)" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
+
+
 def test_verify_kernel_smoke_and_resume(tmp_path):
     """The sweep script end to end on the FFI op (its CPU handler here), then --resume measuring only what is missing."""
     out = str(tmp_path / "vk")

@@ -1,13 +1,20 @@
 """`python -m kdtree_jax.serve` (issue 27): one server for the whole module (a subprocess on a free loopback port, the
-embedded default pair in float32, speculative), driven by the `openai` client and by raw HTTP.
+embedded default pair in float32, speculative with the default adaptive budget, --budget auto), driven by the `openai`
+client and by raw HTTP.
 
 What it checks: completions streamed and whole give the same text; 10 concurrent greedy requests over 4 batch rows
 (continuous batching: rows retire and are refilled mid-run) give exactly the outputs each prompt gets alone, with no
 compile under that load; every bad request is an OpenAI-style 400/404/429 and the server keeps serving; a client that
-disconnects mid-stream gets its KV slots freed; SIGTERM lets the stream in flight finish and exits 0.
+disconnects mid-stream gets its KV slots freed; SIGTERM lets the stream in flight finish and exits 0. The adaptive
+budget: /metrics and /health report the steps per budget and the predicted vs observed tau, greedy output equals a
+fixed-budget server's, and --calibrate measures the cost model again instead of taking the cached one.
 
-Budget: ~60 s on 2 CPU cores, most of it the server's start (load + compile, ~30 s). Prompts stay under 16 tokens so
-that one prefill program serves every request."""
+The module's server takes its cost model from a cache the fixture writes (costs of a device where speculation pays,
+so that the policy speculates whatever this CPU's timings are, and the start-up measures nothing); the --calibrate
+test measures one for real. Every cost model lives in a temporary $KDTREE_JAX_CACHE.
+
+Budget: ~2 min on 2 CPU cores, most of it three servers' starts (load + compile, ~30 s each; the --calibrate one also
+measures, ~20 s). Prompts stay under 16 tokens so that one prefill program serves every request."""
 
 from __future__ import annotations
 
@@ -34,7 +41,10 @@ pytestmark = [
                        reason="checkpoints/default is not there"),
 ]
 
-MAX_BATCH, MAX_LEN, MAX_QUEUE = 4, 192, 6
+MAX_BATCH, MAX_LEN, MAX_QUEUE, CHUNK_STEPS = 4, 256, 6, 2
+# The cost model the module's server finds cached: ms a step of the whole batch (an autoregressive step; each menu
+# entry's step, the drafter included), a device where verifying more nodes costs little, so that speculation pays.
+SEEDED_STEP_MS = {"ar": 10.0, 0: 11.0, 1: 11.5, 2: 12.0, 3: 13.0, 4: 15.0, 5: 19.0}
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:\n    def", "for i in range(", "x = [", "while True:\n",
            "def main():\n    args =", "return self.", "try:\n    import", "with open("]
 
@@ -45,21 +55,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start_server(*flags, timeout=240.0) -> dict:
+    """A server subprocess with this module's settings and these flags, once /health answers: {url, proc, log}. It
+    runs as a user runs it: without conftest's eight forced host devices (for the sharding tests); its cost models go
+    to $KDTREE_JAX_CACHE (the caller's temporary directory)."""
     import httpx
 
+    assert os.environ.get("KDTREE_JAX_CACHE"), "set KDTREE_JAX_CACHE to a temporary directory first"
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="serve_test_", suffix=".log", delete=False)
-    # The server runs as a user runs it: without conftest's eight forced host devices (for the sharding tests).
     env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                                               if "xla_force_host_platform_device_count" not in f))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kdtree_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
-         "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE), "--chunk-steps", "2", "--drain-timeout", "20"],
+         "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE), "--chunk-steps", str(CHUNK_STEPS),
+         "--drain-timeout", "20", *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
+    deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
             log.seek(0)
@@ -71,13 +84,57 @@ def server():
             pass
         if time.time() > deadline:
             proc.kill()
-            pytest.fail("the server did not start within 240 s")
+            pytest.fail(f"the server did not start within {timeout:.0f} s")
         time.sleep(0.5)
-    yield {"url": url, "proc": proc, "log": log.name}
+    return {"url": url, "proc": proc, "log": log.name}
+
+
+def _stop_server(server: dict) -> None:
+    proc = server["proc"]
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    os.unlink(log.name)
+    os.unlink(server["log"])
+
+
+def _log(server: dict) -> str:
+    with open(server["log"]) as f:
+        return f.read()
+
+
+def _greedy_cost_model():
+    """(the cost model the server's greedy bucket loads, the context its calibration runs at), computed as the server
+    computes them: the same models (float32 on a CPU), settings and calibration prompt."""
+    from kdtree_jax.generate import load_models
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+
+    target, drafter, tokenizer, _, _ = load_models(DEFAULT, "float32")
+    s = sched.Scheduler(target, drafter, sched.Settings(
+        max_batch=MAX_BATCH, max_len=MAX_LEN, chunk_steps=CHUNK_STEPS,
+        calibration_prompt=tuple(tokenizer.encode(sched.CALIBRATION_TEXT))), Metrics())
+    return s.cost_model_for((0.0, 1.0)), float(len(s.calibration_prompt())), s.menu
+
+
+def _seed_cost_model(step_ms: dict) -> dict:
+    """Write a calibration point with these step times into the cache the server will read: -> the point."""
+    from kdtree_jax.speculative import cost_model
+
+    model, context, menu = _greedy_cost_model()
+    point = cost_model.make_point(MAX_BATCH, context, menu, step_ms)
+    model.add(point)
+    model.save()
+    return point
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KDTREE_JAX_CACHE", str(tmp_path_factory.mktemp("kdtree_jax_cache")))
+        _seed_cost_model(SEEDED_STEP_MS)
+        server = _start_server()
+        yield server
+        _stop_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +172,19 @@ def test_models_health_metrics(server):
     models = httpx.get(url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["default"]
     health = httpx.get(url + "/health").json()
-    assert health["status"] == "ok" and health["decoding"] == "speculative" and health["budget"] == 16
+    assert health["status"] == "ok" and health["decoding"] == "speculative" and health["budget"] == "auto"
+    assert health["budget_menu"] == [0, 4, 8, 16, 32, 64]
+    # The start-up took the fixture's cached cost model (it measured nothing).
+    greedy = health["budget_policy"]["buckets"]["greedy"]
+    assert greedy["calibrated"] is False and greedy["costs_ms"]["ar"] == SEEDED_STEP_MS["ar"]
+    assert "(cost model from the cache)" in _log(server)
     m = _metrics(url)
     for name in ("requests_total{outcome=\"ok\"}", "generated_tokens_total", "tau", "batch_occupancy", "pool_usage",
-                 "pool_slots_free", "queue_length", "compiles_total"):
+                 "pool_slots_free", "queue_length", "compiles_total", "steps_without_drafter_total", "predicted_tau",
+                 "observed_tau", "drafted_sequence_steps_total"):
         assert name in m, name
+    assert [k for k in m if k.startswith("budget_steps_total")] == [
+        f'budget_steps_total{{budget="{b}"}}' for b in health["budget_menu"]]
     assert m["pool_slots"] == MAX_BATCH * MAX_LEN
 
 
@@ -167,7 +232,7 @@ BAD = [
     ({"model": "default", "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": "default", "prompt": [1, 10 ** 6]}, 400, "prompt"),
     ({"model": "default", "prompt": [5] * 5000}, 400, "prompt"),  # over the model's context (4096)
-    ({"model": "default", "prompt": [5] * 170}, 400, "prompt"),  # fits the context, not a pool row
+    ({"model": "default", "prompt": [5] * 200}, 400, "prompt"),  # fits the context, not a pool row
     ({"model": "default", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),  # beyond the pool row
 ]
 
@@ -269,8 +334,120 @@ def test_help_explains_every_flag():
     for action in parser._actions:
         assert action.help, action.option_strings
     text = parser.format_help()
-    for flag in ("--checkpoint", "--host", "--port", "--max-batch", "--budget", "--no-speculative", "--max-queue"):
+    for flag in ("--checkpoint", "--host", "--port", "--max-batch", "--budget", "--no-speculative", "--max-queue",
+                 "--calibrate"):
         assert flag in text
+    budget = next(a for a in parser._actions if "--budget" in a.option_strings)
+    assert budget.default == "auto" and "'auto'" in budget.help and "cost model" in budget.help
+    calibrate = next(a for a in parser._actions if "--calibrate" in a.option_strings)
+    assert "--budget auto" in calibrate.help and "cached" in calibrate.help
+    assert parser.parse_args([]).budget == "auto" and parser.parse_args(["--budget", "24"]).budget == 24
+
+
+@pytest.mark.parametrize("flags", [["--calibrate", "--budget", "16"], ["--calibrate", "--no-speculative"],
+                                   ["--budget", "-1"]])
+def test_budget_flags_that_contradict_each_other_are_refused(flags, capsys):
+    from kdtree_jax.serve.__main__ import build_parser, check_flags
+
+    with pytest.raises(SystemExit) as e:
+        check_flags(build_parser().parse_args(flags))
+    assert e.value.code == 2 and "--budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--budget", "many"])
+
+
+def test_metrics_render_the_adaptive_budget():
+    """The Prometheus lines and the JSON of the adaptive budget, from chunks' policy counters (no server)."""
+    from kdtree_jax.serve.metrics import Metrics, parse
+
+    m = Metrics()
+    assert "budget_steps_total" not in m.render() and m.budget_policy() is None  # a fixed budget: none of it
+    m.set_menu((0, 4, 16))
+    summary = {"costs_ms": {"ar": 1.0, "draft": 0.5, "verify": [1.0, 1.2, float("inf")]}, "calibration": [1.0]}
+    m.add_policy((0.0, 1.0), (0, 4, 16), [1, 5, 2, 3], [30.0, 27.0, 9.0], summary)  # 8 drafted steps of 9 rows
+    m.add_policy((0.7, 1.0), (0, 4, 16), [0, 1, 0, 4], [3.0, 4.0, 1.0], summary)
+    values = parse(m.render())
+    assert {k: v for k, v in values.items() if k.startswith("budget_steps_total")} == {
+        'budget_steps_total{budget="0"}': 1, 'budget_steps_total{budget="4"}': 6, 'budget_steps_total{budget="16"}': 2}
+    assert values["steps_without_drafter_total"] == 7 and values["drafted_sequence_steps_total"] == 10
+    assert values["predicted_tau"] == pytest.approx(3.3) and values["observed_tau"] == pytest.approx(3.1)
+    text = m.render()
+    assert "# TYPE kdtree_serve_budget_steps_total counter" in text and "# TYPE kdtree_serve_observed_tau gauge" in text
+    policy = m.budget_policy()
+    json.dumps(policy, allow_nan=False)  # strict JSON: the infinite cost is null
+    assert policy["buckets"]["greedy"]["costs_ms"]["verify"] == [1.0, 1.2, None]
+    assert set(policy["buckets"]) == {"greedy", "temperature=0.7,top_p=1"}
+    m.reset_counts()  # the warm-up's steps are forgotten with the rest
+    assert parse(m.render())['budget_steps_total{budget="4"}'] == 0 and parse(m.render())["predicted_tau"] == 0
+
+
+def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(server, client, monkeypatch,
+                                                                             tmp_path):
+    """The module's server (--budget auto) reports the budgets its policy chose, and its greedy completions equal a
+    --budget 16 server's, token for token (greedy speculative decoding is lossless whatever tree each step verifies;
+    float32 on a CPU)."""
+    import httpx
+    import openai
+
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))  # a numeric budget has no cost model; none lands at home
+    url = server["url"]
+    before = _metrics(url)
+    prompts, lengths = PROMPTS[:4], [40, 24, 33, 17]
+    adaptive = [_complete(client, p, n) for p, n in zip(prompts, lengths)]
+    after = _metrics(url)
+    menu = httpx.get(url + "/health").json()["budget_menu"]
+
+    def delta(name):
+        return after[name] - before[name]
+
+    by_budget = {b: delta(f'budget_steps_total{{budget="{b}"}}') for b in menu}
+    steps = sum(by_budget.values()) + delta("steps_without_drafter_total")
+    assert steps > 0 and all(n >= 0 for n in by_budget.values())
+    assert sum(n for b, n in by_budget.items() if b > 0) > 0  # with the cached costs speculation pays: it drafted
+    assert delta("drafted_sequence_steps_total") > 0
+    assert after["predicted_tau"] > 1 and after["observed_tau"] > 1  # drafted steps kept drafted tokens
+    health = httpx.get(url + "/health").json()["budget_policy"]
+    assert health["budget_steps"] == {str(b): int(after[f'budget_steps_total{{budget="{b}"}}']) for b in menu}
+    assert health["observed_tau"] == pytest.approx(after["observed_tau"], rel=1e-5)
+
+    fixed = _start_server("--budget", "16")
+    try:
+        fixed_client = openai.OpenAI(base_url=fixed["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert httpx.get(fixed["url"] + "/health").json()["budget"] == 16
+        assert [_complete(fixed_client, p, n) for p, n in zip(prompts, lengths)] == adaptive
+        assert "budget_steps_total" not in httpx.get(fixed["url"] + "/metrics").text  # no adaptive budget there
+    finally:
+        _stop_server(fixed)
+
+
+def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
+    """--calibrate: the start-up measures the cost model although the cache holds one for these settings, and the
+    measurement replaces it in the cache. (The module's settings: the chunk program and row admission come from the
+    session's compilation cache, so the start-up is mostly the measurement.)"""
+    import httpx
+
+    from kdtree_jax.speculative import cost_model
+
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    stale = _seed_cost_model({"ar": 1000.0, 0: 1001.0, 1: 1002.0, 2: 1003.0, 3: 1004.0, 4: 1005.0, 5: 1006.0})
+    calibrated = _start_server("--calibrate")
+    try:
+        log = _log(calibrated)
+        assert "[measuring the tree-budget cost model: batch 4, greedy" in log and "(cost model measured now)" in log
+        greedy = httpx.get(calibrated["url"] + "/health").json()["budget_policy"]["buckets"]["greedy"]
+        assert greedy["calibrated"] is True and greedy["costs_ms"]["ar"] < 1000
+        model, context, _ = _greedy_cost_model()
+        assert [p["batch"] for p in model.points] == [MAX_BATCH]  # the stale point replaced, not added to
+        point = model.lookup(MAX_BATCH, context)
+        assert point["cost_ar"] == pytest.approx(greedy["costs_ms"]["ar"], rel=1e-6) and point["measured_ms"]
+        assert point["cost_ar"] != stale["cost_ar"]
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        assert httpx.post(calibrated["url"] + "/v1/completions", json=body, timeout=60).status_code == 200
+        m = _metrics(calibrated["url"])
+        assert sum(v for k, v in m.items() if k.startswith("budget_steps_total")) + m["steps_without_drafter_total"] > 0
+        assert cost_model.cache_dir() == tmp_path
+    finally:
+        _stop_server(calibrated)
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):

@@ -84,3 +84,27 @@ def test_report_of_a_run_cut_short_before_any_level(tmp_path):
     assert "not measured at concurrency 16" in text and "speculative unknown" in text
     assert "Server exit codes (0: stopped cleanly): speculative -6, autoregressive 0." in text
     assert "Interrupted (signal 15)" in text and ".png" not in text
+
+
+def test_a_levels_adaptive_budget_from_two_scrapes(tmp_path):
+    """--budget auto: each level's steps per budget and predicted vs observed tau are the difference of two /metrics
+    scrapes (the tau gauges are since start: tau x drafted sequence steps); a fixed budget's scrapes have none."""
+    sl = _serve_load()
+    before = {'budget_steps_total{budget="0"}': 1, 'budget_steps_total{budget="16"}': 4,
+              "steps_without_drafter_total": 10, "drafted_sequence_steps_total": 20, "predicted_tau": 3.0,
+              "observed_tau": 2.5}
+    after = {'budget_steps_total{budget="0"}': 2, 'budget_steps_total{budget="16"}': 10,
+             "steps_without_drafter_total": 13, "drafted_sequence_steps_total": 60, "predicted_tau": 3.5,
+             "observed_tau": 3.0}
+    policy = sl.budget_policy_delta(before, after)
+    assert policy["budget_steps"] == {"0": 1, "16": 6} and policy["steps_without_drafter"] == 3
+    assert abs(policy["predicted_tau"] - (3.5 * 60 - 3.0 * 20) / 40) < 1e-9
+    assert abs(policy["observed_tau"] - (3.0 * 60 - 2.5 * 20) / 40) < 1e-9
+    assert sl.budget_policy_delta({"tau": 1.0}, {"tau": 1.0}) == {}
+    assert sl.build_parser().parse_args(["--budget", "auto"]).budget == "auto"
+    assert sl.build_parser().parse_args(["--budget", "8"]).budget == 8
+    data = _data([dict(_row("speculative", 1, 300, 2.0), budget_policy=policy)], [_row("autoregressive", 1, 250, 2.5)])
+    data["targets"] = sl.targets(data, 1)
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    assert "- speculative, concurrency 1: {0: 1, 16: 6}, 3 without the drafter, tau predicted 3.75 observed 3.25" in (
+        tmp_path / "r.md").read_text()

@@ -5,7 +5,8 @@ thread, torn down there, aborted the process ("FATAL: exception not rethrown", s
 warm-up killed it (-15) or raised a KeyboardInterrupt traceback.
 
 The embedded default pair served autoregressively with a small pool (the cheapest programs to compile), as a user
-runs it (without conftest's forced host devices). ~15 s on 2 CPU cores."""
+runs it (without conftest's forced host devices); speculatively with the adaptive budget (--budget auto) for a signal
+while the start-up measures the budget's cost model. ~40 s on 2 CPU cores."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def _free_port() -> int:
 class _Server:
     """The server as a subprocess, its output (stdout and stderr) read line by line in the background."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, speculative: bool = False):
         self.port = _free_port()
         env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                                                   if "xla_force_host_platform_device_count" not in f))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kdtree_jax.serve", "--port", str(self.port), "--no-speculative", "--max-batch", "2",
-             "--max-len", "64", "--chunk-steps", "2", *flags],
+            [sys.executable, "-m", "kdtree_jax.serve", "--port", str(self.port),
+             *(() if speculative else ("--no-speculative",)), "--max-batch", "2",
+             "--max-len", "128" if speculative else "64", "--chunk-steps", "2", *flags],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
@@ -86,6 +88,22 @@ def test_a_signal_during_the_start_up_exits_0(sig, phase, after, says):
     assert status == 0, out
     assert "FATAL" not in out and "Traceback" not in out, out
     assert says in out and "serving" not in out, out
+
+
+def test_sigterm_while_measuring_the_cost_model_exits_0(monkeypatch, tmp_path):
+    """--budget auto with no cost model cached: the start-up measures one after the compile (seconds of decode
+    steps); SIGTERM then ends the measurement at its next timing and the process exits 0, serving nothing and caching
+    nothing."""
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))  # empty: the start-up measures
+    server = _Server(speculative=True)
+    server.wait_for("[measuring the tree-budget cost model")
+    time.sleep(1.0)
+    status = server.stop(signal.SIGTERM)
+    out = server.output()
+    assert status == 0, out
+    assert "FATAL" not in out and "Traceback" not in out, out
+    assert "SIGTERM during the warm-up: stopped" in out and "serving" not in out, out
+    assert not list(tmp_path.rglob("*.json")), out  # an interrupted measurement is not cached
 
 
 def test_sigterm_inside_a_first_compile_under_load_exits_0():

@@ -2,16 +2,19 @@
 
     python -m kdtree_jax.serve                                   # the embedded default pair on 127.0.0.1:8000
     python -m kdtree_jax.serve --checkpoint DIR --port 8080 --max-batch 16 --budget 32
+    python -m kdtree_jax.serve --calibrate                       # --budget auto, its cost model measured afresh
     python -m kdtree_jax.serve --no-speculative                  # autoregressive, for comparison
 
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "default", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
 
 Start-up: load the checkpoint, compile the greedy batch's programs on a short request (a minute or less on a CPU),
-then serve. SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (up to
---drain-timeout seconds), cancel the rest, wait for the decode thread to leave (after the compile or chunk it is
-running returns: XLA's native code is never torn down under it) and exit 0. A signal during the start-up (load,
-warm-up compile) stops there, also with status 0. A second SIGINT while waiting exits at once with status 130.
+with --budget auto (the default) take the tree budget's step cost model from the cache or measure it (seconds, once
+per model pair, device, --max-batch and sampling mode; --calibrate measures it again), then serve. SIGINT / SIGTERM
+stop accepting connections, let the requests in flight finish (up to --drain-timeout seconds), cancel the rest, wait
+for the decode thread to leave (after the compile or chunk it is running returns: XLA's native code is never torn
+down under it) and exit 0. A signal during the start-up (load, warm-up compile, cost-model measurement) stops there,
+also with status 0. A second SIGINT while waiting exits at once with status 130.
 """
 
 from __future__ import annotations
@@ -42,10 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8,
                    help="batch rows decoded together (per sampling setting); more rows: more throughput, more memory")
     p.add_argument("--max-len", type=int, default=1024,
-                   help="KV pool positions per row: a request's prompt + max_tokens + one verify tree must fit "
+                   help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
+                        "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
                         "(larger requests get a 400); the pool holds max-batch x max-len positions")
-    p.add_argument("--budget", type=int, default=16,
-                   help="DDTree nodes a step verifies besides the root (0: autoregressive, as --no-speculative)")
+    p.add_argument("--budget", type=_budget, default="auto",
+                   help="DDTree nodes a step verifies besides the root. 'auto': the adaptive budget: every decode "
+                        "step picks its budget from {0, 4, 8, 16, 32, 64} (capped at what the drafter's depth and "
+                        "--topk allow; 0 verifies the root only, and the policy may also skip the drafter for a plain "
+                        "autoregressive step) by the drafter's own probabilities and a cost model of this device: "
+                        "what a step of each budget costs at --max-batch rows, measured at start-up (a few seconds, "
+                        "after the compile) once per model pair, device, batch size and sampling mode and cached "
+                        "($KDTREE_JAX_CACHE, else $XDG_CACHE_HOME/kdtree_jax or ~/.cache/kdtree_jax; see "
+                        "--calibrate). /metrics and /health then report the "
+                        "steps of each budget, the steps without the drafter and the predicted vs observed tau. "
+                        "A number: that budget every step (0: autoregressive, as --no-speculative)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --budget auto: measure the step cost model again at start-up (and for each new sampling "
+                        "setting) instead of using the cached one, and cache the new measurement; for after a "
+                        "driver, library, hardware or flag change that alters step times")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature (default: the "
@@ -72,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _budget(text: str):
+    """--budget: 'auto' or an integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer; got {text!r}") from None
+
+
 def _fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -83,8 +110,11 @@ def check_flags(args) -> None:
     for name in ("max_batch", "max_len", "chunk_steps", "max_queue", "max_buckets"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.budget < 0:
-        _fail(f"--budget must be >= 0; got {args.budget}")
+    if args.budget != "auto" and args.budget < 0:
+        _fail(f"--budget must be 'auto' or >= 0; got {args.budget}")
+    if args.calibrate and (args.budget != "auto" or args.no_speculative):
+        _fail("--calibrate measures the cost model of --budget auto; drop it with a numeric --budget or "
+              "--no-speculative")
     if args.topk < 1:
         _fail(f"--topk must be >= 1; got {args.topk}")
     if args.tree_temperature is not None and not args.tree_temperature > 0:
@@ -161,7 +191,7 @@ def main(argv=None) -> int:
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
     from kdtree_jax.serve.api import create_app
     from kdtree_jax.serve.metrics import Metrics
-    from kdtree_jax.serve.scheduler import Scheduler, Settings, compile_count
+    from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, Settings, compile_count
     from kdtree_jax.speculative import engine
 
     t0 = time.perf_counter()
@@ -171,25 +201,29 @@ def main(argv=None) -> int:
         print(f"[{signals.name} while loading the model: stopped]", file=sys.stderr, flush=True)
         return 0
     budget = 0 if args.no_speculative else args.budget
-    if drafter is not None and budget > 0:
+    if drafter is not None and budget not in (0, "auto"):
         limit = min(engine.trees.max_ddtree_budget(drafter.cfg.depth, args.topk), engine.MAX_TREE_NODES - 1)
         if budget > limit:
             _fail(f"--budget must be <= {limit} for this drafter and --topk {args.topk}; got {budget}")
-    elif budget > 0:
+    elif drafter is None and budget != 0:
         notice("the checkpoint has no drafter: serving autoregressively")
-    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, topk=args.topk,
+    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, calibrate=args.calibrate,
+                        calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
                         tree_temperature=args.tree_temperature or recommended, chunk_steps=args.chunk_steps,
                         max_queue=args.max_queue, max_buckets=args.max_buckets)
     metrics = Metrics()
-    scheduler = Scheduler(target, drafter, settings, metrics)
+    scheduler = Scheduler(target, drafter, settings, metrics, say=lambda line: print(line, file=sys.stderr, flush=True))
     if scheduler.max_tokens_for(1) < 1:
         _fail(f"--max-len {args.max_len} leaves no room for a token after a 1-token prompt and a "
               f"{scheduler.num_nodes}-node verify tree")
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                else "default" if drafter is not None and "random" not in description else "tiny-random")
     info = {"decoding": "speculative" if scheduler.speculative else "autoregressive",
-            "budget": budget if scheduler.speculative else 0, "topk": args.topk,
-            "tree_temperature": settings.tree_temperature, "max_batch": args.max_batch, "max_len": args.max_len}
+            "budget": ("auto" if scheduler.menu else scheduler.budget) if scheduler.speculative else 0,
+            "topk": args.topk, "tree_temperature": settings.tree_temperature, "max_batch": args.max_batch,
+            "max_len": args.max_len}
+    if scheduler.menu:
+        info["budget_menu"] = list(scheduler.menu)
     if not args.no_warmup:
         print(f"[{description}; loaded in {time.perf_counter() - t0:.1f} s; compiling ...]", file=sys.stderr,
               flush=True)
@@ -208,8 +242,16 @@ def main(argv=None) -> int:
             raise scheduler.warmup_error
         app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info)
 
+        if scheduler.menu:
+            greedy = scheduler.buckets.get((0.0, 1.0))  # made by the warm-up (none with --no-warmup)
+            cost_info = greedy.cost_info if greedy is not None else None
+            shape = ("adaptive DDTree budget from {" + ", ".join(map(str, scheduler.menu)) + "}"
+                     + ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
+                        " (cost model from the cache)"))
+        else:
+            shape = f"DDTree budget {scheduler.budget}"
         print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
-              + (f", DDTree budget {budget}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
+              + (f", {shape}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
                  if scheduler.speculative else "")
               + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
                 f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)

@@ -144,9 +144,13 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
 
     @app.get("/health")
     async def health():
+        # With the adaptive budget, what it did since start (metrics.budget_policy: the steps per budget, predicted vs
+        # observed tau, each bucket's cost model), from the counters the decode thread copies once a chunk.
+        policy = metrics.budget_policy()
+        extra = {} if policy is None else {"budget_policy": policy}
         if scheduler.error is not None:
-            return JSONResponse({"status": "degraded", "last_error": scheduler.error, **info})
-        return {"status": "ok", **info}
+            return JSONResponse({"status": "degraded", "last_error": scheduler.error, **info, **extra})
+        return {"status": "ok", **info, **extra}
 
     @app.get("/v1/models")
     async def models():

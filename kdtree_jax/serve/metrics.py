@@ -28,7 +28,31 @@ _DOC = {
     "buckets": ("gauge", "Live buckets (one per sampling setting: greedy, each temperature/top_p)"),
     "compiles_total": ("counter", "XLA compiles in this process (constant under a steady load)"),
 }
+# The adaptive tree budget's (--budget auto): on the page only when the server runs it. A batch step is one step of
+# one bucket's whole batch (the policy chooses once per step for every row); a sequence step one row's share of it.
+_ADAPTIVE_DOC = {
+    "budget_steps_total": ("counter", "Batch steps that verified each DDTree budget of the adaptive menu, by budget "
+                                      "(0: the drafter ran but only the root was verified)"),
+    "steps_without_drafter_total": ("counter", "Batch steps the adaptive policy ran autoregressively, without the "
+                                               "drafter"),
+    "drafted_sequence_steps_total": ("counter", "Sequence steps of the batch steps that ran the drafter"),
+    "predicted_tau": ("gauge", "Tokens per sequence step the adaptive policy predicted for the budgets it chose, over "
+                               "the steps that ran the drafter, since start (0 before the first)"),
+    "observed_tau": ("gauge", "Tokens per sequence step those steps emitted (accepted drafted tokens + 1), since start "
+                              "(0 before the first)"),
+}
 PREFIX = "kdtree_serve_"
+
+
+def _finite(obj):
+    """NaN and infinities -> None, recursively (JSON answers are strict)."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class Metrics:
@@ -40,6 +64,34 @@ class Metrics:
         self.ttft_sum, self.ttft_count = 0.0, 0
         self.pools: dict = {}  # bucket key -> (free, total)
         self.gauges = {"queue_length": 0, "busy_rows": 0, "rows": 0, "buckets": 0, "compiles": 0}
+        # The adaptive budget (set_menu; None: a fixed budget, no such metrics): steps per menu entry, then without
+        # the drafter; predicted tokens, observed tokens and sequence steps of the drafted steps; per bucket, the
+        # policy's last summary (budget_policy.summary) and its cost model's provenance.
+        self.menu: "tuple | None" = None
+        self.budget_steps = np.zeros(0, np.int64)
+        self.policy_sums = np.zeros(3, np.float64)
+        self.policies: dict = {}
+        self.cost_infos: dict = {}
+
+    def set_menu(self, menu) -> None:
+        with self._lock:
+            self.menu = tuple(int(b) for b in menu)
+            self.budget_steps = np.zeros(len(self.menu) + 1, np.int64)
+
+    def add_policy(self, key, menu, chosen_delta, sums_delta, summary: dict) -> None:
+        """One chunk of a bucket's adaptive budget: the steps per menu entry (then without the drafter) and the
+        (predicted tokens, observed tokens, sequence steps) of drafted steps since its last chunk; its summary."""
+        with self._lock:
+            if self.menu is None or tuple(menu) != self.menu:
+                self.menu = tuple(int(b) for b in menu)
+                self.budget_steps = np.zeros(len(self.menu) + 1, np.int64)
+            self.budget_steps += np.asarray(chosen_delta, np.int64)
+            self.policy_sums += np.asarray(sums_delta, np.float64)
+            self.policies[key] = summary
+
+    def set_cost_info(self, key, info: dict) -> None:
+        with self._lock:
+            self.cost_infos[key] = dict(info)
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -75,6 +127,8 @@ class Metrics:
                 self.counts[k] = 0
             self.hist[:] = 0
             self.ttft_sum, self.ttft_count = 0.0, 0
+            self.budget_steps[:] = 0
+            self.policy_sums[:] = 0
 
     def snapshot(self) -> dict:
         """Every value by its metric name (without the prefix); the tests and the load benchmark read this too."""
@@ -84,6 +138,16 @@ class Metrics:
             free = sum(f for f, _ in self.pools.values())
             slots = sum(t for _, t in self.pools.values())
             g = self.gauges
+            adaptive = {}
+            if self.menu is not None:
+                predicted, observed, seq_steps = self.policy_sums.tolist()
+                adaptive = {
+                    "budget_steps_total": {str(b): int(n) for b, n in zip(self.menu, self.budget_steps[:-1])},
+                    "steps_without_drafter_total": int(self.budget_steps[-1]),
+                    "drafted_sequence_steps_total": int(round(seq_steps)),
+                    "predicted_tau": predicted / seq_steps if seq_steps else 0.0,
+                    "observed_tau": observed / seq_steps if seq_steps else 0.0,
+                }
             return {
                 "requests_total": {k[len("requests_"):]: v for k, v in self.counts.items() if k.startswith("requests_")},
                 "prompt_tokens_total": self.counts["prompt_tokens"],
@@ -100,18 +164,43 @@ class Metrics:
                 "queue_length": g["queue_length"],
                 "buckets": g["buckets"],
                 "compiles_total": g["compiles"],
+                **adaptive,
             }
+
+    def budget_policy(self) -> "dict | None":
+        """The adaptive budget as JSON (for /health; None with a fixed budget): the totals /metrics shows, and per
+        bucket (sampling setting) its cost model (cached or measured, the step costs) and its calibration bins."""
+        snap = self.snapshot()
+        if "budget_steps_total" not in snap:
+            return None
+        with self._lock:
+            buckets = {}
+            for key in {**self.cost_infos, **self.policies}:
+                name = "greedy" if key[0] == 0 else f"temperature={key[0]:g},top_p={key[1]:g}"
+                summary = self.policies.get(key, {})
+                buckets[name] = {**self.cost_infos.get(key, {}),
+                                 **{k: summary[k] for k in ("costs_ms", "calibration") if k in summary}}
+            menu = list(self.menu)
+        return _finite({"menu": menu, "budget_steps": snap["budget_steps_total"],
+                        "steps_without_drafter": snap["steps_without_drafter_total"],
+                        "drafted_sequence_steps": snap["drafted_sequence_steps_total"],
+                        "predicted_tau": snap["predicted_tau"], "observed_tau": snap["observed_tau"],
+                        "buckets": buckets})
 
     def render(self) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         snap = self.snapshot()
         lines = []
-        for name, (kind, help_text) in _DOC.items():
+        for name, (kind, help_text) in {**_DOC, **_ADAPTIVE_DOC}.items():
+            if name not in snap:  # the adaptive budget's, with a fixed budget
+                continue
             full = PREFIX + name
             lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
             value = snap[name]
             if name == "requests_total":
                 lines += [f'{full}{{outcome="{k}"}} {v}' for k, v in value.items()]
+            elif name == "budget_steps_total":
+                lines += [f'{full}{{budget="{k}"}} {v}' for k, v in value.items()]
             elif kind == "summary":
                 lines += [f"{full}_sum {value[0]:.6f}", f"{full}_count {value[1]}"]
             else:

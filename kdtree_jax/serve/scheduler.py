@@ -24,6 +24,18 @@ chunk i + 1; with a free row, chunk by chunk, so that a new request waits for on
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
 max_tokens tokens (engine.admit_row), with no extra steps and no per-request compile.
+
+The adaptive tree budget (Settings.budget "auto", the default): each bucket's loop has the menu of DDTree budgets
+(engine.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
+drafter for an autoregressive step. The policy needs what a step costs on this device: when a bucket is made (after
+its chunk program compiles; for the greedy bucket that is the warm-up, before the server says it is serving) the
+bucket takes the costs from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model
+pair, device, batch size and sampling mode (or Settings.calibrate asks for a fresh measurement once per process),
+measures them: a short fixed prompt (CALIBRATION_TEXT) is admitted into every row, engine.calibrate times each menu
+entry on copies of that state with the loop's own program (nothing compiles), and the rows are reset. The policy's
+state lives in the bucket's loop state, so what it learned (its calibration bins, its counters) carries from request
+to request; after each chunk the scheduler copies it with the chunk's other counters (one read a chunk) and /metrics
+reports the steps per budget, the steps without the drafter and the predicted vs observed tau.
 """
 
 from __future__ import annotations
@@ -35,14 +47,14 @@ import itertools
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
-from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import budget_policy, cost_model, engine
 
 # --- compile counting ---------------------------------------------------------------------------------------------
 # Every XLA compile (a jit cache miss, an eager op on a new shape) reports this event; counting it is how /metrics and
@@ -141,8 +153,11 @@ class Request:
 
 @jax.jit
 def _counters(state: engine.LoopState):
-    """Copies of what /metrics reads after a chunk (the chunk's state itself is donated to the next chunk)."""
-    return state.accepted_hist + 0, state.cache.num_free + 0
+    """Copies of what /metrics reads after a chunk (the chunk's state itself is donated to the next chunk): the
+    acceptance histogram, the pool's free slots and, in an adaptive loop, the budget policy's state (a few small
+    arrays: budget_policy.summary reads it on the host)."""
+    policy = None if state.policy is None else jax.tree.map(lambda x: x + 0, state.policy)
+    return state.accepted_hist + 0, state.cache.num_free + 0, policy
 
 
 @jax.jit
@@ -151,17 +166,18 @@ def _with_key(state: engine.LoopState, seed) -> engine.LoopState:
     return state._replace(key=jax.random.key(seed), step=jnp.zeros_like(state.step))
 
 
+class _Stopped(Exception):
+    """stop() came while the warm-up was measuring a cost model: the warm-up ends there."""
+
+
 class Bucket:
     """`max_batch` rows decoding with one sampling setting: the pool, the loop state, who owns which row."""
 
     def __init__(self, sched: "Scheduler", sampling: tuple):
         self.sched, self.sampling = sched, sampling
         target, drafter = sched.target, sched.drafter
-        temperature, top_p = sampling
         s = sched.settings
-        self.spec = engine.SpecConfig(tree="ddtree", budget=s.budget if drafter is not None else 0, topk=s.topk,
-                                      tree_temperature=s.tree_temperature, temperature=temperature, top_p=top_p,
-                                      max_new_tokens=sched.max_new_tokens)
+        self.spec = sched.spec_for(sampling)
         self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
         self.batch, self.max_len = s.max_batch, s.max_len
         depth = self.drafter.cfg.depth if self.drafter is not None else 0
@@ -170,11 +186,13 @@ class Bucket:
         cache = kv_pool.init_cache(cfg, self.batch, self.max_len, dtype=dtype)
         dcache = self.drafter.init_cache(self.batch, self.max_len) if self.drafter is not None else None
         moe = [layer.mlp for layer in target.layers if layer.is_moe]
+        # The adaptive budget's policy and lazy drafter context: placeholder costs until _prepare_costs (same shapes).
+        adaptive = engine.adaptive_parts(target, self.drafter, self.spec, self.batch) if self.spec.menu else None
         self.state = engine.initial_state(
             cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
             width=depth + 1, stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
             expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
-            active=np.zeros((self.batch,), bool))
+            active=np.zeros((self.batch,), bool), adaptive=adaptive)
         # Committed to the device like every state a jitted call returns: a program's cache key includes that, so an
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
         self.state = jax.device_put(self.state, jax.devices()[0])
@@ -185,7 +203,82 @@ class Bucket:
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
         self.hist_seen = np.zeros(depth + 1, np.int64)  # accepted_hist already counted into the metrics
+        # The policy's counters already counted (steps per menu entry then without the drafter; predicted tokens,
+        # observed tokens, sequence steps of drafted steps).
+        self.chosen_seen = np.zeros(len(self.spec.menu) + 1, np.int64)
+        self.sums_seen = np.zeros(3, np.float64)
+        self.cost_info: Optional[dict] = None
+        if self.spec.menu:
+            self._prepare_costs()
         self.last_used = time.perf_counter()
+
+    # -- the adaptive budget's costs -----------------------------------------------------------------------------
+    def _prepare_costs(self) -> None:
+        """The policy's step costs: Settings.costs if given, else the cached cost model's point for this batch size
+        and the calibration prompt's context, else (or once per process with Settings.calibrate) measured now."""
+        sched, s = self.sched, self.sched.settings
+        t0 = time.perf_counter()
+        if s.costs is not None:
+            costs, info = dict(s.costs), {"cost_model": "given", "calibrated": False}
+        else:
+            model = sched.cost_model_for(self.sampling)
+            prompt = sched.calibration_prompt()
+            context = float(len(prompt))  # calibrate's context: the rows' mean length (the prompt's)
+            path = str(model.path)
+            fresh = s.calibrate and path not in sched.measured
+            point = None if fresh else model.lookup(self.batch, context)
+            measured = point is None
+            if measured:
+                sched.say(f"[measuring the tree-budget cost model: batch {self.batch}, "
+                          f"{self._label()} (once per model pair, device, batch size and sampling mode; cached in "
+                          f"{model.path.parent}) ...]")
+                model.add(self._calibrate(prompt))
+                model.save()
+                sched.measured.add(path)
+            costs = model.costs(self.batch, context)
+            info = {"cost_model": path, "calibrated": measured, "context": context}
+        info["seconds"] = time.perf_counter() - t0
+        # A new policy state with these costs, the counters kept (zero here); committed like the rest of the state.
+        self.state = jax.device_put(engine.with_costs(self.state, self.spec, costs), jax.devices()[0])
+        info["costs_ms"] = budget_policy.summary(jax.device_get(self.state.policy), self.spec.menu)["costs_ms"]
+        self.cost_info = info
+        sched.metrics.set_cost_info(self.sampling, info)
+        ms = info["costs_ms"]
+        how = (f"measured in {info['seconds']:.1f} s" if info["calibrated"] else
+               "given" if s.costs is not None else "cached")
+        # Entries the calibration pruned (they could not beat an autoregressive step) cost "infinity" (1e30).
+        verify = ", ".join(f"{b}: {v:.3g}" for b, v in zip(self.spec.menu, ms["verify"]) if v < 1e29)
+        sched.say(f"[tree-budget cost model ({self._label()}, {how}): autoregressive step {ms['ar']:.3g} ms, "
+                  f"drafter {ms['draft']:.3g} ms, verify by budget {{{verify}}} ms]")
+
+    def _label(self) -> str:
+        temperature, top_p = self.sampling
+        return "greedy" if temperature == 0 else f"temperature {temperature:g}, top_p {top_p:g}"
+
+    def _calibrate(self, prompt: list) -> dict:
+        """engine.calibrate on this bucket's rows, each holding `prompt` (calibrate times copies of that state with the
+        loop's own program), then the rows emptied again: -> the cost model point."""
+        def progress(phase, done, total):
+            if self.sched.stopping_warmup():
+                raise _Stopped()
+
+        try:
+            for row in range(self.batch):
+                self.state, _ = self.loop.admit(self.state, prompt, row, seed=0)
+            return engine.calibrate(self.loop, self.state, self.spec, chunk_steps=self.loop.steps,
+                                    depth=self.drafter.cfg.depth, on_progress=progress)
+        finally:
+            for row in range(self.batch):
+                self.state = engine.reset_row(self.state, jnp.int32(row))
+
+    def _publish_policy(self, policy) -> None:
+        """A chunk's copy of the policy state (numpy) into the metrics: what changed since the last chunk."""
+        summary = budget_policy.summary(policy, self.spec.menu)
+        chosen = np.asarray(policy.chosen, np.int64)
+        sums = np.array([policy.predicted_tokens, policy.observed_tokens, policy.sequence_steps], np.float64)
+        self.sched.metrics.add_policy(self.sampling, self.spec.menu, chosen - self.chosen_seen, sums - self.sums_seen,
+                                      summary)
+        self.chosen_seen, self.sums_seen = chosen, sums
 
     # -- rows ----------------------------------------------------------------------------------------------------
     def free_rows(self) -> list[int]:
@@ -251,9 +344,12 @@ class Bucket:
         """Read the oldest chunk in flight and hand each row's new tokens to the request that owned the row then
         (a row retired meanwhile, or already given to another request, drops them)."""
         out, counters, owners = self.inflight.popleft()
-        tokens, start, num_out, (hist, num_free) = jax.device_get((out.tokens, out.start, out.num_out, counters))
+        tokens, start, num_out, (hist, num_free, policy) = jax.device_get((out.tokens, out.start, out.num_out,
+                                                                           counters))
         self.sched.metrics.add_steps(np.asarray(hist, np.int64) - self.hist_seen)
         self.hist_seen = np.asarray(hist, np.int64)
+        if policy is not None:
+            self._publish_policy(policy)
         self.sched.metrics.set_pool(self.sampling, int(num_free), self.state.cache.num_slots)
         for row, req in enumerate(owners):
             if req is None or self.owner[row] is not req or req.finished:
@@ -274,7 +370,12 @@ class Settings:
 
     max_batch: int = 8  # rows per bucket
     max_len: int = 1024  # pool positions per row: prompt + max_tokens + one verify tree must fit
-    budget: int = 16  # DDTree nodes per step besides the root; 0: autoregressive
+    # "auto": the adaptive budget (each step picks from engine.adaptive_menu's menu, 0: an autoregressive step without
+    # the drafter); a number: DDTree nodes per step besides the root, every step; 0: autoregressive.
+    budget: Union[int, str] = "auto"
+    calibrate: bool = False  # "auto": measure the cost model again (once per process and model) instead of the cache's
+    costs: Optional[dict] = None  # "auto": the policy's costs as CostModel.costs gives them (no cache, no calibration)
+    calibration_prompt: Optional[tuple] = None  # token ids the calibration decodes (default: CALIBRATION_TEXT's bytes)
     topk: int = 4
     tree_temperature: float = 1.0
     chunk_steps: int = 4  # decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host
@@ -282,14 +383,38 @@ class Settings:
     max_buckets: int = 4  # distinct sampling settings with a live pool at once
 
 
-class Scheduler:
-    """The decode thread. start() runs it; submit() / cancel() from any thread; stop() drains and joins."""
+# What the adaptive budget's calibration decodes in every row (Settings.calibration_prompt: its tokens, the server's
+# tokenizer's encoding, at most CALIBRATION_TOKENS of them: the warm-up's prefill bucket, so no other program compiles).
+CALIBRATION_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n"
+                    "    return fibonacci(n - 1) + fibonacci(n - 2)\n")
+CALIBRATION_TOKENS = 16
 
-    def __init__(self, target, drafter, settings: Settings, metrics):
+
+class Scheduler:
+    """The decode thread. start() runs it; submit() / cancel() from any thread; stop() drains and joins.
+
+    say: a callable for the start-up's progress lines (the command line prints them on stderr); None: silent."""
+
+    def __init__(self, target, drafter, settings: Settings, metrics, say: Optional[Callable[[str], None]] = None):
         self.target, self.drafter, self.settings, self.metrics = target, drafter, settings, metrics
-        self.speculative = drafter is not None and settings.budget > 0
+        self._say = say
+        budget = settings.budget
+        if isinstance(budget, str):  # "auto": the menu (empty without a drafter: autoregressive)
+            self.menu = engine.adaptive_menu(budget, None, drafter, "ddtree", settings.topk)
+            self.budget = max(self.menu) if self.menu else 0
+        else:
+            if isinstance(budget, bool) or int(budget) != budget or budget < 0:
+                raise ValueError(f"budget must be 'auto' or an integer >= 0; got {budget!r}")
+            self.menu, self.budget = (), int(budget)
+        self.speculative = drafter is not None and self.budget > 0
+        if not self.speculative:
+            self.menu = ()
         self.depth = drafter.cfg.depth if self.speculative else 0
-        self.num_nodes = settings.budget + 1 if self.speculative else 1
+        self.num_nodes = self.budget + 1 if self.speculative else 1
+        self.measured: set = set()  # cost-model files measured by this process (Settings.calibrate: once each)
+        self._warming = False
+        if self.menu:
+            metrics.set_menu(self.menu)
         # The out buffer's width bounds any request's max_tokens; the pool (max_len) is the real limit.
         self.max_new_tokens = settings.max_len
         self.buckets: dict[tuple, Bucket] = {}
@@ -303,6 +428,35 @@ class Scheduler:
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
         self.releases = 0  # times dropping a bucket cleared JAX's caches (release_executables_if_many_maps)
+
+    def say(self, line: str) -> None:
+        if self._say is not None:
+            self._say(line)
+
+    def spec_for(self, sampling: tuple) -> engine.SpecConfig:
+        """The SpecConfig of the bucket of this (temperature, top_p)."""
+        temperature, top_p = sampling
+        s = self.settings
+        return engine.SpecConfig(tree="ddtree", budget=self.budget if self.speculative else 0, topk=s.topk,
+                                 tree_temperature=s.tree_temperature, temperature=temperature, top_p=top_p,
+                                 max_new_tokens=self.max_new_tokens, menu=self.menu)
+
+    def cost_model_for(self, sampling: tuple) -> cost_model.CostModel:
+        """The cached cost model of the bucket of this (temperature, top_p) (adaptive budget only; no points when
+        none is cached). Its points are keyed by batch size (max_batch) and context (len(calibration_prompt()))."""
+        return cost_model.CostModel.load(cost_model.fingerprint(self.target, self.drafter, self.spec_for(sampling)))
+
+    def calibration_prompt(self) -> list:
+        """The tokens the adaptive budget's calibration admits into every row."""
+        prompt = self.settings.calibration_prompt
+        if not prompt:
+            prompt = list(CALIBRATION_TEXT.encode())
+        vocab = self.target.cfg.vocab_size
+        return [int(t) % vocab for t in list(prompt)[:CALIBRATION_TOKENS]]
+
+    def stopping_warmup(self) -> bool:
+        """Whether stop() came during the warm-up (which then ends at its next safe point)."""
+        return self._warming and self._stop
 
     # -- limits the API checks before submit ------------------------------------------------------------------------
     def max_tokens_for(self, prompt_len: int) -> int:
@@ -373,14 +527,21 @@ class Scheduler:
 
     def warmup(self) -> bool:
         """Compile the greedy bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
-        reset) before serving, by running one short request on the calling thread. False if stop() came first: it
-        returns at the next safe point (between compiles and chunks), leaving the scheduler to be stopped."""
+        reset) and, with the adaptive budget, take its cost model from the cache or measure it, before serving, by
+        running one short request on the calling thread. False if stop() came first: it returns at the next safe point
+        (between compiles, calibration timings and chunks), leaving the scheduler to be stopped."""
         done = threading.Event()
         req = Request(prompt=[0] * 8, max_tokens=min(3, self.max_tokens_for(8)), emit=lambda kind, v: (
             done.set() if kind != "tokens" else None))
         if self._stop:
             return False
-        bucket = self.buckets.get(req.sampling) or self._new_bucket(req.sampling)  # the chunk program's compile
+        self._warming = True
+        try:  # the chunk program's compile, and with the adaptive budget its costs (cached or measured now)
+            bucket = self.buckets.get(req.sampling) or self._new_bucket(req.sampling)
+        except _Stopped:
+            return False
+        finally:
+            self._warming = False
         if self._stop:
             return False
         self._admit_waiting([req])  # the prefill's and row admission's compiles

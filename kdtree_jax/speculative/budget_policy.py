@@ -169,39 +169,43 @@ def update(policy: PolicyState, menu: Sequence[int], *, drafted, choice, scores,
     """The step's observations: the calibration bins (every verified node of a drafted step: its raw drafter
     probability exp(score) and whether the walk accepted it), the gate's running prediction and probe interval, and
     the counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
-    expected [M] the step's E summed over active rows (`choose`)."""
-    c_ar, c_draft, c_verify = _costs(policy, context)
+    expected [M] the step's E summed over active rows (`choose`). A step without the drafter only counts itself:
+    its observations are computed under a `lax.cond`, so that an autoregressive step does not pay for them."""
     menu_arr = np.asarray(menu, np.int32)
-    budget = jnp.asarray(menu_arr)[choice]
-    n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
-    num_nodes = scores.shape[1]
-    node = jnp.arange(num_nodes)[None, :]
-    verified = (node >= 1) & (node <= budget) & valid & active[:, None] & drafted
-    on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
-        path > 0)
-    bins = _bins(scores)
-    raw = jnp.exp(jnp.minimum(scores, 0.0))
-    add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
-    add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
-    decay = jnp.where(drafted, CALIBRATION_DECAY, 1.0)
-    # A drafted step that beat autoregressive decoding (by its prediction, drafter included) keeps the gate's probes
-    # at their base interval; one that did not doubles it.
-    cost = c_draft + jnp.where(choice > 0, c_verify[choice], c_ar)
-    paid = (choice > 0) & (expected[choice] / cost >= n / c_ar)
-    base = jnp.clip(jnp.ceil(c_draft / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
-    probe_every = jnp.where(drafted, jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)),
-                            policy.probe_every)
-    emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.float32)
-    return policy._replace(
-        bin_pred=policy.bin_pred * decay + add_pred, bin_acc=policy.bin_acc * decay + add_acc,
-        expected=jnp.where(drafted, (1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
-                           policy.expected),
-        since_draft=jnp.where(drafted, 0, policy.since_draft + 1), probe_every=probe_every,
-        chosen=policy.chosen.at[jnp.where(drafted, choice, len(menu_arr))].add(1),
-        predicted_tokens=policy.predicted_tokens + jnp.where(drafted, expected[choice], 0.0),
-        observed_tokens=policy.observed_tokens + jnp.where(drafted, emitted, 0.0),
-        sequence_steps=policy.sequence_steps + jnp.where(drafted, n, 0.0),
-    )
+
+    def observe(policy):
+        c_ar, c_draft, c_verify = _costs(policy, context)
+        budget = jnp.asarray(menu_arr)[choice]
+        n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
+        node = jnp.arange(scores.shape[1])[None, :]
+        verified = (node >= 1) & (node <= budget) & valid & active[:, None]
+        on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
+            path > 0)
+        bins = _bins(scores)
+        raw = jnp.exp(jnp.minimum(scores, 0.0))
+        add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
+        add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
+        # A drafted step that beat autoregressive decoding (by its prediction, drafter included) keeps the gate's
+        # probes at their base interval; one that did not doubles it.
+        cost = c_draft + jnp.where(choice > 0, c_verify[choice], c_ar)
+        paid = (choice > 0) & (expected[choice] / cost >= n / c_ar)
+        base = jnp.clip(jnp.ceil(c_draft / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
+        emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.float32)
+        return policy._replace(
+            bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
+            bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
+            expected=(1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
+            since_draft=jnp.zeros_like(policy.since_draft),
+            probe_every=jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)),
+            chosen=policy.chosen.at[choice].add(1),
+            predicted_tokens=policy.predicted_tokens + expected[choice],
+            observed_tokens=policy.observed_tokens + emitted,
+            sequence_steps=policy.sequence_steps + n)
+
+    def count(policy):
+        return policy._replace(since_draft=policy.since_draft + 1, chosen=policy.chosen.at[len(menu_arr)].add(1))
+
+    return jax.lax.cond(drafted, observe, count, policy)
 
 
 def bin_ratio(policy: PolicyState) -> np.ndarray:
@@ -220,6 +224,7 @@ def summary(policy: PolicyState, menu: Sequence[int]) -> dict:
         "steps_without_drafter": int(chosen[-1]),
         "predicted_tau": float(policy.predicted_tokens) / seq_steps if seq_steps else float("nan"),
         "observed_tau": float(policy.observed_tokens) / seq_steps if seq_steps else float("nan"),
+        "drafted_sequence_steps": seq_steps,
         "calibration": bin_ratio(policy).round(3).tolist(),
         "costs_ms": {"ar": float(policy.cost_ar), "draft": float(policy.cost_draft),
                      "verify": np.asarray(policy.cost_verify).round(4).tolist()},
