@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} KDTREE_JAX_CACHE=/tmp/kdtree_jax_cache
 t_begin=$(date +%s)
 SESSION_S=${SESSION_S:-540}
-STAGES=${STAGES:-overhead generate sweep refill}
+STAGES=${STAGES:-generate sweep refill overhead}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${SKIP_BUILD:-0}" = 0 ]; then
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -30,14 +30,10 @@ stage() {  # stage NAME SECONDS COMMAND...
   grep -v '^{' "$OUT/$name.log" | tr '\r' '\n' | grep -v 'it/s\]' | tail -8
 }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-has overhead && stage overhead 150 python3 benchmarks/adaptive_overhead.py --batch 1,16,64 --out "$OUT" \
-  && cat "$OUT"/adaptive_overhead_*.md
-has generate && stage generate 90 python3 -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 128 \
-  --json && cp "$OUT/generate.stdout" "$OUT/generate_auto.json" && python3 -c "
-import json; s = json.load(open('$OUT/generate_auto.json'))['stats']; p = s['budget_policy']
-print('generate auto:', round(s['tokens_per_second']), 'tok/s, tau', round(s['tau'], 2), 'host loops', s['host_driven_loops'], p['budget_steps'], 'no drafter', p['steps_without_drafter'], 'calibration', round(p['calibration_seconds'], 1), 's')"
-has sweep && [ -f benchmarks/budget_sweep.py ] && stage sweep 300 python3 benchmarks/budget_sweep.py --out "$OUT" ${SWEEP_ARGS:-} \
-  && cat "$OUT"/budget_sweep_*.md | head -60
-has refill && stage refill 200 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \
+has generate && stage generate 120 python3 -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 128
+has sweep && stage sweep 360 python3 benchmarks/budget_sweep.py --out "$OUT" ${SWEEP_ARGS:-} && head -40 "$OUT"/budget_sweep_*.md
+has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \
   --budgets auto,8,16 --prompts 16 --max-new-tokens 96 --out "$OUT" ${REFILL_ARGS:-} && tail -30 "$OUT"/spec_decode_*.md
+has overhead && stage overhead 120 python3 benchmarks/adaptive_overhead.py --batch ${OVERHEAD_BATCH:-16} \
+  --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" && cat "$OUT"/adaptive_overhead_*.md
 ls -la "$OUT"
