@@ -414,7 +414,10 @@ def summary_lines(stats: dict, *, load_seconds: float, wall_seconds: float) -> l
              f"= {stats['tokens_per_second']:.1f} tok/s decoding alone"]
     tree = stats["tree"]
     policy = stats.get("budget_policy")
-    if policy:
+    if policy and policy.get("decision") == "autoregressive":
+        lines.append(f"tau 1.00 · adaptive budget: every step autoregressive ({policy['why']}; --budget N forces a "
+                     "tree)")
+    elif policy:
         used = ", ".join(f"{b}: {n}" for b, n in policy["budget_steps"].items() if n)
         lines.append(f"tau {stats['tau']:.2f} tokens per target pass over {stats['steps']} steps · adaptive budget "
                      f"(DDTree, tree temperature {stats['tree_temperature']:g}): steps per budget {{{used or '-'}}}, "

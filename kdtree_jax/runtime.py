@@ -37,6 +37,21 @@ COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "WHILE", 
 COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFFER_TYPES)} "
                         "--xla_gpu_graph_min_graph_size=1")
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
+# The adaptive budget's loop (speculative/step.py: a conditional and at-most-once loops inside the decode loop) is
+# compiled with command buffers for kernels only: on an H200 (jaxlib 0.11.2) its control flow captured in a CUDA graph
+# took wrong branches (pool exhaustion, outputs unlike autoregressive decoding, calibrated step costs of 0 ms), while the
+# same program with its loops run from the host decoded correctly (greedy output equal to the fixed budget's).
+ADAPTIVE_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL")
+
+
+def adaptive_compile_options() -> dict | None:
+    """Per-program XLA options of the adaptive loop: on a GPU, command buffers without WHILE and CONDITIONAL (see
+    ADAPTIVE_COMMAND_BUFFER_TYPES); None elsewhere."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    return {"xla_gpu_enable_command_buffer": ",".join(ADAPTIVE_COMMAND_BUFFER_TYPES)}
 ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"),
                        ("xla_allow_excess_precision", "false"))
 # Programmatic dependent launch (a Hopper-and-later feature; only an H200 was at hand to check it): a kernel may start

@@ -224,6 +224,32 @@ def test_auto_calibrates_once_and_caches(pair_f32, prompts, tmp_path, monkeypatc
     assert third.stats["budget_policy"]["calibrated"]
 
 
+@needs_default
+def test_auto_runs_the_autoregressive_loop_when_the_cached_costs_say_no_budget_pays(pair_f32, prompts, tmp_path,
+                                                                                     monkeypatch):
+    """A cached point whose drafter costs more than speculation can earn at the measured acceptance: the call runs
+    the plain autoregressive program (no drafter, nothing to choose); a point where speculation pays keeps the
+    adaptive loop."""
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    target, drafter, _ = pair_f32
+    spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=16, menu=MENU)
+    model = cm.CostModel.load(cm.fingerprint(target, drafter, spec))
+    context = float(np.mean([len(p) for p in prompts]))
+    model.add(cm.make_point(len(prompts), context, MENU, {"ar": 1.0, 0: 5.0, 1: 5.5, 2: 7.0},
+                            expected=[1.0, 3.0, 4.0]))
+    model.save()
+    res = engine.generate(target, drafter, prompts, max_new_tokens=16, menu=MENU)
+    policy = res.stats["budget_policy"]
+    assert policy["decision"] == "autoregressive" and res.stats["decoding"] == "autoregressive"
+    assert policy["steps_without_drafter"] == res.stats["steps"] and not policy["calibrated"]
+    assert res.tokens == engine.generate(target, None, prompts, max_new_tokens=16, budget=0).tokens
+    model.add(cm.make_point(len(prompts), context, MENU, {"ar": 1.0, 0: 1.2, 1: 1.5, 2: 2.0},
+                            expected=[1.0, 3.0, 4.0]))
+    model.save()
+    res = engine.generate(target, drafter, prompts, max_new_tokens=16, menu=MENU)
+    assert "decision" not in res.stats["budget_policy"] and res.stats["decoding"] == "speculative"
+
+
 def test_menu_and_budget_arguments():
     drafter = type("D", (), {"cfg": type("C", (), {"depth": 3})()})()
     assert engine.adaptive_menu("auto", None, drafter, "ddtree", 2) == (0, 4, 8, 14)  # 2 + 4 + 8 prefixes at most

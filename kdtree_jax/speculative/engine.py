@@ -30,7 +30,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax import kv_pool, profiling, runtime
 from kdtree_jax.decode import _forward_chunk, prefill, validate_tokens
-from kdtree_jax.ops import topk as topk_ops
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
@@ -97,6 +96,19 @@ class ChunkOutput(NamedTuple):
     active: jnp.ndarray  # [B] bool: which are (a row that is not is done: free for the next prompt, ChunkedLoop.admit)
 
 
+def _compile(lowered, spec: SpecConfig):
+    """Compile a decode loop; the adaptive one with runtime.adaptive_compile_options() (its control flow outside the
+    GPU's command buffers)."""
+    options = runtime.adaptive_compile_options() if spec.menu else None
+    if options is None:
+        return lowered.compile()
+    try:
+        return lowered.compile(compiler_options=options)
+    except Exception as e:  # noqa: BLE001 - XLA's errors have no common type
+        raise ValueError(f"the adaptive budget's decode loop did not compile with its options {options} on this GPU "
+                         f"({str(e).splitlines()[0][:200]}); use a numeric budget (e.g. budget=16, --budget 16)") from e
+
+
 @jax.jit
 def _loop_weights(target: Transformer):
     return target.loop_weights()
@@ -157,7 +169,7 @@ class ChunkedLoop:
         jitted call: an ahead-of-time compile does not fill it): -> the jax Compiled."""
         key = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
         if key not in self._programs:
-            self._programs[key] = self.lower(state).compile()
+            self._programs[key] = _compile(self.lower(state), self.spec)
         self.compiled = self._programs[key]
         return self.compiled
 
@@ -168,6 +180,8 @@ class ChunkedLoop:
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
     def __call__(self, state: LoopState) -> ChunkOutput:
+        if self.compiled is None and self.spec.menu:  # the adaptive loop compiles with its own options (_compile)
+            self.compile(state)
         if self.compiled is not None:
             return self.compiled(self.leaves, self.loop_weights, state)
         return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
@@ -828,7 +842,7 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         loop, args = runner.compile(state), (runner.leaves, runner.loop_weights)
         steps_of = lambda out: out.state.step  # noqa: E731 - the profiled call is one chunk
     else:
-        loop, args = decode_loop.lower(target, drafter, state, spec=spec).compile(), (target, drafter)
+        loop, args = _compile(decode_loop.lower(target, drafter, state, spec=spec), spec), (target, drafter)
         steps_of = lambda out: out.step  # noqa: E731
     t_compile = time.perf_counter() - t1
     if on_progress is not None:
@@ -963,6 +977,31 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
     return tuple(entries)
 
 
+def _cached_refusal(target: Transformer, drafter: Drafter, spec: SpecConfig, req: _Request) -> Optional[dict]:
+    """When the cached cost model has a point for this batch and context whose costs and acceptance prior say that no
+    menu budget beats an autoregressive step even with the drafter's cost alone (the gate's own test, at the prior),
+    the stats of that verdict; else None (the adaptive loop decides step by step)."""
+    model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
+    batch = len(req.prompts)
+    context = float(np.mean([p.size for p in req.prompts]))
+    point = model.lookup(batch, context)
+    if point is None or point.get("expected") is None:
+        return None
+    costs = model.costs(batch, context)
+    expected = np.asarray(point["expected"], np.float64)
+    menu = np.asarray(spec.menu)
+    verify = np.asarray(costs["cost_verify"], np.float64)
+    best = np.max(np.where(menu > 0, expected / (costs["cost_draft"] + verify), 0.0))
+    if best >= 1.0 / costs["cost_ar"]:
+        return None
+    return {"menu": list(spec.menu), "decision": "autoregressive",
+            "why": (f"the cost model (autoregressive step {costs['cost_ar']:.3g} ms, drafter {costs['cost_draft']:.3g} "
+                    f"ms) and the measured acceptance give at most {best * costs['cost_ar']:.2f}x an autoregressive "
+                    "step's tokens per ms with speculation"),
+            "calibrated": False, "calibration_seconds": 0.0, "cost_model": str(model.path),
+            "costs_ms": {"ar": costs["cost_ar"], "draft": costs["cost_draft"], "verify": verify.round(4).tolist()}}
+
+
 def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call, state: LoopState, *,
                    chunk_steps: int, recalibrate: bool, on_progress, info: dict, costs: Optional[dict] = None
                    ) -> LoopState:
@@ -1063,6 +1102,15 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
                       row_invariant=bool(row_invariant), menu=menu if req.use_drafter else ())
+    # The cached cost model and acceptance prior may already say that no budget pays on this device at this batch
+    # size (a CPU, where a drafter pass costs several autoregressive steps): then the call compiles and runs the plain
+    # autoregressive loop, and pays nothing for the choice it would refuse at every step.
+    skipped = None
+    if spec.menu and costs is None and not calibrate:
+        skipped = _cached_refusal(target, drafter, spec, req)
+        if skipped is not None:
+            spec = dataclasses.replace(spec, menu=(), budget=0)
+            req = req._replace(use_drafter=False, num_nodes=1)
     if row_invariant and jax.default_backend() == "gpu" and not runtime.row_invariant_configured():
         warnings.warn("generate(row_invariant=True) without the XLA flags of kdtree_jax.runtime.configure("
                       "row_invariant=True) (call it before the first JAX computation): rows may still depend on the "
@@ -1119,6 +1167,11 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         stats["tree"] = "autoregressive"
     if "budget_policy" in stats:
         stats["budget_policy"].update(calibration)
+    if skipped is not None:  # the whole call autoregressive, by the cached cost model's verdict
+        stats["budget"] = "auto"
+        stats["budget_policy"] = {**skipped, "budget_steps": {str(b): 0 for b in skipped["menu"]},
+                                  "steps_without_drafter": stats["steps"], "predicted_tau": float("nan"),
+                                  "observed_tau": float("nan"), "drafted_sequence_steps": 0.0}
     stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
                  host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)
