@@ -58,6 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from kdtree_jax.generate import budget_argument  # noqa: E402
+
 
 class Interrupted(BaseException):
     """SIGTERM (`timeout` sends it): stop measuring, write what was measured, stop the servers. A BaseException, so
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", default="16,96", help="LO,HI: max_tokens per request, uniform")
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     p.add_argument("--max-len", type=int, default=256, help="the server's --max-len (positions a row)")
-    p.add_argument("--budget", type=_budget, default=None,
+    p.add_argument("--budget", type=budget_argument, default=None,
                    help="the speculative server's --budget: 'auto' (the adaptive budget, the server's default; each "
                         "level's row then has the steps per budget and the predicted vs observed tau from its "
                         "/metrics) or a number (default: the server's own)")
@@ -120,16 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="4 requests at concurrency 1 and 2, short outputs; writes to a "
                                                         "temporary directory")
     return p
-
-
-def _budget(text: str):
-    """--budget: 'auto' or an integer."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer; got {text!r}") from None
 
 
 def _pair(text: str, name: str) -> tuple[int, int]:

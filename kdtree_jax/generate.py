@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
-    p.add_argument("--budget", type=_budget, default=None,
+    p.add_argument("--budget", type=budget_argument, default=None,
                    help="DDTree nodes per step besides the root. 'auto' (default): each step picks its budget from "
                         "{0, 4, 8, 16, 32, 64} by the drafter's own probabilities and a cost model of this device "
                         "(0: an autoregressive step that skips the drafter), measured once per model, device and batch "
@@ -281,8 +281,8 @@ class StopWatch:
 DEFAULT_BUDGET = "auto"
 
 
-def _budget(text: str):
-    """--budget: 'auto' or an integer."""
+def budget_argument(text: str):
+    """--budget (generate, serve, the benchmarks): 'auto' or an integer."""
     if text.strip().lower() == "auto":
         return "auto"
     try:

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+from kdtree_jax.generate import budget_argument
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
                         "(larger requests get a 400); the pool holds max-batch x max-len positions")
-    p.add_argument("--budget", type=_budget, default="auto",
+    p.add_argument("--budget", type=budget_argument, default="auto",
                    help="DDTree nodes a step verifies besides the root. 'auto': the adaptive budget: every decode "
                         "step picks its budget from {0, 4, 8, 16, 32, 64} (capped at what the drafter's depth and "
                         "--topk allow; 0 verifies the root only, and the policy may also skip the drafter for a plain "
@@ -87,16 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     return p
-
-
-def _budget(text: str):
-    """--budget: 'auto' or an integer."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer; got {text!r}") from None
 
 
 def _fail(message: str):
