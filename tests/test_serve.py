@@ -116,12 +116,13 @@ def _greedy_cost_model():
     return s.cost_model_for((0.0, 1.0)), float(len(s.calibration_prompt())), s.menu
 
 
-def _seed_cost_model(step_ms: dict) -> dict:
-    """Write a calibration point with these step times into the cache the server will read: -> the point."""
+def _seed_cost_model(step_ms: dict, expected=None) -> dict:
+    """Write a calibration point with these step times (and acceptance prior) into the cache the server will read:
+    -> the point."""
     from kdtree_jax.speculative import cost_model
 
     model, context, menu = _greedy_cost_model()
-    point = cost_model.make_point(MAX_BATCH, context, menu, step_ms)
+    point = cost_model.make_point(MAX_BATCH, context, menu, step_ms, expected=expected)
     model.add(point)
     model.save()
     return point
@@ -466,3 +467,27 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=30) == 0
+
+
+def test_cached_costs_where_no_budget_pays_serve_autoregressively(monkeypatch, tmp_path):
+    """A cached point whose drafter costs more than any budget earns at its acceptance prior: the greedy bucket runs
+    the plain autoregressive program (it says so at start-up, steps no budget) and answers as the --budget 0 server."""
+    import httpx
+
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    _, _, menu = _greedy_cost_model()
+    _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}}, expected=[1.0] + [2.0] * (len(menu) - 1))
+    plain = _start_server()
+    try:
+        assert "serving autoregressively" in _log(plain)
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
+    finally:
+        _stop_server(plain)
+    ar = _start_server("--budget", "0")
+    try:
+        want = httpx.post(ar["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    finally:
+        _stop_server(ar)
+    assert got == want and got

@@ -178,6 +178,16 @@ class Bucket:
         target, drafter = sched.target, sched.drafter
         s = sched.settings
         self.spec = sched.spec_for(sampling)
+        # The adaptive budget whose cached costs say no budget pays here (a CPU): the plain autoregressive program.
+        self.refusal = None
+        if self.spec.menu and s.costs is None and not s.calibrate:
+            self.refusal = engine.cached_refusal(target, drafter, self.spec, s.max_batch,
+                                                 float(len(sched.calibration_prompt())))
+            if self.refusal is not None:
+                self.spec = dataclasses.replace(self.spec, menu=(), budget=0)
+                sched.metrics.set_cost_info(sampling, {**self.refusal, "seconds": 0.0})
+                sched.say(f"[tree-budget cost model ({'greedy' if sampling[0] == 0 else sampling}, cached): "
+                          f"serving autoregressively: {self.refusal['why']}]")
         self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
         self.batch, self.max_len = s.max_batch, s.max_len
         depth = self.drafter.cfg.depth if self.drafter is not None else 0

@@ -719,7 +719,8 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
     run over the difference of their steps, which leaves out what a call costs whatever it runs (its launch, the
     loop weights, the read of the result). An entry that cannot beat autoregressive decoding even if every drafted
     token were accepted ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least
-    as much."""
+    as much; so does one whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step
+    and no more than the entry before it. Entries not timed cost +inf (never chosen)."""
     menu = spec.menu
     base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
                           num_out=jnp.ones_like(state.num_out))
@@ -750,7 +751,7 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
         return long[0] / max(long[1], 1), long[2]
 
     modes = ["ar"] + list(range(len(menu)))
-    ms, prior = {}, None
+    ms, prior, last_rate = {}, None, float("inf")
     timed(len(menu), False)  # warm-up (on a GPU, the first call of a program runs its command buffer's warm-up)
     for n, mode in enumerate(modes):
         if on_progress is not None:
@@ -758,8 +759,15 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
         ms[mode], final = step_ms(len(menu) if mode == "ar" else mode)
         if mode != "ar" and menu[mode] > 0:
             prior = final.policy
-            if (1 + min(menu[mode], depth)) / ms[mode] < 1.0 / ms["ar"]:
+            # Tokens per ms this entry earned in its own run (the run's acceptance): once an entry earns less than
+            # an autoregressive step and no more than the entry before it, larger trees (dearer, each extra node
+            # less likely) are not timed.
+            tau = float(prior.observed_tokens) / max(float(prior.sequence_steps), 1.0)
+            rate = tau / ms[mode]
+            if (1 + min(menu[mode], depth)) / ms[mode] < 1.0 / ms["ar"] or (rate < 1.0 / ms["ar"]
+                                                                            and rate <= last_rate):
                 break
+            last_rate = rate
     steps = CALIBRATION_CALLS[1] * chunk_steps if chunk_steps else CALIBRATION_STEPS[1]
     if on_progress is not None:
         on_progress("calibrate", len(modes), len(modes))
@@ -978,12 +986,15 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
 
 
 def _cached_refusal(target: Transformer, drafter: Drafter, spec: SpecConfig, req: _Request) -> Optional[dict]:
+    return cached_refusal(target, drafter, spec, len(req.prompts), float(np.mean([p.size for p in req.prompts])))
+
+
+def cached_refusal(target: Transformer, drafter: Drafter, spec: SpecConfig, batch: int, context: float
+                   ) -> Optional[dict]:
     """When the cached cost model has a point for this batch and context whose costs and acceptance prior say that no
-    menu budget beats an autoregressive step even with the drafter's cost alone (the gate's own test, at the prior),
-    the stats of that verdict; else None (the adaptive loop decides step by step)."""
+    menu budget beats an autoregressive step (the gate's own test, at the prior), the verdict (for stats); else None
+    (the adaptive loop decides step by step). generate and the server then run the plain autoregressive program."""
     model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
-    batch = len(req.prompts)
-    context = float(np.mean([p.size for p in req.prompts]))
     point = model.lookup(batch, context)
     if point is None or point.get("expected") is None:
         return None
