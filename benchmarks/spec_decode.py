@@ -248,7 +248,7 @@ def aggregate_policy(results: list, batch_sizes: list, first=None) -> dict:
         "predicted_tau": pooled("predicted_tau"),
         "observed_tau": pooled("observed_tau"),
         "costs_ms": policies[-1]["costs_ms"],
-        "calibration": policies[-1]["calibration"],
+        "calibration": policies[-1].get("calibration"),
         "calibrated": bool(head.get("calibrated")),
         "calibration_seconds": head.get("calibration_seconds"),
         "cost_model": head.get("cost_model"),

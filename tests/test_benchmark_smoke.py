@@ -89,7 +89,8 @@ def test_spec_decode_smoke_adaptive_budget(tmp_path, monkeypatch):
     assert [r["mode"] for r in rows] == ["static", "refill"]
     for r in rows:
         p = r["budget_policy"]
-        assert r["budget"] == "auto" and r["num_nodes"] == max(p["menu"]) + 1 and p["menu"][0] == 0
+        # 1 node: the cached cost model said no budget pays on this CPU, and the call ran the autoregressive program
+        assert r["budget"] == "auto" and r["num_nodes"] in (1, max(p["menu"]) + 1) and p["menu"][0] == 0
         assert sum(p["budget_steps"].values()) + p["steps_without_drafter"] == r["target_forwards"]
         assert {"predicted_tau", "observed_tau", "costs_ms", "calibration"} <= set(p)
         drafted = sum(p["budget_steps"].values()) > 0

@@ -1182,7 +1182,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         stats["budget"] = "auto"
         stats["budget_policy"] = {**skipped, "budget_steps": {str(b): 0 for b in skipped["menu"]},
                                   "steps_without_drafter": stats["steps"], "predicted_tau": float("nan"),
-                                  "observed_tau": float("nan"), "drafted_sequence_steps": 0.0}
+                                  "observed_tau": float("nan"), "drafted_sequence_steps": 0.0, "calibration": None}
     stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
                  host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)
