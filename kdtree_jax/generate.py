@@ -421,9 +421,10 @@ def summary_lines(stats: dict, *, load_seconds: float, wall_seconds: float) -> l
         used = ", ".join(f"{b}: {n}" for b, n in policy["budget_steps"].items() if n)
         lines.append(f"tau {stats['tau']:.2f} tokens per target pass over {stats['steps']} steps · adaptive budget "
                      f"(DDTree, tree temperature {stats['tree_temperature']:g}): steps per budget {{{used or '-'}}}, "
-                     f"{policy['steps_without_drafter']} autoregressive steps without the drafter; drafted steps "
-                     f"predicted {policy['predicted_tau']:.2f} and kept {policy['observed_tau']:.2f} tokens per "
-                     "sequence" + (" · cost model measured now" if policy.get("calibrated") else ""))
+                     f"{policy['steps_without_drafter']} autoregressive steps without the drafter"
+                     + (f"; drafted steps predicted {policy['predicted_tau']:.2f} and kept {policy['observed_tau']:.2f} "
+                        "tokens per sequence" if policy.get("drafted_sequence_steps") else "")
+                     + (" · cost model measured now" if policy.get("calibrated") else ""))
     elif stats["budget"]:
         shape = (f"DDTree of {stats['budget']} drafted nodes, tree temperature {stats['tree_temperature']:g}"
                  if tree == "ddtree" else "chain" if tree == "chain" else f"static tree {tree}")
