@@ -76,8 +76,8 @@ class PolicyState(NamedTuple):
     force: jnp.ndarray  # [] int32 FORCE_POLICY, or the menu entry (or len(menu): AR) every step takes (calibration)
     chosen: jnp.ndarray  # [M + 1] int32 steps per menu entry drafted, then steps without the drafter
     predicted_tokens: jnp.ndarray  # [] f32 sum over drafted steps and active rows of E(chosen budget)
-    observed_tokens: jnp.ndarray  # [] f32 the tokens those rows emitted
-    sequence_steps: jnp.ndarray  # [] f32 active rows summed over drafted steps
+    observed_tokens: jnp.ndarray  # [] int32 the tokens those rows emitted (counts: exact on a long-running server)
+    sequence_steps: jnp.ndarray  # [] int32 active rows summed over drafted steps
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
@@ -99,8 +99,8 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
         expected=jnp.asarray(expected), since_draft=jnp.int32(0),
         probe_every=jnp.int32(probe_interval(cost_draft, cost_ar)), force=jnp.int32(force),
-        chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.float32(0),
-        sequence_steps=jnp.float32(0))
+        chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
+        sequence_steps=jnp.int32(0))
 
 
 def probe_interval(cost_draft: float, cost_ar: float) -> int:
@@ -190,7 +190,7 @@ def update(policy: PolicyState, menu: Sequence[int], *, drafted, choice, scores,
         cost = c_draft + jnp.where(choice > 0, c_verify[choice], c_ar)
         paid = (choice > 0) & (expected[choice] / cost >= n / c_ar)
         base = jnp.clip(jnp.ceil(c_draft / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
-        emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.float32)
+        emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
         return policy._replace(
             bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
             bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
@@ -200,7 +200,7 @@ def update(policy: PolicyState, menu: Sequence[int], *, drafted, choice, scores,
             chosen=policy.chosen.at[choice].add(1),
             predicted_tokens=policy.predicted_tokens + expected[choice],
             observed_tokens=policy.observed_tokens + emitted,
-            sequence_steps=policy.sequence_steps + n)
+            sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32))
 
     def count(policy):
         return policy._replace(since_draft=policy.since_draft + 1, chosen=policy.chosen.at[len(menu_arr)].add(1))
