@@ -54,18 +54,6 @@ SETTINGS = {
 }
 
 
-def run(loop_call, state, calls: int):
-    copy = jax.tree.map(jnp.copy, state)
-    start = int(copy.step)
-    jax.block_until_ready(copy)
-    t0 = time.perf_counter()
-    out = loop_call(copy)
-    for _ in range(calls - 1):
-        out = loop_call(out.state)
-    steps = int(out.state.step) - start
-    return (time.perf_counter() - t0) * 1e3, steps, out.state
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"),
@@ -101,7 +89,7 @@ def main(argv=None) -> int:
         state, loop_drafter = setup(spec, budget > 0)
         loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
         loop.compile(state)
-        _, steps, final = run(loop, state, 3)
+        _, steps, final = engine.time_calls(loop, state, 3)
         reference[budget] = (np.asarray(final.out)[:, :args.max_new_tokens], steps)
 
     spec = engine.SpecConfig(budget=max(menu), max_new_tokens=args.max_new_tokens, menu=menu)
@@ -125,10 +113,9 @@ def main(argv=None) -> int:
         for entry, budget in list(enumerate(menu)) + [(None, "auto")]:
             forced = state if entry is None else state._replace(
                 policy=state.policy._replace(force=jnp.int32(entry)))
-            run(call, forced, 1)  # warm-up
-            t1, s1, _ = run(call, forced, 1)
-            t3, s3, final = run(call, forced, 3)
-            ms = (t3 - t1) / (s3 - s1) if s3 > s1 else t3 / max(s3, 1)
+            engine.time_calls(call, forced)  # warm-up
+            short, long = engine.time_calls(call, forced, 1), engine.time_calls(call, forced, 3)
+            ms, s3, final = engine.step_ms_between(short, long), long[1], long[2]
             out = np.asarray(final.out)[:, :args.max_new_tokens]
             if entry is None:
                 same = int((out == reference[menu[-1]][0]).all(axis=1).sum())  # greedy: any tree, the same tokens?

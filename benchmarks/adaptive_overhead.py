@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,33 +34,17 @@ import kdtree_jax.runtime  # noqa: E402
 
 kdtree_jax.runtime.configure()
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
-from spec_decode import base_meta, device_slug, heldout_prompts, load_pair, smoke_pair  # noqa: E402
+from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
 
 
 def step_ms(loop: engine.ChunkedLoop, state, repeats: int) -> float:
     """Per-step milliseconds of `loop` from `state` (not consumed): (3 chained chunks - 1 chunk) / their steps."""
-
-    def run(calls: int):
-        copy = jax.tree.map(jnp.copy, state)
-        start = int(copy.step)
-        jax.block_until_ready(copy)
-        t0 = time.perf_counter()
-        out = loop(copy)
-        for _ in range(calls - 1):
-            out = loop(out.state)
-        steps = int(out.state.step) - start
-        return (time.perf_counter() - t0) * 1e3, steps
-
-    run(1)  # warm-up (a GPU program's first call)
-    best = float("inf")
-    for _ in range(repeats):
-        (t1, s1), (t3, s3) = run(1), run(3)
-        best = min(best, (t3 - t1) / (s3 - s1) if s3 > s1 else t3 / max(s3, 1))
-    return best
+    engine.time_calls(loop, state)  # warm-up (a GPU program's first call)
+    return min(engine.step_ms_between(engine.time_calls(loop, state, 1), engine.time_calls(loop, state, 3))
+               for _ in range(repeats))
 
 
 def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps: int, repeats: int) -> list:

@@ -181,7 +181,7 @@ class Bucket:
         # The adaptive budget whose cached costs say no budget pays here (a CPU): the plain autoregressive program.
         self.refusal = None
         if self.spec.menu and s.costs is None and not s.calibrate:
-            self.refusal = engine.cached_refusal(target, drafter, self.spec, s.max_batch,
+            self.refusal = engine.cached_refusal(sched.cost_model_for(sampling), self.spec.menu, s.max_batch,
                                                  float(len(sched.calibration_prompt())))
             if self.refusal is not None:
                 self.spec = dataclasses.replace(self.spec, menu=(), budget=0)

@@ -123,12 +123,18 @@ def mean_context(seq_lens, active):
     return (jnp.where(active, seq_lens, 0).sum() / n).astype(jnp.float32)
 
 
-def should_draft(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
-    """The gate, before the drafter: [] bool."""
+def speculative_rate(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
+    """The best predicted tokens per ms of a drafted step (by the running prediction `expected`), over an
+    autoregressive step's: [] f32; >= 1 when the gate predicts that drafting pays."""
     c_ar, c_draft, c_verify = _costs(policy, context)
     speculative = jnp.asarray(np.asarray(menu) > 0)
     rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), 0.0)
-    gate = rates.max() >= 1.0 / c_ar
+    return rates.max() * c_ar
+
+
+def should_draft(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
+    """The gate, before the drafter: [] bool."""
+    gate = speculative_rate(policy, menu, context) >= 1.0
     probe = policy.since_draft + 1 >= policy.probe_every
     forced = jnp.where(policy.force >= len(menu), False, True)
     return jnp.where(policy.force == FORCE_POLICY, gate | probe, forced)

@@ -689,9 +689,7 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
                    costs: Optional[dict] = None) -> tuple:
     """The adaptive loop's extra state for `initial_state(adaptive=...)`: (the policy's state with these costs, from
     `CostModel.costs`, or placeholders until `calibrate` measures them; the drafter's pending context)."""
-    costs = dict(costs or {})
-    prior = {k: costs.pop(k, None) for k in ("bin_ratio", "expected")}
-    policy = budget_policy.init_state(spec.menu, **costs, **{k: v for k, v in prior.items() if v is not None})
+    policy = budget_policy.init_state(spec.menu, **(costs or {}))
     pending = PendingContext.zeros(len(drafter.target_layer_ids), batch, pending_capacity(drafter.cfg.depth),
                                    target.cfg.hidden_size, target.dtype)
     return policy, pending
@@ -700,12 +698,35 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
 def with_costs(state: LoopState, spec: SpecConfig, costs: dict) -> LoopState:
     """The state with the policy's costs (and acceptance prior) replaced: same shapes, so no compile."""
     counters = state.policy
-    costs = dict(costs)
-    prior = {k: costs.pop(k, None) for k in ("bin_ratio", "expected")}
-    fresh = budget_policy.init_state(spec.menu, **costs, **{k: v for k, v in prior.items() if v is not None})
+    fresh = budget_policy.init_state(spec.menu, **costs)
     return state._replace(policy=fresh._replace(chosen=counters.chosen, predicted_tokens=counters.predicted_tokens,
                                                 observed_tokens=counters.observed_tokens,
                                                 sequence_steps=counters.sequence_steps))
+
+
+def time_calls(call, state: LoopState, calls: int = 1):
+    """`calls` chained calls of a compiled decode loop `call` (a ChunkedLoop, or decode_loop's program) on a copy of
+    `state`, which is not consumed: -> (ms, steps run, the final state). The copy is on the device before the clock
+    starts; reading the final step count ends it."""
+    copy = jax.tree.map(jnp.copy, state)
+    start = int(copy.step)
+    jax.block_until_ready(copy)
+    t0 = time.perf_counter()
+    out = call(copy)
+    for _ in range(calls - 1):
+        out = call(out.state)
+    final = out.state if isinstance(out, ChunkOutput) else out
+    steps = int(final.step) - start
+    return (time.perf_counter() - t0) * 1e3, steps, final
+
+
+def step_ms_between(short, long) -> float:
+    """A step's ms from a short and a long run of one program (`time_calls` results): the difference of their times
+    over that of their steps, which leaves out what a call costs whatever it runs (its launch, the loop weights, the
+    read of the result); the long run's mean where both ran as many steps."""
+    if long[1] > short[1]:
+        return max((long[0] - short[0]) / (long[1] - short[1]), 1e-6)
+    return long[0] / max(long[1], 1)
 
 
 CALIBRATION_STEPS = (2, 10)  # a timing's short and long run, in steps, where one call runs the whole decode
@@ -726,29 +747,17 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
                           num_out=jnp.ones_like(state.num_out))
 
     def timed(force: int, long: bool):
-        copy = jax.tree.map(jnp.copy, base)
-        copy = copy._replace(policy=copy.policy._replace(force=jnp.int32(force)))
-        calls = 1
+        forced = base._replace(policy=base.policy._replace(force=jnp.int32(force)))
         if chunk_steps:
-            calls = CALIBRATION_CALLS[long]
-        else:  # decode_loop runs until max_new_tokens steps: start it that many steps before
-            copy = copy._replace(step=jnp.full_like(copy.step, max(spec.max_new_tokens - CALIBRATION_STEPS[long], 0)))
-        start = int(copy.step)
-        jax.block_until_ready(copy)
-        t0 = time.perf_counter()
-        out = call(copy)
-        for _ in range(calls - 1):
-            out = call(out.state)
-        final = out.state if isinstance(out, ChunkOutput) else out
-        steps = int(final.step) - start  # reads the device: the timing ends here
-        return (time.perf_counter() - t0) * 1e3, steps, final
+            return time_calls(call, forced, CALIBRATION_CALLS[long])
+        # decode_loop runs until max_new_tokens steps: start it that many steps before
+        start = jnp.full_like(base.step, max(spec.max_new_tokens - CALIBRATION_STEPS[long], 0))
+        return time_calls(call, forced._replace(step=start))
 
     def step_ms(force: int):
         short = min((timed(force, False) for _ in range(2)), key=lambda r: r[0])
         long = min((timed(force, True) for _ in range(2)), key=lambda r: r[0])
-        if long[1] > short[1]:
-            return max((long[0] - short[0]) / (long[1] - short[1]), 1e-6), long[2]
-        return long[0] / max(long[1], 1), long[2]
+        return step_ms_between(short, long), long[2]
 
     modes = ["ar"] + list(range(len(menu)))
     ms, prior, last_rate = {}, None, float("inf")
@@ -985,44 +994,36 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
     return tuple(entries)
 
 
-def _cached_refusal(target: Transformer, drafter: Drafter, spec: SpecConfig, req: _Request) -> Optional[dict]:
-    return cached_refusal(target, drafter, spec, len(req.prompts), float(np.mean([p.size for p in req.prompts])))
-
-
-def cached_refusal(target: Transformer, drafter: Drafter, spec: SpecConfig, batch: int, context: float
-                   ) -> Optional[dict]:
-    """When the cached cost model has a point for this batch and context whose costs and acceptance prior say that no
-    menu budget beats an autoregressive step (the gate's own test, at the prior), the verdict (for stats); else None
-    (the adaptive loop decides step by step). generate and the server then run the plain autoregressive program."""
-    model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
+def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int, context: float) -> Optional[dict]:
+    """When `model` (the cached cost model of these settings) has a point for this batch and context whose costs and
+    acceptance prior close the gate (budget_policy.speculative_rate < 1: no menu budget is predicted to beat an
+    autoregressive step), the verdict (for stats); else None (the adaptive loop decides step by step). generate and
+    the server then run the plain autoregressive program."""
     point = model.lookup(batch, context)
     if point is None or point.get("expected") is None:
         return None
     costs = model.costs(batch, context)
-    expected = np.asarray(point["expected"], np.float64)
-    menu = np.asarray(spec.menu)
-    verify = np.asarray(costs["cost_verify"], np.float64)
-    best = np.max(np.where(menu > 0, expected / (costs["cost_draft"] + verify), 0.0))
-    if best >= 1.0 / costs["cost_ar"]:
+    rate = float(budget_policy.speculative_rate(budget_policy.init_state(menu, **costs), menu, context))
+    if rate >= 1.0:
         return None
-    return {"menu": list(spec.menu), "decision": "autoregressive",
+    return {"menu": list(menu), "decision": "autoregressive",
             "why": (f"the cost model (autoregressive step {costs['cost_ar']:.3g} ms, drafter {costs['cost_draft']:.3g} "
-                    f"ms) and the measured acceptance give at most {best * costs['cost_ar']:.2f}x an autoregressive "
-                    "step's tokens per ms with speculation"),
+                    f"ms) and the measured acceptance give at most {rate:.2f}x an autoregressive step's tokens per ms "
+                    "with speculation"),
             "calibrated": False, "calibration_seconds": 0.0, "cost_model": str(model.path),
-            "costs_ms": {"ar": costs["cost_ar"], "draft": costs["cost_draft"], "verify": verify.round(4).tolist()}}
+            "costs_ms": {"ar": costs["cost_ar"], "draft": costs["cost_draft"],
+                         "verify": np.round(costs["cost_verify"], 4).tolist()}}
 
 
 def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call, state: LoopState, *,
-                   chunk_steps: int, recalibrate: bool, on_progress, info: dict, costs: Optional[dict] = None
-                   ) -> LoopState:
-    """The adaptive loop's costs for this batch and context: given (`costs`), from the cache, or calibrated now with
-    `call` (and cached). Fills `info` with what happened, for stats["budget_policy"]."""
+                   chunk_steps: int, recalibrate: bool, on_progress, info: dict, costs: Optional[dict] = None,
+                   model: Optional[cost_models.CostModel] = None) -> LoopState:
+    """The adaptive loop's costs for this batch and context: given (`costs`), from the cache (`model`, the cached cost
+    model of these settings), or calibrated now with `call` (and cached). Fills `info` with what happened, for
+    stats["budget_policy"]."""
     if costs is not None:
         info.update(calibrated=False, calibration_seconds=0.0, cost_model="given")
         return _replicated_policy(target, with_costs(state, spec, costs))
-    key = cost_models.fingerprint(target, drafter, spec)
-    model = cost_models.CostModel.load(key)
     batch = state.bonus.shape[0]
     context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
     point = None if recalibrate else model.lookup(batch, context)
@@ -1116,9 +1117,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     # The cached cost model and acceptance prior may already say that no budget pays on this device at this batch
     # size (a CPU, where a drafter pass costs several autoregressive steps): then the call compiles and runs the plain
     # autoregressive loop, and pays nothing for the choice it would refuse at every step.
-    skipped = None
-    if spec.menu and costs is None and not calibrate:
-        skipped = _cached_refusal(target, drafter, spec, req)
+    skipped = model = None
+    if spec.menu and costs is None:
+        model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
+        if not calibrate:
+            skipped = cached_refusal(model, spec.menu, len(req.prompts),
+                                     float(np.mean([p.size for p in req.prompts])))
         if skipped is not None:
             spec = dataclasses.replace(spec, menu=(), budget=0)
             req = req._replace(use_drafter=False, num_nodes=1)
@@ -1161,7 +1165,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     prepare = None
     if spec.menu:
         prepare = functools.partial(_prepare_costs, target, loop_drafter, spec, chunk_steps=chunk_steps,
-                                    recalibrate=calibrate, on_progress=on_progress, info=calibration, costs=costs)
+                                    recalibrate=calibrate, on_progress=on_progress, info=calibration, costs=costs,
+                                    model=model)
     final, t_compile, t_decode, step_profile, host_syncs, host_loops = _run_loop(
         target, loop_drafter, state, spec, profile, chunk_steps, on_chunk, on_progress, prepare)
 
