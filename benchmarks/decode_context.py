@@ -169,7 +169,7 @@ def random_target(cfg, dtype, seed: int = 0) -> Transformer:
     """The target with random weights made on the device, layer by layer: one jitted init per kind of layer
     (dense, MoE), run once per layer with that layer's own key, and one for the embedding, final norm and head.
     `on_device` of the whole model compiles one program with every layer's initializers in it: ~23 s for 25
-    K2 TP8-rank layers with XLA:CPU against ~4 s for these (results/decode_context_init_compile_cpu.md), and
+    K2 TP8-rank layers with XLA:CPU against ~4 s for these (results/history/decode_context_init_compile_cpu.md), and
     on the H200 a fit run spent 94-129 s before its KV states were ready. Same initializers as
     Transformer's, other keys."""
     build = lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(seed))  # noqa: E731

@@ -57,13 +57,13 @@ needs_default = pytest.mark.skipif(not HAVE_DEFAULT, reason="checkpoints/default
 # Shared pieces ----------------------------------------------------------------------------------------------
 # What is not row-invariant on the GPU (measured on the H200; the issue-24 note).
 GPU_DOTS = ("XLA/cuBLAS choose the matmul algorithm by the row count M: row 0 of an M-row bf16 product differs from M = 1 "
-            "(benchmarks/results/dense_row_invariance_h200.md: only rows padded to 64-multiples under "
+            "(benchmarks/results/history/dense_row_invariance_h200.md: only rows padded to 64-multiples under "
             "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0 were invariant; row-invariant passes pad so)")
 GPU_WHOLE_TARGET = ("the attention op's invariant split partition is cut from the root row's length, so a non-root row "
                     "of a verify pass does not get the KV splits of the one-token call at its position: on the H200 "
                     "(745bb64) the root rows of 1x17 / 1x33 / 4x33 / 16x17 passes and every row of a 1x16 chain matched, "
                     "rows 12-15 of a 4x16 chain did not, and greedy decoding matched autoregressive for 12-14 of 16 "
-                    "outputs (benchmarks/results/spec_decode_row_invariant_h200.md)")
+                    "outputs (benchmarks/results/history/spec_decode_row_invariant_h200.md)")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 // The Hopper kernel (sm_90a only; issue 21): 64 query rows per block, two warpgroups with different jobs, both matrix
 // products on the warpgroup tensor-core path (wgmma) with every operand in 128-byte swizzled shared memory, so that a
 // K or V row is read once per warpgroup instead of once per warp (the portable kernels' limit:
-// benchmarks/README_verify_kernel.md).
+// docs/verify_kernel.md).
 //
 //   * Q (64 rows x 576) stays in shared memory for the whole split; the KV rows of a 64-position tile are gathered
 //     from the page-size-1 pool into two stages.

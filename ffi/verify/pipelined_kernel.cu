@@ -18,7 +18,7 @@
 // 32-position tiles, 5 stages (3 tiles in flight), 213 KB: sm_90-class parts (227 KB of opt-in shared memory per
 // block). Where that does not fit (sm_120: 99 KB) the launcher runs the wide kernel (wide_kernel.cu: the same tiling
 // with three barriers a tile and a 2-stage ring, 97 KB), which beat this kernel's 99 KB configuration (16-position
-// tiles, 4 stages) by 1.25x on an H200 (64k, T = 16, H = 8: 101 vs 127 us; benchmarks/README_verify_kernel.md).
+// tiles, 4 stages) by 1.25x on an H200 (64k, T = 16, H = 8: 101 vs 127 us; docs/verify_kernel.md).
 #include "device.cuh"
 #include "kernels.h"
 

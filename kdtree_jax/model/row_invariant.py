@@ -5,7 +5,7 @@ each row bit for bit as the one-token step does (tests/test_greedy_equality.py).
 count: the attention op's KV split count (the op's `split_policy="invariant"` fixes it), the matmul kernel XLA picks
 by the row count M (GPU: cuBLAS algorithm, Triton tiling, split-K; CPU: YNNPACK/Eigen blockings), and where XLA fuses
 and so where it keeps bfloat16 intermediates in float32 ("excess precision"), which depends on the shapes. Measured
-on an H200 (ffi/tools/dense_row_invariance.py, benchmarks/results/dense_row_invariance_h200.md): with XLA_FLAGS
+on an H200 (ffi/tools/dense_row_invariance.py, benchmarks/results/history/dense_row_invariance_h200.md): with XLA_FLAGS
 `--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0` and the rows zero-padded to a multiple of 64, every
 product gave the M = 1 row's bits at M = 1..528 for single products; in the whole target the padded row count itself
 (64 at a one-token step, 192 at B = 4 x 33) still changed layer 0's rows (H200, e95f8b0). On a CPU, products in fixed
@@ -26,7 +26,7 @@ exact too and so is every row of a 1 x 16 chain, but rows 12-15 of a 4 x 16 chai
 split partition is cut from the root row's length, so a non-root row's KV splits differ from the one-token call's at
 its position. End to end 12-14 of 16 greedy outputs equal autoregressive ones, and the step costs 4.5-7.8x the
 default's: on a GPU each `lax.map` is a while loop the host drives
-(benchmarks/results/spec_decode_row_invariant_h200.md). A partition of fixed position chunks (every row's splits then
+(benchmarks/results/history/spec_decode_row_invariant_h200.md). A partition of fixed position chunks (every row's splits then
 those of its own one-token call) and loops the device runs itself are what this form lacks there.
 runtime.configure(row_invariant=True) sets the XLA flags (Triton GEMMs, GEMM autotuning and excess precision off).
 Off (the default: `padded` None), `flat`, `unflat` and `map` are the identity and the traced program is exactly the

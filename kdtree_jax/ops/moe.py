@@ -58,7 +58,7 @@ TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
-# Measured on an H200 (benchmarks/results/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
+# Measured on an H200 (benchmarks/results/history/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
 # wins at every size tried, 5-6x at T = 9 and still 6-8x at T = 256 (2048 rows, ~5 rows per active
 # expert); rows beyond that (prefill) were not measured, so they keep ragged_dot's tensor-core GEMMs, which
 # must win once each expert has many rows (the CUDA op re-reads an expert's weights per 4 rows).

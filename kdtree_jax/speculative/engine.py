@@ -1077,7 +1077,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
     at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): DEFAULT_CHUNK_STEPS when
     on_tokens streams or on a GPU whose XLA_FLAGS capture while loops in command buffers (kdtree_jax.runtime: H200,
-    bfloat16, greedy, 108a241, results/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
+    bfloat16, greedy, 108a241, results/history/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
     call, B = 1: autoregressive 4,191 vs 3,796 tok/s, DDTree 16 10,503 vs 7,985; B = 16: 59,691 vs 54,265 and
     54,756 vs 46,702; without command buffers the chunks cost more than they save: B = 1 autoregressive 2,302 vs
     3,712), else 0 (its gain on a CPU is not measured). on_tokens(batch_row, new_token_ids):
