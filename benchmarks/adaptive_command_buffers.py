@@ -12,7 +12,10 @@ one greedy batch through the adaptive loop, forced to every menu entry and then 
 
 - `kernels`: command buffers for kernels only (the engine's setting);
 - `graphs`: WHILE and CONDITIONAL captured too (the process's runtime.configure() setting);
-- `graphs_nopdl`: the same without programmatic dependent launch (hypothesis: XLA's kernel that sets a graph
+- `graphs_while_only` / `graphs_cond_only`: only one of the two captured;
+- `graphs_loops`: both captured, the step written with while loops only (the drafter's conditional as a cheap
+  default plus an at-most-once loop); `graphs_conds`: the step written with conditionals only;
+- `graphs_nopdl`: `graphs` without programmatic dependent launch (hypothesis: XLA's kernel that sets a graph
   conditional from a device predicate may start before the kernel writing the predicate ends, under PDL);
 
 and checks each forced run's tokens against the fixed-budget program's (same tree, so the same tokens, in any
@@ -45,13 +48,41 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
+from kdtree_jax.speculative import step as step_ops  # noqa: E402
 from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
 
+ORIGINAL = (step_ops._either, step_ops._at_most_once)
+
+_KERNELS = ",".join(kdtree_jax.runtime.ADAPTIVE_COMMAND_BUFFER_TYPES)
+# name: (XLA options, how the step's control flow is written: "as is", "loops" (the drafter's conditional as a cheap
+# default plus an at-most-once loop: only while loops) or "conds" (the at-most-once loops as conditionals))
 SETTINGS = {
-    "kernels": {"xla_gpu_enable_command_buffer": ",".join(kdtree_jax.runtime.ADAPTIVE_COMMAND_BUFFER_TYPES)},
-    "graphs": {},
-    "graphs_nopdl": {"xla_gpu_enable_pdl": False},
+    "kernels": ({"xla_gpu_enable_command_buffer": _KERNELS}, "as is"),
+    "graphs": ({}, "as is"),
+    "graphs_while_only": ({"xla_gpu_enable_command_buffer": _KERNELS + ",WHILE"}, "as is"),
+    "graphs_cond_only": ({"xla_gpu_enable_command_buffer": _KERNELS + ",CONDITIONAL"}, "as is"),
+    "graphs_loops": ({}, "loops"),
+    "graphs_conds": ({}, "conds"),
+    "graphs_nopdl": ({"xla_gpu_enable_pdl": False}, "as is"),
 }
+
+
+def _loops_either(pred, true_fn, false_fn, operands):
+    return step_ops._at_most_once(pred, lambda _: true_fn(operands), false_fn(operands))
+
+
+def _conds_at_most_once(run, body, carry):
+    return jax.lax.cond(run, body, lambda c: c, carry)
+
+
+def _written(style: str):
+    """Set how step.py writes the adaptive step's control flow (module functions, read at trace time)."""
+    step_ops._either, step_ops._at_most_once = ORIGINAL
+    if style == "loops":
+        step_ops._either = _loops_either
+    elif style == "conds":
+        step_ops._at_most_once = _conds_at_most_once
+    jax.clear_caches()  # the loop's trace is cached per function, not per the globals it reads
 
 
 def main(argv=None) -> int:
@@ -99,7 +130,9 @@ def main(argv=None) -> int:
     loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
     rows = []
     for name in args.settings.split(","):
-        options = SETTINGS[name] if jax.default_backend() == "gpu" else None
+        options, style = SETTINGS[name]
+        options = options if jax.default_backend() == "gpu" else None
+        _written(style)
         lowered = loop.lower(state)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
@@ -146,6 +179,7 @@ def main(argv=None) -> int:
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n".join(lines))
+    _written("as is")
     return 0
 
 

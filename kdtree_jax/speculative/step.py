@@ -266,6 +266,11 @@ def _at_most_once(run, body, carry):
     return carry
 
 
+def _either(pred, true_fn, false_fn, operands):
+    """true_fn(operands) if `pred` (traced) else false_fn(operands): the drafter's branch of an adaptive step."""
+    return jax.lax.cond(pred, true_fn, false_fn, operands)
+
+
 def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig,
                   loop_weights=None) -> LoopState:
     """One step of the adaptive budget (module docstring; budget_policy.py for the policy)."""
@@ -298,8 +303,8 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
         tree = _root_tree(bonus, seq_lens, num_nodes, depth)
         return tree, jnp.int32(0), jnp.zeros((len(menu),), jnp.float32)
 
-    tree, choice, expected = jax.lax.cond(drafted, with_drafter, without_drafter,
-                                          (state.dcache, state.bonus, state.cache.seq_lens, state.active))
+    tree, choice, expected = _either(drafted, with_drafter, without_drafter,
+                                     (state.dcache, state.bonus, state.cache.seq_lens, state.active))
 
     # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
     # and the drafter's context need of the walk.
