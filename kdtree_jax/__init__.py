@@ -4,13 +4,13 @@ The public API (DESIGN.md, "Public API"); README, tests and benchmarks use these
 """
 
 from kdtree_jax import runtime  # runtime.configure(): before the first JAX computation (README, "Device-resident loop")
-from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint
+from kdtree_jax.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from kdtree_jax.config import ModelConfig, RopeScaling
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
 from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import verify_attention
-from kdtree_jax.sharding import load_sharded, make_mesh, shard_model
+from kdtree_jax.sharding import make_mesh, shard_model
 # `kdtree_jax.generate` is this function; importing the CLI submodule of the same name rebinds it to
 # that module, which is callable with the same arguments (see generate.py).
 from kdtree_jax.speculative.engine import GenerateResult, generate

@@ -25,11 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax.checkpoint import v1 as ocp
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.drafter import Drafter, DrafterConfig
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.sharding import attach_mesh, check_layout, pad_vocab, placement_shardings
 from kdtree_jax import tokenizer as tokenizer_lib
 
 METADATA_FILE = "kdtree_checkpoint.json"
@@ -356,6 +358,23 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
     except Exception as e:  # noqa: BLE001 - tokenizers and tiktoken raise their own kinds on a corrupt file
         raise ValueError(f"the tokenizer in {os.path.join(path, 'tokenizer')} cannot be read ({type(e).__name__}: "
                          f"{_one_line(e)})") from None
+    return target, drafter, tokenizer
+
+
+def load_sharded(path, mesh: Mesh, layout: str = "tp", *, dtype=None):
+    """(target, drafter, tokenizer) from a checkpoint, each array read straight into its place on the mesh
+    (no host copy of the model, no reshard), ready to run sharded: the target split by `layout` ("tp" or
+    "ep", sharding.py), the drafter replicated."""
+    check_layout(layout)
+
+    def shardings(abstract_module):
+        if isinstance(abstract_module, Transformer):
+            return placement_shardings(abstract_module, mesh, layout)
+        return NamedSharding(mesh, P())  # the drafter (sharding.py says why it is replicated)
+
+    target, drafter, tokenizer = load_checkpoint(path, dtype=dtype, shardings=shardings)
+    pad_vocab(target, mesh, layout)
+    attach_mesh(target, mesh, layout)
     return target, drafter, tokenizer
 
 

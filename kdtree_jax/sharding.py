@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kdtree_jax.config import MESH_AXIS
 
-if TYPE_CHECKING:  # the model imports this module (MeshLayout), so this one does not import the model
+if TYPE_CHECKING:  # annotations only: the model imports this module (MeshLayout), this module never imports it
     from kdtree_jax.model.transformer import Transformer
 
 LAYOUTS = {
@@ -64,7 +64,8 @@ def partition_spec(axes: Optional[tuple], layout: str) -> P:
     return P(*(rules.get(a) for a in axes)) if axes else P()
 
 
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str) -> None:
+    """A layout name LAYOUTS knows, or a one-line error naming those it does."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}; got {layout!r}")
 
@@ -78,7 +79,7 @@ class MeshLayout:
     layout: str
 
     def __post_init__(self):
-        _check_layout(self.layout)
+        check_layout(self.layout)
 
     def spec(self, *axes: Optional[str]) -> P:
         """PartitionSpec of an array whose dimensions have these logical names (None: unnamed)."""
@@ -95,7 +96,7 @@ class MeshLayout:
 
 def parameter_shardings(model: nnx.Module, mesh: Mesh, layout: str = "tp"):
     """An nnx.State of NamedShardings mirroring the model's parameters."""
-    _check_layout(layout)
+    check_layout(layout)
     state = nnx.state(model)
     return jax.tree.map(lambda v: NamedSharding(mesh, partition_spec(v.get_metadata().get("out_sharding"), layout)),
                         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -127,17 +128,24 @@ def shard_model(model: "Transformer", mesh: Mesh, layout: str = "tp") -> "Transf
     The returned model's attention and MoE layers hold the MeshLayout, so jitted code (prefill, the decode
     loop) runs sharded with no further changes. The argument is left as it was.
     """
-    _check_layout(layout)
-    check_divisible(model, mesh, layout)
     graphdef, state = nnx.split(model)
-    shardings = parameter_shardings(model, mesh, layout)
-    if _needs_padding(model, mesh):  # placed whole first, then padded and split by pad_vocab
-        shardings["lm_head"]["kernel"] = NamedSharding(mesh, P())
-    placed = jax.device_put(state, shardings)  # shardings is a prefix tree of state
+    placed = jax.device_put(state, placement_shardings(model, mesh, layout))  # a prefix tree of state
     sharded = nnx.merge(graphdef, placed)
     pad_vocab(sharded, mesh, layout)
     attach_mesh(sharded, mesh, layout)
     return sharded
+
+
+def placement_shardings(model: "Transformer", mesh: Mesh, layout: str) -> nnx.State:
+    """Where a target's parameters are first placed (by `shard_model`, or read by `checkpoint.load_sharded`):
+    `parameter_shardings`, but the lm head whole when the mesh does not divide the vocabulary, since a split
+    needs it to; `pad_vocab` then pads and splits it. `model` may be abstract (nnx.eval_shape)."""
+    check_layout(layout)
+    check_divisible(model, mesh, layout)
+    shardings = parameter_shardings(model, mesh, layout)
+    if _needs_padding(model, mesh):
+        shardings["lm_head"]["kernel"] = NamedSharding(mesh, P())
+    return shardings
 
 
 def padded_vocab_size(vocab_size: int, mesh: Mesh) -> int:
@@ -165,7 +173,7 @@ def _padded_head(model: "Transformer", mesh: Mesh):
 
 
 def pad_vocab(model: "Transformer", mesh: Mesh, layout: str) -> None:
-    """In place: pad a restored model's lm head (placed whole, see checkpoint_shardings) to the mesh and split it
+    """In place: pad a restored model's lm head (placed whole, see placement_shardings) to the mesh and split it
     along the vocabulary as `layout` says. Nothing to do when the vocabulary divides the mesh."""
     head = _padded_head(model, mesh)
     if head is not None:
@@ -183,37 +191,6 @@ def attach_mesh(model: "Transformer", mesh: Optional[Mesh], layout: Optional[str
     for _, module in nnx.iter_graph(model):
         if hasattr(module, "placement"):  # MLA and MoE
             module.placement = placement
-
-
-def checkpoint_shardings(mesh: Mesh, layout: str = "tp"):
-    """The `shardings` callable of `checkpoint.load_checkpoint`: the target's parameters by `layout`, the
-    drafter's replicated (see the module docstring)."""
-    from kdtree_jax.model.transformer import Transformer  # here: the model imports this module
-
-    _check_layout(layout)
-
-    def shardings(abstract_module):
-        if isinstance(abstract_module, Transformer):
-            check_divisible(abstract_module, mesh, layout)
-            tree = parameter_shardings(abstract_module, mesh, layout)
-            if _needs_padding(abstract_module, mesh):
-                # A split needs the vocabulary to divide the mesh: read the head whole, load_sharded pads it.
-                tree["lm_head"]["kernel"] = NamedSharding(mesh, P())
-            return tree
-        return NamedSharding(mesh, P())
-
-    return shardings
-
-
-def load_sharded(path: str, mesh: Mesh, layout: str = "tp", *, dtype=None):
-    """(target, drafter, tokenizer) from an Orbax checkpoint, each array read straight into its place on
-    the mesh (no host copy of the model, no reshard), ready to run sharded."""
-    from kdtree_jax.checkpoint import load_checkpoint
-
-    target, drafter, tokenizer = load_checkpoint(path, dtype=dtype, shardings=checkpoint_shardings(mesh, layout))
-    pad_vocab(target, mesh, layout)
-    attach_mesh(target, mesh, layout)
-    return target, drafter, tokenizer
 
 
 def replicate(tree, mesh: Mesh):

@@ -155,7 +155,7 @@ def test_no_all_gather_of_parameters_or_pool(model, drafter, layout, monkeypatch
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_restore_from_orbax_straight_into_a_layout(model, drafter, tokens, unsharded_logits, tmp_path, layout):
-    from kdtree_jax.sharding import load_sharded
+    from kdtree_jax.checkpoint import load_sharded
 
     path = tmp_path / f"ckpt_{layout}"
     kdtree_jax.save_checkpoint(str(path), model, drafter)

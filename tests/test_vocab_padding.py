@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax.sharding import load_sharded, make_mesh, shard_model
+from kdtree_jax.checkpoint import load_sharded
+from kdtree_jax.sharding import make_mesh, shard_model
 
 CFG = kdtree_jax.ModelConfig.preset("tiny").replace(vocab_size=311)  # prime: no mesh > 1 divides it
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kdtree_jax.ops import ffi
+from kdtree_jax.ops.ffi import SPLIT_POLICIES
 from kdtree_jax.ops.reference import mask_words, verify_attention_reference
 from kdtree_jax.ops.xla import verify_attention_xla
 
 IMPLS = ("auto", "reference", "xla", "ffi")
-SPLIT_POLICIES = ("occupancy", "invariant")  # kdtree_jax/ops/ffi.py says what each does
 
 
 def validate_verify_args(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, rope_dim: int) -> None:
@@ -75,11 +76,7 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
         return verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                     softmax_scale=softmax_scale, rope_dim=rope_dim)
     # The compiled extension (ops/ffi.py) is optional: a checkout without a build runs "auto" on the reference.
-    try:
-        from kdtree_jax.ops import ffi
-    except ImportError:
-        ffi = None
-    if ffi is not None and ffi.available():
+    if ffi.available():
         return ffi.verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                         softmax_scale=softmax_scale, rope_dim=rope_dim, num_splits=num_splits,
                                         split_policy=split_policy)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.ops import SPLIT_POLICIES
 from kdtree_jax.ops.reference import verify_attention_reference
 
 try:  # the extension is optional: a pure-Python checkout still works through the reference
@@ -161,6 +160,7 @@ def choose_num_splits(batch: int, num_queries: int, num_heads: int, max_len: int
 SPLIT_UNIT = 64  # positions: device.cuh's kSplitUnit, the partition's granule and a split's least length
 # device.cuh's kShortSplitUnits x kSplitUnit positions; choose_num_splits keeps a table under twice this whole.
 SHORT_SPLIT_POSITIONS = 256
+SPLIT_POLICIES = ("occupancy", "invariant")  # the two above
 
 
 def _check_split_policy(policy: str) -> None:
