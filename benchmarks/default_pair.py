@@ -482,5 +482,5 @@ def render(r: dict) -> str:
 if __name__ == "__main__":
     from kdtree_jax import runtime
 
-    runtime.configure()  # on a GPU: the decode loop inside a CUDA graph (README, "Device-resident loop")
+    runtime.configure()  # on a GPU: the decode loop inside a CUDA graph (docs/usage.md, "Device-resident loop")
     sys.exit(main())

@@ -79,7 +79,7 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 # the callbacks) stays hidden while a chunk takes longer than that, which k = 8 steps do (>= 2 ms at the cheapest).
 # On a GPU the steps inside a chunk stay device-resident only when XLA captures the while loop in a command
 # buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
-# `kdtree_jax.runtime.configure()` sets that up (README, "Device-resident loop").
+# `kdtree_jax.runtime.configure()` sets that up (docs/usage.md, "Device-resident loop").
 DEFAULT_CHUNK_STEPS = 8
 PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
 _TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
