@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdtree_jax.ops import verify_attention  # noqa: E402
+from kdtree_jax.ops import ffi as vffi, verify_attention  # noqa: E402
 from kdtree_jax.ops.masks import causal_mask  # noqa: E402
 from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
@@ -38,17 +37,6 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "v
 FULL_CASES = [(t, length, 4) for length in (256, 1024, 4096) for t in (1, 9, 17, 33, 65)] + [(33, 1024, 8)]
 SMOKE_CASES = [(1, 20, 2), (9, 40, 2)]
 LATENT, ROPE = 512, 64
-
-
-def use_extension(path: str) -> None:
-    """Make the op call the handlers of the extension module at `path` (before anything registered them)."""
-    from kdtree_jax.ops import ffi as vffi
-
-    spec = importlib.util.spec_from_file_location("kdtree_jax._verify_attention_ext", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    vffi._ext = module
-    vffi._register.cache_clear()
 
 
 def cpu_description() -> dict:
@@ -153,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--note", default="", help="a sentence for the markdown (e.g. on the machine's load)")
     args = p.parse_args(argv)
     if args.extension:
-        use_extension(args.extension)
+        vffi.use_extension(args.extension)
     cases, latent, rope = (SMOKE_CASES, 16, 8) if args.smoke else (FULL_CASES, LATENT, ROPE)
     reps = 3 if args.smoke else args.reps
 

@@ -252,13 +252,6 @@ def variant_splits(batch, num_queries, heads, length, variant):
     return vffi.splits_for(batch, num_queries, heads, length, variant)
 
 
-def bench_ext():
-    """The compiled benchmark target (ceilings, the kernels timed outside XLA): its own module where the ffi module
-    names one, else the extension."""
-    getter = getattr(vffi, "bench_module", None)
-    return getter() if getter is not None else vffi._ext
-
-
 T_START = time.perf_counter()
 DEVICE_TIMING = False  # --device-timing: also time each row's kernels with CUDA events outside XLA
 
@@ -270,7 +263,7 @@ def log(msg: str) -> None:
 def device_timing(batch, num_queries, heads, length, scattered, splits, variant):
     """The benchmark target's CUDA-event harness: µs per call with plain launches and as a CUDA graph, and of the
     main kernel and the merge alone; None where it failed."""
-    ext = bench_ext()
+    ext = vffi.bench_module()
     code = vffi.VARIANTS[variant] if isinstance(getattr(vffi, "VARIANTS", None), dict) else 0
     try:
         res = ext.bench_verify_attention(batch, num_queries, heads, length, splits, code, scattered, 20)
@@ -876,7 +869,7 @@ def main(argv=None) -> int:
         return 0
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    ext = bench_ext()
+    ext = vffi.bench_module()
     meta = dict(variants=variants, xla_chunk=args.xla_chunk, device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="minutes"), commit=args.commit, jax=jax.__version__, sm_count=vffi.sm_count(),
         timing=("XLA command buffers incl. WHILE/CONDITIONAL" if args.command_buffers

@@ -8,7 +8,8 @@ contract (it does not call kdtree_jax.ops.reference). It also checks that no NaN
 sequence does not own leaks in, that repeated calls are bit-identical (the handler runs on XLA's thread
 pool), that a sequence's result does not depend on its place in the batch, that every SIMD variant the CPU
 can run agrees with the reference (named by verify_attention_ffi's cpu_isa argument; one the CPU cannot
-run is an error), and that benchmarks/verify_attention_cpu.py --smoke writes a parseable result.
+run is an error), that benchmarks/verify_attention_cpu.py --smoke writes a parseable result, and that
+ffi.use_extension (its --extension) runs the op on another build.
 """
 
 from __future__ import annotations
@@ -268,3 +269,33 @@ def test_benchmark_smoke(tmp_path):
     for row in data["rows"]:
         assert row["handler_us"] > 0 and row["reference_us"] > 0
     assert (tmp_path / "va.md").read_text().startswith("# Verify attention on the CPU")
+
+
+def test_use_extension_runs_the_op_on_another_build():
+    """ffi.use_extension (benchmarks/verify_attention_cpu.py --extension): the op then calls the handlers of the
+    module loaded from that path, and once they are registered another build is refused. A fresh process: this
+    one registered the installed build's handlers already."""
+    import subprocess
+
+    from kdtree_jax import _verify_attention_ext
+
+    code = f"""
+import jax.numpy as jnp, numpy as np
+from kdtree_jax import _verify_attention_ext as installed
+from kdtree_jax.ops import ffi, masks
+ffi.use_extension({_verify_attention_ext.__file__!r})
+assert ffi._ext is not installed
+pool = jnp.arange(2 * 8 * 24, dtype=jnp.float32).reshape(2, 8, 24) / 100
+q = jnp.ones((1, 2, 2, 24), jnp.float32)
+args = (q, pool, 1, jnp.arange(8, dtype=jnp.int32)[None], jnp.array([5], jnp.int32), masks.causal_mask(1, 2))
+out, _ = ffi.verify_attention_ffi(*args, softmax_scale=0.1, rope_dim=8)
+ref, _ = ffi.verify_attention_reference(*args, softmax_scale=0.1, rope_dim=8)
+np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+try:
+    ffi.use_extension({_verify_attention_ext.__file__!r})
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused: use_extension must run before" in run.stdout

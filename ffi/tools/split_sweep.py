@@ -36,7 +36,9 @@ def main():
     ap.add_argument("--shapes", default="", help="'B,T,H,L;B,T,H,L;...' instead of the built-in list")
     args = ap.parse_args()
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] if args.shapes else SHAPES)
-    ext = vffi.bench_module() if hasattr(vffi, "bench_module") else vffi._ext
+    ext = vffi.bench_module()
+    if ext is None:
+        raise SystemExit("the benchmark target (kdtree_jax._kernel_bench) is not built: build with CUDA")
     code = vffi.VARIANTS[args.variant]
     t0 = time.perf_counter()
     rows = []

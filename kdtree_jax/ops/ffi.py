@@ -17,6 +17,7 @@ after capture and its memory reused by the replayed graph's neighbours.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import warnings
 
@@ -56,6 +57,22 @@ def _register() -> bool:
 def available() -> bool:
     """True when the compiled extension is importable (its CPU handler is always built)."""
     return _register()
+
+
+def use_extension(path: str) -> None:
+    """Run the op on the handlers of another build of the extension (the `_verify_attention_ext` shared library
+    at `path`) instead of the installed one, to time two builds against each other
+    (benchmarks/verify_attention_cpu.py --extension). Only before the op's first call: XLA keeps the handlers
+    registered first."""
+    global _ext
+    if _register.cache_info().currsize:
+        raise RuntimeError("use_extension must run before the first verify-attention call (handlers are registered)")
+    spec = importlib.util.spec_from_file_location("kdtree_jax._verify_attention_ext", path)
+    if spec is None:
+        raise ValueError(f"{path} is not a Python extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _ext = module
 
 
 def cuda_built() -> bool:
@@ -311,4 +328,4 @@ def bench_module():
 
 __all__ = ["available", "cuda_built", "verify_attention_ffi", "choose_num_splits", "ROWS_PER_BLOCK", "VARIANTS",
            "CPU_ISAS", "resolve_variant", "splits_for", "split_counts", "partition_splits", "SPLIT_POLICIES",
-           "sm_count", "cuda_fast_path", "bench_module"]
+           "sm_count", "cuda_fast_path", "bench_module", "use_extension"]
