@@ -6,11 +6,10 @@
 # can be stale. SESSION_S bounds the whole script (build included): decode_context gets what the build
 # leaves, minus a margin, as its --deadline-s, and writes the rows it finished.
 #   env: SESSION_S (default 360), SD_LIMIT (0: skip spec_decode), DC_SKIP=1 (skip decode_context),
-#        PROFILE_SHAPES ("B T H L;..." : Nsight Compute on those verify-kernel shapes first, ffi/tools/probe_verify.sh),
+#        PROFILE_SHAPES ("B T H L;..." : Nsight Compute on those verify-kernel shapes first, ffi/tools/ncu_verify.sh),
 #        DC_CONTEXTS, DC_NODES, DC_LAYERS (a number or fit), DC_IMPLS,
 #        DC_MEM_FRACTION (XLA's share of device memory, default 0.92),
-#        DC_EXTRA (more arguments), MOE_PROFILE_TOKENS ("9 33": Nsight Compute on one routed_experts call per T,
-#        ffi/tools/probe_moe.py, after decode_context), SKIP_BUILD=1 (a CPU dry run: OUT=/tmp/ds SKIP_BUILD=1 DC_EXTRA=--smoke bash ...)
+#        DC_EXTRA (more arguments), SKIP_BUILD=1 (a CPU dry run: OUT=/tmp/ds SKIP_BUILD=1 DC_EXTRA=--smoke bash ...)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,7 +23,7 @@ fi
 echo "build: $(( $(date +%s) - t_begin )) s"
 if [ -n "${PROFILE_SHAPES:-}" ]; then
   mkdir -p /tmp/profile && IFS=';' read -ra shapes <<< "$PROFILE_SHAPES"
-  OUT=/tmp/profile SKIP_BUILD=1 timeout 150 bash ffi/tools/probe_verify.sh "${shapes[@]}" 2>&1 | grep -v "^total\|^-r\|^d" | tail -70
+  OUT=/tmp/profile timeout 150 bash ffi/tools/ncu_verify.sh "${shapes[@]}" 2>&1 | tail -70
   tar -czf "$OUT/profile.tgz" -C /tmp/profile .
   echo "profile: done at $(( $(date +%s) - t_begin )) s"
 fi
@@ -48,11 +47,4 @@ stage decode_context $(( left > 30 ? left : 30 )) env XLA_PYTHON_CLIENT_MEM_FRAC
   --contexts ${DC_CONTEXTS:-4096,16384,65536,131072,200000} --nodes ${DC_NODES:-9,33} --impls ${DC_IMPLS:-auto,reference} \
   --reference-contexts all --deadline-s $(( left > 60 ? left - 25 : 30 )) --out "$OUT/decode_context_h200" ${DC_EXTRA:-}
 cat "$OUT/decode_context_h200.md" 2>/dev/null
-if [ -n "${MOE_PROFILE_TOKENS:-}" ]; then  # e.g. "9 33": every kernel of one routed_experts call, by Nsight Compute
-  timeout "${MOE_PROFILE_S:-120}" ncu --clock-control none --profile-from-start off \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
-    python3 ffi/tools/probe_moe.py ${MOE_PROFILE_TOKENS} > "$OUT/moe_ncu.txt" 2>&1
-  echo "moe profile: rc=$?"
-  grep -E "^T=|profiled|^  [^ ].*\(|gpu__time_duration" "$OUT/moe_ncu.txt" | cut -c1-150 | head -80
-fi
 ls -la "$OUT"

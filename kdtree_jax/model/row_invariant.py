@@ -5,7 +5,7 @@ each row bit for bit as the one-token step does (tests/test_greedy_equality.py).
 count: the attention op's KV split count (the op's `split_policy="invariant"` fixes it), the matmul kernel XLA picks
 by the row count M (GPU: cuBLAS algorithm, Triton tiling, split-K; CPU: YNNPACK/Eigen blockings), and where XLA fuses
 and so where it keeps bfloat16 intermediates in float32 ("excess precision"), which depends on the shapes. Measured
-on an H200 (ffi/tools/dense_row_invariance.py, benchmarks/results/history/dense_row_invariance_h200.md): with XLA_FLAGS
+on an H200 (ffi/tools/dense_row_invariance.py at 7a23dd2, benchmarks/results/history/dense_row_invariance_h200.md): with XLA_FLAGS
 `--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0` and the rows zero-padded to a multiple of 64, every
 product gave the M = 1 row's bits at M = 1..528 for single products; in the whole target the padded row count itself
 (64 at a one-token step, 192 at B = 4 x 33) still changed layer 0's rows (H200, e95f8b0). On a CPU, products in fixed
@@ -21,7 +21,7 @@ Only the attention op sees the real rows ([B, T] back from the rows); the routed
 expert, and their grouped MLP takes the "row_invariant" formulation (ops/moe.py). On this repository's CPU (jax
 0.10.2, the default pair in bfloat16) that made a verify pass's rows equal the one-token steps' bit for bit: root rows
 at B x T = 1 x 17, 4 x 33, 16 x 17 and every row of 1 x 16 and 4 x 16 chains, through every layer
-(tests/test_greedy_equality.py; ffi/tools/root_row_layers.py). On an H200 (745bb64) the root rows of those passes are
+(tests/test_greedy_equality.py; ffi/tools/root_row_layers.py at 7a23dd2). On an H200 (745bb64) the root rows of those passes are
 exact too and so is every row of a 1 x 16 chain, but rows 12-15 of a 4 x 16 chain are not: the attention op's invariant
 split partition is cut from the root row's length, so a non-root row's KV splits differ from the one-token call's at
 its position. End to end 12-14 of 16 greedy outputs equal autoregressive ones, and the step costs 4.5-7.8x the
