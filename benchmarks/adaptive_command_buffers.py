@@ -3,20 +3,14 @@
     python benchmarks/adaptive_command_buffers.py                 # the default pair, GPU: ~2 minutes
     python benchmarks/adaptive_command_buffers.py --smoke         # random tiny pair, CPU (the settings do not apply)
 
-The adaptive loop (kdtree_jax/speculative/step.py) has a `lax.cond` (the drafter or not) and at-most-once while
-loops (one verify branch per menu budget) inside the decode loop. Captured in command buffers on an H200 (jaxlib
-0.11.2, programmatic dependent launch on) it took wrong branches (benchmarks/results/history/
-budget_sweep_h200_c89fe7f_*); compiled with command buffers for kernels only (runtime.adaptive_compile_options, the
-engine's setting since b369527) its loops run from the host, correct but with a host round trip a step. This runs
-one greedy batch through the adaptive loop, forced to every menu entry and then free to choose, under each setting:
+The adaptive loop (kdtree_jax/speculative/step.py) has loops of zero or one trip inside the decode loop. Written as
+a flag that the body sets to False (until 928cff5), they ran wrongly inside a CUDA graph on an H200 (jaxlib 0.11.2):
+wrong tokens and pool overflow with WHILE and CONDITIONAL captured, a hang with WHILE alone, correct only with the
+loops run from the host (a host round trip each, the step ~2x the fixed program's). This runs one greedy batch
+through the adaptive loop, forced to every menu entry and then free to choose, under each setting:
 
-- `kernels`: command buffers for kernels only (the engine's setting);
-- `graphs`: WHILE and CONDITIONAL captured too (the process's runtime.configure() setting);
-- `graphs_while_only` / `graphs_cond_only`: only one of the two captured;
-- `graphs_loops`: both captured, the step written with while loops only (the drafter's conditional as a cheap
-  default plus an at-most-once loop); `graphs_conds`: the step written with conditionals only;
-- `graphs_nopdl`: `graphs` without programmatic dependent launch (hypothesis: XLA's kernel that sets a graph
-  conditional from a device predicate may start before the kernel writing the predicate ends, under PDL);
+- `kernels`: command buffers for kernels only, the loops run from the host;
+- `graphs`: WHILE and CONDITIONAL captured too (runtime.configure()'s setting, the engine's);
 
 and checks each forced run's tokens against the fixed-budget program's (same tree, so the same tokens, in any
 dtype), and times a step (3 chained chunks - 1 chunk, as engine.calibrate). Writes <out>/adaptive_command_buffers_
@@ -48,41 +42,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
-from kdtree_jax.speculative import step as step_ops  # noqa: E402
 from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
 
-ORIGINAL = (step_ops._either, step_ops._at_most_once)
-
-_KERNELS = ",".join(kdtree_jax.runtime.ADAPTIVE_COMMAND_BUFFER_TYPES)
-# name: (XLA options, how the step's control flow is written: "as is", "loops" (the drafter's conditional as a cheap
-# default plus an at-most-once loop: only while loops) or "conds" (the at-most-once loops as conditionals))
+# name: XLA options of the adaptive loop's program
 SETTINGS = {
-    "kernels": ({"xla_gpu_enable_command_buffer": _KERNELS}, "as is"),
-    "graphs": ({}, "as is"),
-    "graphs_while_only": ({"xla_gpu_enable_command_buffer": _KERNELS + ",WHILE"}, "as is"),
-    "graphs_cond_only": ({"xla_gpu_enable_command_buffer": _KERNELS + ",CONDITIONAL"}, "as is"),
-    "graphs_loops": ({}, "loops"),
-    "graphs_conds": ({}, "conds"),
-    "graphs_nopdl": ({"xla_gpu_enable_pdl": False}, "as is"),
+    "kernels": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"},  # loops run from the host
+    "graphs": {"xla_gpu_enable_command_buffer": ",".join(kdtree_jax.runtime.COMMAND_BUFFER_TYPES)},
 }
-
-
-def _loops_either(pred, true_fn, false_fn, operands):
-    return step_ops._at_most_once(pred, lambda _: true_fn(operands), false_fn(operands))
-
-
-def _conds_at_most_once(run, body, carry):
-    return jax.lax.cond(run, body, lambda c: c, carry)
-
-
-def _written(style: str):
-    """Set how step.py writes the adaptive step's control flow (module functions, read at trace time)."""
-    step_ops._either, step_ops._at_most_once = ORIGINAL
-    if style == "loops":
-        step_ops._either = _loops_either
-    elif style == "conds":
-        step_ops._at_most_once = _conds_at_most_once
-    jax.clear_caches()  # the loop's trace is cached per function, not per the globals it reads
 
 
 def main(argv=None) -> int:
@@ -130,9 +96,7 @@ def main(argv=None) -> int:
     loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
     rows = []
     for name in args.settings.split(","):
-        options, style = SETTINGS[name]
-        options = options if jax.default_backend() == "gpu" else None
-        _written(style)
+        options = SETTINGS[name] if jax.default_backend() == "gpu" else None
         lowered = loop.lower(state)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
@@ -179,7 +143,6 @@ def main(argv=None) -> int:
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n".join(lines))
-    _written("as is")
     return 0
 
 

@@ -37,11 +37,9 @@ COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "WHILE", 
 COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFFER_TYPES)} "
                         "--xla_gpu_graph_min_graph_size=1")
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
-# The adaptive budget's loop (speculative/step.py: a conditional and at-most-once loops inside the decode loop) is
-# compiled with command buffers for kernels only: on an H200 (jaxlib 0.11.2) its control flow captured in a CUDA graph
-# took wrong branches (pool exhaustion, outputs unlike autoregressive decoding, calibrated step costs of 0 ms), while the
-# same program with its loops run from the host decoded correctly (greedy output equal to the fixed budget's).
-ADAPTIVE_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL")
+# The adaptive budget's loop (speculative/step.py) takes the process's setting: its loops of zero or one trip are
+# counters since the flag form ran wrongly inside a CUDA graph (benchmarks/adaptive_command_buffers.py).
+ADAPTIVE_COMMAND_BUFFER_TYPES = COMMAND_BUFFER_TYPES
 
 
 def adaptive_compile_options() -> dict | None:

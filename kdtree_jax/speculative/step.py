@@ -6,7 +6,7 @@ Two kinds of step share the verify-and-commit half (`verify_and_commit`):
 - `adaptive_step` (SpecConfig.menu set, budget "auto"): each step the policy (budget_policy.py) decides whether to
   run the drafter at all and which budget of the menu to verify. The DDTree of the menu's largest budget is built
   once; a budget b verifies its first b + 1 nodes (a best-first tree's prefix is the tree of the smaller budget), one
-  `lax.switch` branch per menu entry, all in the one compiled loop.
+  loop of zero or one trip per menu entry (`_at_most_once`), all in the one compiled loop.
 
 The drafter's context in an adaptive loop is extended lazily: a step appends the target features of the tokens it
 committed to `PendingContext`, and the features are projected into the drafter's cache only before the drafter runs
@@ -257,18 +257,15 @@ def _root_tree(bonus, start, num_nodes: int, depth: int) -> trees.Tree:
 
 
 def _at_most_once(run, body, carry):
-    """body(carry) if `run` (a traced bool) else carry, as a while loop of at most one trip. Not a `lax.cond`: XLA
-    copies a buffer that a conditional's branch updates in place (measured: the whole KV pool, every step, in each
-    branch of a `lax.switch` inside the decode loop), while a loop's carry is updated in place. A menu of branches is
-    one such loop per entry, at most one of which runs."""
-    carry, _ = jax.lax.while_loop(lambda c: c[1], lambda c: (body(c[0]), jnp.zeros((), bool)),
-                                  (carry, jnp.asarray(run, bool)))
-    return carry
+    """body(carry) if `run` (a traced bool) else carry, as a loop of zero or one trip.
 
-
-def _either(pred, true_fn, false_fn, operands):
-    """true_fn(operands) if `pred` (traced) else false_fn(operands): the drafter's branch of an adaptive step."""
-    return jax.lax.cond(pred, true_fn, false_fn, operands)
+    Not a `lax.cond`: XLA copies a buffer that a conditional's branch updates in place (measured: the whole KV pool,
+    every step, in each branch of a `lax.switch` inside the decode loop), while a loop's carry is updated in place. A
+    menu of branches is one such loop per entry, at most one of which runs. The trip count is a counter against a
+    computed bound (a `fori_loop`), not a flag that the body sets to a constant False: inside a CUDA graph (XLA's
+    WHILE command buffer, jaxlib 0.11.2, H200) the flag form ran its body again and again (wrong tokens, pool
+    overflow, and a hang with only loops captured; benchmarks/adaptive_command_buffers.py)."""
+    return jax.lax.fori_loop(0, jnp.asarray(run, jnp.int32), lambda _, c: body(c), carry)
 
 
 def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig,
@@ -286,7 +283,7 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
     dcache, pending = _at_most_once(flush, lambda c: _flush(drafter, *c), (state.dcache, pending))
     state = state._replace(dcache=dcache)
 
-    # The drafter's conditional gets only what its branches read, and returns only new arrays (the tree).
+    # The drafter's branch gets only what it reads, and returns only new arrays (the tree).
     def with_drafter(operands):
         dcache, bonus, seq_lens, active = operands
         draft_state = LoopState(cache=state.cache._replace(seq_lens=seq_lens), dcache=dcache, bonus=bonus, out=None,
@@ -303,8 +300,10 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
         tree = _root_tree(bonus, seq_lens, num_nodes, depth)
         return tree, jnp.int32(0), jnp.zeros((len(menu),), jnp.float32)
 
-    tree, choice, expected = _either(drafted, with_drafter, without_drafter,
-                                     (state.dcache, state.bonus, state.cache.seq_lens, state.active))
+    # Only loops in the step's control flow (no conditional): the root-only tree is the cheap default, replaced by the
+    # drafter's tree on a drafted step.
+    operands = (state.dcache, state.bonus, state.cache.seq_lens, state.active)
+    tree, choice, expected = _at_most_once(drafted, lambda _: with_drafter(operands), without_drafter(operands))
 
     # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
     # and the drafter's context need of the walk.
