@@ -7,6 +7,7 @@ from kdtree_jax import runtime  # runtime.configure(): before the first JAX comp
 from kdtree_jax.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from kdtree_jax.config import ModelConfig, RopeScaling
 from kdtree_jax.decode import decode_step, forward_logits, init_model, prefill
+from kdtree_jax.embedded import default_checkpoint
 from kdtree_jax.kv_pool import KVCache, PoolExhaustedError, init_cache
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import verify_attention
@@ -21,6 +22,7 @@ __all__ = [
     "load_hf",
     "load_checkpoint",
     "save_checkpoint",
+    "default_checkpoint",
     "init_model",
     "forward_logits",
     "prefill",

@@ -24,9 +24,10 @@ import types
 import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import add_dtype_argument
+from kdtree_jax.embedded import default_checkpoint
 from kdtree_jax.speculative import engine
 
-DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "default")
+DEFAULT_CHECKPOINT = default_checkpoint(required=False)  # None where this install carries no default pair
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory: a kdtree_jax checkpoint (Orbax: target, drafter, tokenizer; made by "
                         "save_checkpoint, `python -m kdtree_jax.convert_hf` or `python -m kdtree_jax.train`) or an HF "
                         "checkpoint (config.json + safetensors; target only, decoded autoregressively). Default: the "
-                        "embedded pair in checkpoints/default if present, else a random-init tiny pair (noise)")
+                        "embedded pair (kdtree_jax.default_checkpoint(); checkpoints/default in a checkout)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
     p.add_argument("--budget", type=budget_argument, default=None,
@@ -119,17 +120,13 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
     A checkpoint without tokenizer files is read and written as UTF-8 bytes (token ids 0-255): a notice says so."""
     import kdtree_jax
     from kdtree_jax.checkpoint import recommended_tree_temperature
-    from kdtree_jax.model.drafter import DrafterConfig, init_drafter
-    from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
+    from kdtree_jax.tokenizer import load_tokenizer
 
-    if checkpoint is None and os.path.isdir(DEFAULT_CHECKPOINT):
-        checkpoint = DEFAULT_CHECKPOINT
-    if checkpoint is None:
-        cfg = kdtree_jax.ModelConfig.preset("tiny")
-        target = kdtree_jax.init_model(cfg, seed=0)
-        drafter = init_drafter(cfg, DrafterConfig(block_size=8), seed=1)
-        return (target, drafter, ByteTokenizer(),
-                "random-init tiny pair (no trained checkpoint found: the text is noise)", 1.0)
+    if checkpoint is None:  # the embedded pair, or an error saying it is missing: never untrained weights' noise
+        try:
+            checkpoint = DEFAULT_CHECKPOINT or default_checkpoint()
+        except FileNotFoundError as e:
+            _fail(str(e))
     if not os.path.isdir(checkpoint):
         _fail(f"--checkpoint {checkpoint!r} is not a directory")
     try:
