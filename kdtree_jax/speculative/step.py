@@ -30,6 +30,7 @@ from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops import topk as topk_ops
 from kdtree_jax.speculative import accept as acceptance
 from kdtree_jax.speculative import budget_policy as policy_ops
+from kdtree_jax.speculative import sampling as sampling_ops
 from kdtree_jax.speculative import tree as trees
 
 TreeShape = Union[str, tuple]  # "ddtree", "chain", or a static branching tuple such as (4, 2, 1)
@@ -50,6 +51,11 @@ class SpecConfig:
     temperature: float = 0.0
     top_k: int = 0  # target sampling filters (temperature > 0)
     top_p: float = 1.0
+    # Per-row settings (LoopState.sampling set): what the program can do, whatever each row asks (sampling.py).
+    # sampled: some row may sample (False: every row greedy, the argmax of every node at once); penalties: some row
+    # may have a penalty (False: no token counts in the state, no penalty work).
+    sampled: bool = False
+    penalties: bool = False
     max_new_tokens: int = 64
     impl: str = "auto"  # verify-attention implementation
     # Every verify row computed bit for bit as the one-token step computes it, so that greedy speculative output
@@ -104,6 +110,9 @@ class LoopState(NamedTuple):
     # The adaptive budget's state (SpecConfig.menu set; None otherwise).
     policy: Optional[policy_ops.PolicyState] = None
     pending: Optional["PendingContext"] = None
+    # Each row's sampling settings (sampling.RowSampling); with them `key` is [B] keys, one stream per row.
+    sampling: Optional[sampling_ops.RowSampling] = None
+    counts: Optional[jnp.ndarray] = None  # [B, V] int32 token counts of prompt + emitted (SpecConfig.penalties)
 
 
 class PendingContext(NamedTuple):
@@ -174,7 +183,10 @@ def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: Lo
     cache = cache._replace(pages=fwd.kv_pages)
 
     with jax.named_scope("accept"):
-        if spec.temperature == 0:
+        if state.sampling is not None:
+            keys = sampling_ops.step_keys(state.key, state.num_out)
+            acc = sampling_ops.accept_rows(tree, fwd.logits, keys, state.sampling, state.counts, sampled=spec.sampled)
+        elif spec.temperature == 0:
             acc = acceptance.accept_greedy(tree, fwd.logits)
         else:
             acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
@@ -207,7 +219,8 @@ def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: Lo
     hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
     state = state._replace(cache=cache, bonus=jnp.where(active, acc.bonus, state.bonus), out=out,
                            num_out=num_out, active=still, step=state.step + 1, accepted_hist=hist,
-                           expert_load=state.expert_load.add(fwd.expert_counts))
+                           expert_load=state.expert_load.add(fwd.expert_counts),
+                           counts=sampling_ops.committed_tokens(state.counts, emitted, n_emit))
     return state, Verified(acc, path_hidden, num_keep)
 
 
@@ -307,7 +320,7 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
 
     # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
     # and the drafter's context need of the walk.
-    verify_fields = ("cache", "bonus", "out", "num_out", "active", "step", "accepted_hist", "expert_load")
+    verify_fields = ("cache", "bonus", "out", "num_out", "active", "step", "accepted_hist", "expert_load", "counts")
 
     def verify_budget(budget: int):
         def run(carry):
