@@ -16,9 +16,14 @@ no restore-then-reshard. The metadata file is written last: a directory without 
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+import re
 import shutil
+import sys
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -215,7 +220,7 @@ def read_json_object(file, note: str = "") -> dict:
         with open(file) as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} cannot be read as JSON ({e}){note}") from None
+        raise CorruptCheckpoint(f"{file} cannot be read as JSON ({e}){note}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} is not a JSON object{note}")
     return data
@@ -275,14 +280,17 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
     restored: dict = {}
     for piece in pieces:
         piece_dir = os.path.join(path, piece)
+        records, absl_log = _Records(), logging.getLogger("absl")
+        absl_log.addHandler(records)
         try:
             tree = ocp.metadata(piece_dir).metadata
         except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a missing or corrupt piece
-            raise ValueError(f"{what} piece {piece_dir} cannot be read ({type(e).__name__}: "
-                             f"{_one_line(e)}): a corrupt or incomplete checkpoint") from None
+            raise _corrupt(f"{what} piece", piece_dir, e) from None
+        finally:
+            absl_log.removeHandler(records)
         if not isinstance(tree, dict) or not tree:  # Orbax logs a corrupt metadata file and returns None
-            raise ValueError(f"{what} piece {piece_dir} cannot be read (its Orbax metadata is missing or corrupt): "
-                             "a corrupt or incomplete checkpoint")
+            raise _corrupt(f"{what} piece", piece_dir, " ".join(records.messages) or
+                           "its Orbax metadata is missing or unreadable")
         stored = _flatten(tree)
         unknown = [".".join(p) for p in stored if p not in flat]
         if unknown:
@@ -296,8 +304,7 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
         try:
             restored.update(_flatten(ocp.load(piece_dir, _nest(want))))
         except Exception as e:  # noqa: BLE001 - truncated or garbled array files fail inside TensorStore
-            raise ValueError(f"{what} piece {piece_dir} cannot be read ({type(e).__name__}: "
-                             f"{_one_line(e)}): a corrupt or truncated checkpoint") from None
+            raise _corrupt(f"{what} piece", piece_dir, e) from None
     missing = [".".join(p) for p in flat if p not in restored]
     if missing:
         raise ValueError(f"{what}: checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
@@ -329,6 +336,104 @@ def add_dtype_argument(parser, **kwargs) -> None:
                              + ("" if "choices" in kwargs else "; or a dtype name"))
 
 
+# Damaged files --------------------------------------------------------------------------------------------------------
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that cannot be read (corrupt or truncated). Its message is one line naming the file."""
+
+
+# TensorStore's words for a file it read and for a read past a truncated file's end (the size the file has).
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+_SHORT_READ = re.compile(r"is not valid for value of size (\d+)")
+
+
+def _corrupt(what: str, piece_dir: str, error) -> CorruptCheckpoint:
+    """The one line for an Orbax / TensorStore read of `piece_dir` that failed with `error` (an exception, or the
+    text Orbax logged): it names the file TensorStore names, else the data file of the size it reports (a truncated
+    file), else the piece's only data file, else the piece."""
+    while isinstance(error, BaseException) and error.__cause__ is not None:
+        error = error.__cause__  # Orbax wraps TensorStore's precise error in a generic one
+    text = str(error)
+    named = [f for f in _LOCAL_FILE.findall(text) if os.path.isfile(f)]
+    files = [os.path.join(d, f) for d, _, names in os.walk(piece_dir) for f in names
+             if os.path.basename(d) == "d"]  # TensorStore's data files: <piece>/state/[ocdbt.process_*/]d/<hash>
+    short = _SHORT_READ.search(text)
+    sized = [f for f in files if short and os.path.getsize(f) == int(short.group(1))]
+    name = (named[0] if named else sized[0] if len(sized) == 1 else files[0] if len(files) == 1 else piece_dir)
+    kind = "truncated" if short else "corrupt or truncated"
+    return CorruptCheckpoint(f"{name} ({what} {os.path.basename(piece_dir)}) is {kind}: "
+                             f"{_one_line(error, 200)}; re-copy or re-convert the checkpoint")
+
+
+class _Records(logging.Handler):
+    """What Orbax logs while reading a piece's metadata: on a damaged piece it logs TensorStore's error and returns
+    None, and that error names the file."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+class _QuietAfterFailedRead(io.TextIOBase):
+    """sys.stderr after a failed load: what the main program writes passes; what TensorStore's threads (foreign to
+    Python: threading._DummyThread) and the interpreter's teardown write is the abandoned reads' noise."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if sys.is_finalizing() or isinstance(threading.current_thread(), threading._DummyThread):
+            return len(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+
+class _NoOrphanedTasks(logging.Filter):
+    """asyncio's 'Task exception was never retrieved' for the reads Orbax abandoned (logged as they are collected)."""
+
+    def filter(self, record):
+        return not str(record.msg).startswith("Task exception was never retrieved")
+
+
+def checked_load(load: Callable, *args, **kwargs):
+    """`load(*args, **kwargs)` (load_checkpoint, load_sharded, load_hf) for a command line: a file that cannot be read
+    is one CorruptCheckpoint (a ValueError) whose message names it, and nothing else reaches stderr; an exception that
+    is not a ValueError or OSError (Orbax / TensorStore / safetensors on a damaged file) becomes one too.
+
+    Why stderr needs care: when one TensorStore read fails, Orbax abandons the reads still in flight and closes the
+    event loops they report to; they end later, on TensorStore's threads and at interpreter exit, and each prints a
+    traceback (uvloop's 'Event loop is closed', asyncio's 'Task exception was never retrieved'): from none to
+    thousands of lines, by timing. So sys.stderr is held during the load (replayed after a load that worked) and after
+    a failed one keeps out what foreign threads and the interpreter's teardown write (_QuietAfterFailedRead)."""
+    stream, held = sys.stderr, io.StringIO()
+    sys.stderr = held
+    try:
+        result = load(*args, **kwargs)
+    except (CorruptCheckpoint, KeyboardInterrupt, SystemExit, ValueError, OSError) as e:
+        failed = e
+    except Exception as e:  # noqa: BLE001 - a reader's own exception kinds on a damaged file
+        where = os.fspath(args[0]) if args else "the checkpoint"
+        failed = CorruptCheckpoint(f"{where} is corrupt or truncated ({type(e).__name__}: {_one_line(e, 200)})")
+    else:
+        sys.stderr = stream
+        stream.write(held.getvalue())
+        return result
+    if isinstance(failed, CorruptCheckpoint):
+        sys.stderr = _QuietAfterFailedRead(stream)
+        logging.getLogger("asyncio").addFilter(_NoOrphanedTasks())
+    else:  # not a damaged file (a wrong path, an interrupt): nothing to hide
+        sys.stderr = stream
+        stream.write(held.getvalue())
+    raise failed
+
+
 def load_checkpoint(path, *, dtype=None, shardings=None):
     """(target, drafter or None, tokenizer) from a checkpoint directory.
 
@@ -356,8 +461,8 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
     try:
         tokenizer = tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
     except Exception as e:  # noqa: BLE001 - tokenizers and tiktoken raise their own kinds on a corrupt file
-        raise ValueError(f"the tokenizer in {os.path.join(path, 'tokenizer')} cannot be read ({type(e).__name__}: "
-                         f"{_one_line(e)})") from None
+        raise CorruptCheckpoint(f"the tokenizer in {os.path.join(path, 'tokenizer')} is corrupt ({type(e).__name__}: "
+                                f"{_one_line(e)}); re-copy it") from None
     return target, drafter, tokenizer
 
 

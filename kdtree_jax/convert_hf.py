@@ -86,7 +86,9 @@ def _read_safetensors_header(path: str) -> dict:
     ValueError naming it (not a struct, JSON or mmap error later, mid-conversion)."""
 
     def bad(why: str):
-        return ValueError(f"{path} is not a valid safetensors file ({why}); re-download or re-copy it")
+        from kdtree_jax.checkpoint import CorruptCheckpoint  # a ValueError the command lines exit 1 on
+
+        return CorruptCheckpoint(f"{path} is not a valid safetensors file ({why}); re-download or re-copy it")
 
     try:
         size = os.path.getsize(path)

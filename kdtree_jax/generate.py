@@ -129,17 +129,22 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
             _fail(str(e))
     if not os.path.isdir(checkpoint):
         _fail(f"--checkpoint {checkpoint!r} is not a directory")
-    try:
+    from kdtree_jax.checkpoint import CorruptCheckpoint, checked_load
+
+    try:  # checked_load: a damaged file is one CorruptCheckpoint line, with none of the readers' tracebacks
         if os.path.exists(os.path.join(checkpoint, "config.json")):
-            cfg, target = kdtree_jax.load_hf(checkpoint, dtype=jnp.bfloat16)
+            cfg, target = checked_load(kdtree_jax.load_hf, checkpoint, dtype=jnp.bfloat16)
             tokenizer = load_tokenizer(checkpoint)
             _byte_notice(checkpoint, tokenizer, target)
             return (target, None, tokenizer, f"HF checkpoint {checkpoint} (no drafter: autoregressive)", 1.0)
-        target, drafter, tokenizer = kdtree_jax.load_checkpoint(checkpoint, dtype=dtype)
+        target, drafter, tokenizer = checked_load(kdtree_jax.load_checkpoint, checkpoint, dtype=dtype)
         _byte_notice(checkpoint, tokenizer, target)
+    except CorruptCheckpoint as e:  # the data is bad, not the command: status 1
+        print(f"error: {_one_line(e, 1000)}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     except (ValueError, OSError) as e:
         _fail(f"--checkpoint {checkpoint!r}: {_one_line(e)}")
-    except Exception as e:  # noqa: BLE001 - a corrupt Orbax piece fails deep inside Orbax / TensorStore
+    except Exception as e:  # noqa: BLE001 - an HF directory's tokenizer files, read by their own library
         _fail(f"--checkpoint {checkpoint!r} could not be read ({type(e).__name__}: {_one_line(e)})")
     return (target, drafter, tokenizer, f"checkpoint {checkpoint} ({jnp.dtype(target.dtype).name})",
             recommended_tree_temperature(checkpoint))

@@ -1,4 +1,4 @@
-"""`python -m kdtree_jax.serve`: an OpenAI-compatible completions server with continuous batching.
+"""`python -m kdtree_jax.serve`: an OpenAI-compatible completions and chat server with continuous batching.
 
     python -m kdtree_jax.serve                                   # the embedded default pair on 127.0.0.1:8000
     python -m kdtree_jax.serve --checkpoint DIR --port 8080 --max-batch 16 --budget 32
@@ -7,12 +7,15 @@
 
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "default", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
-Start-up: load the checkpoint, compile the greedy batch's programs on a short request (a minute or less on a CPU),
+Start-up: bind the port (a port in use is a one-line error, status 2, before anything loads), load the
+checkpoint (a corrupt or truncated file is one line naming it, status 1), compile the greedy batch's programs on a short request (a minute or less on a CPU),
 with --budget auto (the default) take the tree budget's step cost model from the cache or measure it (seconds, once
 per model pair, device, --max-batch and sampling mode; --calibrate measures it again), then serve. SIGINT / SIGTERM
-stop accepting connections, let the requests in flight finish (up to --drain-timeout seconds), cancel the rest, wait
-for the decode thread to leave (after the compile or chunk it is running returns: XLA's native code is never torn
+stop accepting connections, let the requests in flight finish (up to --drain-timeout seconds), end the rest (a stream
+with a final error event, a whole request with a 503: api.py), wait for the decode thread to leave (after the compile or chunk it is running returns: XLA's native code is never torn
 down under it) and exit 0. A signal during the start-up (load, warm-up compile, cost-model measurement) stops there,
 also with status 0. A second SIGINT while waiting exits at once with status 130.
 """
@@ -20,8 +23,11 @@ also with status 0. A second SIGINT while waiting exits at once with status 130.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -31,8 +37,9 @@ from kdtree_jax.generate import budget_argument
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kdtree_jax.serve",
-        description="Serve /v1/completions (OpenAI-compatible; streamed as server-sent events or whole), /v1/models, "
-                    "/health and /metrics (Prometheus) with DDTree speculative decoding and continuous batching: "
+        description="Serve /v1/completions and /v1/chat/completions (OpenAI-compatible; streamed as server-sent "
+                    "events or whole; chat messages rendered through the tokenizer's chat template, else a plain "
+                    "'role: content' one), /v1/models, /health and /metrics (Prometheus) with DDTree speculative decoding and continuous batching: "
                     "one background thread runs the decode loop in chunks of steps and admits waiting requests "
                     "into free batch rows between chunks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -83,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: float32 on a CPU, as saved on a GPU)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGINT/SIGTERM waits for requests in flight before stopping")
+                   help="seconds SIGINT/SIGTERM lets the requests in flight run on; then each one still running ends "
+                        "(a stream with a final error event whose code is 'shutting_down', a whole request with a "
+                        "503) and the server exits 0")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before serving (the first request pays the compile instead)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -113,6 +122,27 @@ def check_flags(args) -> None:
         _fail(f"--tree-temperature must be > 0; got {args.tree_temperature}")
     if args.drain_timeout < 0:
         _fail(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now, before the model loads: a port in use (or an address this machine lacks) is a
+    one-line error, status 2, at once rather than after the load and compile. uvicorn listens on this very socket,
+    so no other process can take the port in between."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        _fail(f"--host {host!r} is not an address of this machine ({e.strerror})")
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = ("already in use (another server? pick one with --port)" if e.errno == errno.EADDRINUSE else
+               e.strerror or str(e))
+        _fail(f"cannot listen on {host}:{port}: {why}")
+    return sock
 
 
 def _say(line: str) -> None:
@@ -150,19 +180,34 @@ class _Signals:
         return signal.Signals(self.received).name if self.received is not None else ""
 
 
-def _server_class(signals: _Signals):
+# What uvicorn may still take after --drain-timeout, once the app has ended the requests still running, before it
+# cancels their tasks (a cancelled stream would drop its connection and log a traceback).
+END_GRACE_S = 5.0
+
+
+def _server_class(signals: _Signals, drain_timeout: float):
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM once it has shut down (the process then dies of the signal, status 130 or
         143); a server that drained its requests exits 0 instead. A signal that came before uvicorn took over the
-        handlers (between the warm-up and the socket's bind) is honoured through `should_exit`."""
+        handlers (between the warm-up and serving) is honoured through `should_exit`. Shutting down, the requests in
+        flight run on for --drain-timeout seconds; then the app ends the rest itself (api.py: end_requests)."""
 
         def handle_exit(self, sig, frame):
             if signals.received is None:
                 signals.received = sig
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
+
+        async def shutdown(self, sockets=None):
+            end = getattr(getattr(self.config.app, "state", None), "end_requests", None)
+            timer = asyncio.get_running_loop().call_later(drain_timeout, end) if end is not None else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     return Server
 
@@ -172,15 +217,18 @@ def main(argv=None) -> int:
     check_flags(args)
     try:
         import fastapi  # noqa: F401
+        import jinja2  # noqa: F401 - chat templates
         import uvicorn
     except ImportError as e:
         _fail(f"the server needs the 'serve' extra ({e.name} is missing): pip install -e \".[serve]\"")
+    sock = bind(args.host, args.port)
     signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
 
     from kdtree_jax import runtime
     from kdtree_jax.generate import load_models, notice
 
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    from kdtree_jax.serve import chat_template
     from kdtree_jax.serve.api import create_app
     from kdtree_jax.serve.metrics import Metrics
     from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, Settings, compile_count
@@ -232,7 +280,11 @@ def main(argv=None) -> int:
             return 0
         if scheduler.warmup_error is not None:
             raise scheduler.warmup_error
-        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info)
+        try:
+            template = chat_template.for_tokenizer(tokenizer)
+        except ValueError as e:
+            _fail(f"the checkpoint's chat template: {e}")
+        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info, template=template)
 
         if scheduler.menu:
             greedy = scheduler.buckets.get((0.0, 1.0))  # made by the warm-up (none with --no-warmup)
@@ -248,11 +300,11 @@ def main(argv=None) -> int:
               + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
                 f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.drain_timeout)
-        server = signals.server = _server_class(signals)(config)
+                                timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
+        server = signals.server = _server_class(signals, args.drain_timeout)(config)
         if signals.received is not None:  # came since the check above: uvicorn starts, sees it and shuts down
             server.should_exit = True
-        server.run()  # returns after SIGINT/SIGTERM and the drain of the requests in flight
+        server.run(sockets=[sock])  # returns after SIGINT/SIGTERM and the drain of the requests in flight
     finally:
         # Whatever is left after --drain-timeout is cancelled; the thread leaves after the compile or chunk in flight
         # (not bounded: tearing a thread down inside XLA aborts the process; a second SIGINT exits at once).

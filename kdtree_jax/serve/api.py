@@ -1,15 +1,23 @@
-"""The HTTP side: an OpenAI-compatible /v1/completions (streamed as server-sent events, or whole), /v1/models,
-/health and /metrics, on FastAPI.
+"""The HTTP side: OpenAI-compatible /v1/completions and /v1/chat/completions (streamed as server-sent events, or
+whole), /v1/models and /v1/models/{id}, /health and /metrics, on FastAPI.
 
-A handler validates the request (pydantic, then the limits that need the model: context, pool), tokenizes it and
-submits a `scheduler.Request` whose `emit` puts the decode thread's events on this request's asyncio queue. Text is
-made here, not in the decode thread: each time tokens arrive the handler decodes all of the request's tokens and
-sends what is new, holding back a trailing partial UTF-8 character and any end that could start a stop string; a
-stop string found ends the request (scheduler.cancel(..., "stop")). A client that goes away cancels its request, so
-its batch row and KV slots are freed after the chunk in flight.
+A handler validates the request (pydantic, then the limits that need the model: context, pool), makes its prompt
+(the text or token ids given; for chat, the messages rendered through the tokenizer's chat template,
+chat_template.py), tokenizes it and submits a `scheduler.Request` whose `emit` puts the decode thread's events on
+this request's asyncio queue. Text is made here, not in the decode thread: each time tokens arrive the handler
+decodes all of the request's tokens and sends what is new, holding back a trailing partial UTF-8 character and any
+end that could start a stop string; a stop string found ends the request (scheduler.cancel(..., "stop")).
 
-Every error is OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for a bad request, 404 for
-an unknown model, 429 for a full queue and 503 while shutting down.
+A client that goes away cancels its request, so that its batch row and KV slots are freed after the chunk in
+flight: a stream notices when a send fails (starlette watches the connection), a whole request through a task
+that waits for the connection's http.disconnect message while the tokens arrive.
+
+Shutting down (the command line's SIGTERM): requests in flight may finish until --drain-timeout; then the command
+line calls `app.state.end_requests()`, and each request still running ends at once: a stream with a final error
+event (code "shutting_down") and `data: [DONE]`, a whole request with a 503.
+
+Every error is OpenAI's shape (errors.py): 400 for a bad request, 404 for an unknown model or route, 405 for a
+wrong method, 429 for a full queue, 500 for a failed decode, 503 while shutting down.
 """
 
 from __future__ import annotations
@@ -18,21 +26,17 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kdtree_jax.serve import chat_template
 from kdtree_jax.serve import scheduler as sched
+from kdtree_jax.serve.errors import SHUTDOWN, ApiError, from_validation
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
-
-# What a whole (non-streamed) request still running when the server's --drain-timeout ends gets, as a 503: uvicorn
-# cancels its handler then, which would otherwise be a 500 and a logged traceback. (A stream's cancellation reaches
-# starlette's own tasks first: its connection is closed.)
-SHUTDOWN = {"message": "the server shut down before this request finished (--drain-timeout)", "type": "server_error",
-            "param": None, "code": "shutting_down"}
 
 
 class StreamOptions(BaseModel):
@@ -66,32 +70,64 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
 
-
-class ApiError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
-            "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    NEUTRAL: ClassVar[dict] = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0,),
+               "frequency_penalty": (0,), "logit_bias": (None, {})}
 
 
-def _validation_error(e: ValidationError) -> ApiError:
-    """The first pydantic error as one line naming the parameter."""
-    err = e.errors()[0]
-    # A Union reports each alternative's failure ('prompt', 'list[int]', 0): name the field itself.
-    param = str(err["loc"][0]) if err["loc"] else None
-    if err["type"] == "missing":
-        return ApiError(400, f"missing required parameter: '{param}'", param, "missing_parameter")
-    if err["type"] == "extra_forbidden":
-        return ApiError(400, f"unrecognized request argument: '{param}'", param, "unknown_parameter")
-    value = err.get("input")
-    shown = json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
-    return ApiError(400, f"invalid value for '{param}' ({shown}): {err['msg']}", param, "invalid_value")
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's content parts); only text is understood."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message. Fields beyond role / content / name (a tool call's, say) go to the template as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatRequest(BaseModel):
+    """The /v1/chat/completions body; like CompletionRequest, the parameters this server does not implement are
+    accepted at their neutral values only. Without max_tokens / max_completion_tokens an answer may take all the room
+    its prompt leaves (the model's context and this server's --max-len)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's older name of max_completion_tokens
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # not implemented: only their neutral values
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict] = None
+    service_tier: Optional[str] = None
+
+    NEUTRAL: ClassVar[dict] = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (0,),
+               "frequency_penalty": (0,), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "response_format": (None, {"type": "text"}), "store": (None, False),
+               "service_tier": (None, "auto", "default")}
 
 
 class TextStream:
@@ -131,16 +167,58 @@ class TextStream:
         return ""
 
 
-def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: str, info: dict) -> FastAPI:
-    """The FastAPI app over a started scheduler. info: what /health and /v1/models say about the decoding."""
+def _parse(body: bytes, kind, model_name: str):
+    """The request body as `kind` (CompletionRequest or ChatRequest), checked: -> the request."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as e:
+        raise from_validation(e) from None
+    if req.model != model_name:
+        raise ApiError(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
+                       "model", "model_not_found")
+    if req.n != 1:
+        raise ApiError(400, f"n must be 1 (one completion per request); got {req.n}", "n", "unsupported_value")
+    for name, values in kind.NEUTRAL.items():
+        if getattr(req, name) not in values:
+            raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    return req
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise ApiError(400, f"stop must be up to {MAX_STOPS} non-empty strings", "stop", "invalid_value")
+    return stops
+
+
+def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: str, info: dict,
+               template: Optional[chat_template.ChatTemplate] = None) -> FastAPI:
+    """The FastAPI app over a started scheduler. info: what /health and /v1/models say about the decoding.
+    template: how chat messages become a prompt (default: the tokenizer's own, chat_template.for_tokenizer)."""
+    from kdtree_jax.serve import errors
+
     app = FastAPI(title="kdtree-jax", description="DDTree speculative decoding, OpenAI-compatible completions")
+    errors.install(app, on_error=lambda: metrics.add("requests_rejected"))
     created = int(time.time())
     vocab = scheduler.target.cfg.vocab_size
+    template = template if template is not None else chat_template.for_tokenizer(tokenizer)
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "kdtree-jax", **info,
+                  "chat_template": template.origin}
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        metrics.add("requests_rejected")
-        return e.response()
+    live: set = set()  # the event queues of the requests running now
+
+    def end_requests() -> None:
+        """--drain-timeout is over: every request still running ends now (a final error event, a 503)."""
+        for queue in list(live):
+            queue.put_nowait(("shutdown", None))
+
+    app.state.end_requests = end_requests
 
     @app.get("/health")
     async def health():
@@ -154,50 +232,21 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                             "owned_by": "kdtree-jax", **info}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
+                           "model", "model_not_found")
+        return model_card
 
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def parse(body: bytes) -> CompletionRequest:
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        if req.model != model_name:
-            raise ApiError(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
-                           "model", "model_not_found")
-        if req.n != 1:
-            raise ApiError(400, f"n must be 1 (one completion per request); got {req.n}", "n", "unsupported_value")
-        # OpenAI parameters this server does not implement: accepted at their neutral values only
-        neutral = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0,),
-                   "frequency_penalty": (0,), "logit_bias": (None, {})}
-        for name, values in neutral.items():
-            if getattr(req, name) not in values:
-                raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
-        return req
-
-    def prompt_ids(req: CompletionRequest) -> tuple[list[int], str]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, f"one prompt per request; got {len(prompt)}", "prompt", "unsupported_value")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids, text = tokenizer.encode(prompt), prompt
-        else:
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[0]}", "prompt", "invalid_value")
-            ids, text = list(prompt), tokenizer.decode(list(prompt))
+    def check_prompt(ids: list[int], max_tokens: Optional[int], param: str) -> int:
+        """-> the request's max_tokens (None: all the room its prompt leaves), after the limits of the model and pool."""
         if not ids:
             raise ApiError(400, "the prompt is empty (it must encode to at least one token)", "prompt", "invalid_value")
         context = scheduler.target.cfg.max_position_embeddings
@@ -209,20 +258,89 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's rows hold at most "
                                 f"{len(ids) + limit - 1} (--max-len {scheduler.settings.max_len} less one verify tree)",
                            "prompt", "context_length_exceeded")
-        if req.max_tokens > limit:
-            raise ApiError(400, f"max_tokens is {req.max_tokens} but a {len(ids)}-token prompt leaves room for at most "
+        if max_tokens is not None and max_tokens > limit:
+            raise ApiError(400, f"{param} is {max_tokens} but a {len(ids)}-token prompt leaves room for at most "
                                 f"{limit} (the model's context and this server's --max-len {scheduler.settings.max_len})",
-                           "max_tokens", "context_length_exceeded")
-        return ids, text
+                           param, "context_length_exceeded")
+        return limit if max_tokens is None else max_tokens
+
+    def completion_prompt(req: CompletionRequest) -> tuple[list[int], str]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, f"one prompt per request; got {len(prompt)}", "prompt", "unsupported_value")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt), prompt
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[0]}", "prompt", "invalid_value")
+        return list(prompt), tokenizer.decode(list(prompt))
+
+    def chat_prompt(req: ChatRequest) -> list[int]:
+        messages = []
+        for m in req.messages:
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):  # text parts: one string, as the templates expect
+                message["content"] = "".join(part.text for part in m.content)
+            message.setdefault("content", "")
+            messages.append(message)
+        try:
+            text = template.render(messages)
+        except chat_template.TemplateError as e:
+            raise ApiError(400, " ".join(str(e).split())[:500], "messages", "invalid_value") from None
+        return tokenizer.encode(text)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(await request.body())
-        ids, prompt_text = prompt_ids(req)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise ApiError(400, f"stop must be up to {MAX_STOPS} non-empty strings", "stop", "invalid_value")
+        req = _parse(await request.body(), CompletionRequest, model_name)
+        ids, prompt_text = completion_prompt(req)
+        max_tokens = check_prompt(ids, req.max_tokens, "max_tokens")
+        completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
 
+        def chunk(piece: str, finish) -> dict:
+            return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+                    "model": model_name, "choices": [{"text": piece, "index": 0, "logprobs": None,
+                                                      "finish_reason": finish}]}
+
+        return await run(request, req, ids, max_tokens, _stops(req.stop), chunk=chunk,
+                         first=chunk(prompt_text, None) if req.echo else None,
+                         whole=lambda text, finish: chunk((prompt_text if req.echo else "") + text, finish))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = _parse(await request.body(), ChatRequest, model_name)
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens differ; send one", "max_tokens",
+                           "invalid_value")
+        ids = chat_prompt(req)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = check_prompt(ids, req.max_completion_tokens or req.max_tokens, param)
+        stops = _stops(req.stop) + ([template.end] if template.end else [])
+        completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        usage_field = {"usage": None} if req.stream_options is not None and req.stream_options.include_usage else {}
+
+        def chunk(delta: dict, finish) -> dict:
+            return {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": model_name, "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                    **usage_field}
+
+        def whole(text: str, finish) -> dict:
+            return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": model_name, "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                                 "logprobs": None, "finish_reason": finish}]}
+
+        return await run(request, req, ids, max_tokens, stops,
+                         chunk=lambda piece, finish: chunk({"content": piece} if piece else {}, finish),
+                         first=chunk({"role": "assistant", "content": ""}, None), whole=whole)
+
+    async def run(request: Request, req, ids: list[int], max_tokens: int, stops: list[str], *,
+                  chunk: Callable[[str, Any], dict], first: Optional[dict], whole: Callable[[str, Any], dict]):
+        """Submit the request and answer it: as server-sent events (`first`, then chunk(piece, finish_reason) as text
+        arrives, usage if asked, [DONE]) or whole (whole(text, finish_reason) with usage)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -232,7 +350,7 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
             except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
                 pass
 
-        job = sched.Request(prompt=ids, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+        job = sched.Request(prompt=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             seed=req.seed, emit=emit)
         try:
             scheduler.submit(job)
@@ -241,21 +359,16 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
                            "rate_limit_exceeded") from None
         except sched.NotAccepting as e:
             raise ApiError(503, str(e), None, "shutting_down", "server_error") from None
-
-        completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        live.add(events)
         text = TextStream(tokenizer, stops)
 
-        def usage():
+        def usage() -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
                     "total_tokens": len(ids) + len(text.ids)}
 
-        def choice(piece: str, finish_reason):
-            return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-                    "model": model_name, "choices": [{"text": piece, "index": 0, "logprobs": None,
-                                                      "finish_reason": finish_reason}]}
-
         async def pieces():
-            """(text, None) as tokens arrive, then (rest, finish_reason); raises ApiError if the decode failed."""
+            """(text, None) as tokens arrive, then (rest, finish_reason); raises ApiError if the decode failed, the
+            client went away (a whole request) or the server's drain time is over."""
             while True:
                 kind, value = await events.get()
                 if kind == "tokens":
@@ -269,50 +382,55 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
                 elif kind == "done":
                     yield text.finish(), "stop" if value == "stop" else value
                     return
+                elif kind == "shutdown":
+                    raise SHUTDOWN
+                elif kind == "gone":
+                    raise ApiError(499, "client closed the request", None, "client_closed", "cancelled")
                 else:
                     raise ApiError(500, str(value), None, "decode_failed", "server_error")
+
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data)}\n\n"
 
         if req.stream:
             async def sse():
                 try:
-                    if req.echo:
-                        yield f"data: {json.dumps(choice(prompt_text, None))}\n\n"
+                    if first is not None:
+                        yield event(first)
                     async for piece, finish in pieces():
                         if piece or finish:
-                            yield f"data: {json.dumps(choice(piece, finish))}\n\n"
+                            yield event(chunk(piece, finish))
                     if req.stream_options is not None and req.stream_options.include_usage:
-                        yield f"data: {json.dumps({**choice('', None), 'choices': [], 'usage': usage()})}\n\n"
+                        yield event({**chunk("", None), "choices": [], "usage": usage()})
                 except ApiError as e:
-                    yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'param': None, 'code': e.code}})}\n\n"
-                finally:
-                    scheduler.cancel(job)  # a no-op once it is done; frees the row of a client that went away
+                    yield event(e.body())
+                finally:  # a no-op once it is done; frees the row of a client that went away
+                    scheduler.cancel(job)
+                    live.discard(events)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        # Whole: wait for the end, watching for a client that gives up meanwhile.
-        out, finish = [prompt_text] if req.echo else [], None
-        stream = pieces()
+        async def watch():
+            """A whole request's client going away (the connection's http.disconnect) while its tokens arrive."""
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            events.put_nowait(("gone", None))
+
+        watcher = asyncio.ensure_future(watch())
+        out = []
         try:
-            while finish is None:
-                task = asyncio.ensure_future(stream.__anext__())
-                while not task.done():
-                    await asyncio.wait({task}, timeout=1.0)
-                    if not task.done() and await request.is_disconnected():
-                        task.cancel()
-                        scheduler.cancel(job)
-                        return JSONResponse(status_code=499, content={"error": {
-                            "message": "client closed the request", "type": "cancelled", "param": None,
-                            "code": "client_closed"}})
-                piece, finish = task.result()
+            async for piece, finish in pieces():
                 out.append(piece)
         except ApiError as e:
             return e.response()
-        except asyncio.CancelledError:  # shutting down: --drain-timeout is over (see SHUTDOWN)
-            return JSONResponse(status_code=503, content={"error": SHUTDOWN})
+        except asyncio.CancelledError:  # uvicorn's last resort after --drain-timeout and its grace: still a 503
+            return SHUTDOWN.response()
         finally:
+            watcher.cancel()
             scheduler.cancel(job)
-        return {**choice("".join(out), finish), "usage": usage()}
+            live.discard(events)
+        return {**whole("".join(out), finish), "usage": usage()}
 
     return app
