@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kdtree_jax.speculative import engine  # noqa: E402
+from kdtree_jax.speculative import engine, validation  # noqa: E402
 from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
 
 # name: XLA options of the adaptive loop's program
@@ -75,9 +75,9 @@ def main(argv=None) -> int:
                   tree="ddtree")
 
     def setup(spec, use_drafter: bool):
-        req = engine._validate(target, drafter if use_drafter else None, prompts, budget=spec.budget, **common)
-        state, loop_drafter, _ = engine._setup(target, drafter if use_drafter else None, req, spec, seed=0,
-                                               chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
+        req = validation.validate(target, drafter if use_drafter else None, prompts, budget=spec.budget, **common)
+        state, loop_drafter, _ = engine.setup(target, drafter if use_drafter else None, req, spec, seed=0,
+                                              chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
         return state._replace(stop_ids=jnp.full_like(state.stop_ids, -1)), loop_drafter
 
     reference = {}

@@ -36,7 +36,7 @@ kdtree_jax.runtime.configure()
 
 import jax.numpy as jnp  # noqa: E402
 
-from kdtree_jax.speculative import engine  # noqa: E402
+from kdtree_jax.speculative import engine, validation  # noqa: E402
 from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
 
 
@@ -53,10 +53,10 @@ def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps:
                   tree="ddtree")
 
     def state_for(spec, loop_drafter_wanted):
-        req = engine._validate(target, drafter if loop_drafter_wanted else None, prompts, budget=spec.budget,
-                               **common)
-        state, loop_drafter, _ = engine._setup(target, drafter if loop_drafter_wanted else None, req, spec, seed=0,
-                                               chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
+        req = validation.validate(target, drafter if loop_drafter_wanted else None, prompts, budget=spec.budget,
+                                  **common)
+        state, loop_drafter, _ = engine.setup(target, drafter if loop_drafter_wanted else None, req, spec, seed=0,
+                                              chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
         # No row stops early: every timed step is a full batch's.
         state = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1))
         return state, loop_drafter

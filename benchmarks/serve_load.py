@@ -407,7 +407,7 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
     each. -> (one dict per mode, notes on what was cut short)."""
     import httpx
 
-    from kdtree_jax.speculative.engine import prompt_bucket
+    from kdtree_jax.speculative.admission import prompt_bucket
 
     out = {mode: {"mode": mode, "startup_s": float("nan"), "server": None, "rows": []} for mode in modes}
     notes = []

@@ -84,7 +84,7 @@ from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax import kv_pool  # noqa: E402
 from kdtree_jax.serve.scheduler import compile_count  # noqa: E402
-from kdtree_jax.speculative import budget_policy, engine  # noqa: E402
+from kdtree_jax.speculative import admission, budget_policy, engine, validation  # noqa: E402
 from kdtree_jax.speculative import cost_model as cost_models  # noqa: E402
 from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
 from kdtree_jax.tokenizer import ByteTokenizer  # noqa: E402
@@ -382,11 +382,11 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     prompts in the rows, before the warm-up; stats["budget_policy"] is what the policy did in the timed pass."""
     use = None if tree == "ar" else drafter
     tree, budget = ("ddtree", 0) if tree == "ar" else (tree, budget)
-    req = engine._validate(target, use, prompts[:batch], max_new_tokens=max_new_tokens, budget=budget, topk=topk,
-                           tree_temperature=tree_temperature, temperature=temperature, stop_ids=(), tree=tree,
-                           top_k=top_k, top_p=top_p)
+    req = validation.validate(target, use, prompts[:batch], max_new_tokens=max_new_tokens, budget=budget, topk=topk,
+                              tree_temperature=tree_temperature, temperature=temperature, stop_ids=(), tree=tree,
+                              top_k=top_k, top_p=top_p)
     # budget "auto": the menu generate() compiles in, and its largest budget sizes the trees (the pool's room).
-    menu = engine.adaptive_menu(budget, None, use, tree, topk) if req.use_drafter else ()
+    menu = validation.adaptive_menu(budget, None, use, tree, topk) if req.use_drafter else ()
     if isinstance(budget, str):
         budget = max(menu) if menu else 0
     # The SpecConfig and the pool generate() builds for a batch of these prompts: the chunk program is then the one
@@ -399,8 +399,8 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     use = use if req.use_drafter else None
     depth = req.depth if req.use_drafter else 0
     longest = max(len(p) for p in prompts)
-    chunk = min(engine.PREFILL_CHUNK, engine._round_up(longest, 16))
-    max_len = engine._round_up(engine._round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
+    chunk = min(admission.PREFILL_CHUNK, validation.round_up(longest, 16))
+    max_len = validation.round_up(validation.round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
     moe = [layer.mlp for layer in target.layers if layer.is_moe]
 
     costs = {}  # budget "auto": the policy's costs (set below, after the compile)

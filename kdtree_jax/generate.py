@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import add_dtype_argument
 from kdtree_jax.embedded import default_checkpoint
-from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import engine, validation
 
 DEFAULT_CHECKPOINT = default_checkpoint(required=False)  # None where this install carries no default pair
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "{0, 4, 8, 16, 32, 64} by the drafter's own probabilities and a cost model of this device "
                         "(0: an autoregressive step that skips the drafter), measured once per model, device and batch "
                         "size in a few seconds and cached (see --calibrate); a number: that budget every step (0: plain "
-                        f"autoregressive decoding; at most {engine.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or "
+                        f"autoregressive decoding; at most {validation.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or "
                         "static tree has its own size")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again instead of using the cached one "
@@ -305,8 +305,8 @@ def check_flags(args, tree) -> None:
         _fail(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     if args.calibrate and args.budget != "auto":
         _fail("--calibrate measures the cost model of --budget auto; drop it with a numeric --budget")
-    if args.budget != "auto" and not 0 <= args.budget <= engine.MAX_TREE_NODES - 1:
-        _fail(f"--budget must be in [0, {engine.MAX_TREE_NODES - 1}] (tree nodes a step verifies); got {args.budget}")
+    if args.budget != "auto" and not 0 <= args.budget <= validation.MAX_TREE_NODES - 1:
+        _fail(f"--budget must be in [0, {validation.MAX_TREE_NODES - 1}] (tree nodes a step verifies); got {args.budget}")
     if args.topk < 1:
         _fail(f"--topk must be >= 1; got {args.topk}")
     if not args.temperature >= 0:
@@ -459,9 +459,9 @@ def main(argv=None) -> int:
         _fail("the prompt encodes to no tokens")
     stop_ids = stop_token_ids(tokenizer, stops)
     try:  # every argument against the model (context, tree size, memory) before any device work
-        engine._validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                         tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids,
-                         tree=tree, top_k=args.top_k_sampling, top_p=args.top_p)
+        validation.validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
+                            topk=args.topk, tree_temperature=args.tree_temperature, temperature=args.temperature,
+                            stop_ids=stop_ids, tree=tree, top_k=args.top_k_sampling, top_p=args.top_p)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     autoregressive_notice(drafter, args)
@@ -535,7 +535,7 @@ def run_batch(args, tree, stops, t_start) -> int:
                   tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree,
                   top_k=args.top_k_sampling, top_p=args.top_p)
     try:
-        engine._validate(target, drafter, ids, **kwargs)
+        validation.validate(target, drafter, ids, **kwargs)
         autoregressive_notice(drafter, args)
         print(f"[{description}; loaded in {load_seconds:.1f} s; decoding {len(ids)} prompts together ...]",
               file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import pytest
 from kdtree_jax import corpus
 from kdtree_jax.speculative import budget_policy as bp
 from kdtree_jax.speculative import cost_model as cm
-from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import engine, validation
 from kdtree_jax.speculative import tree as trees
 from kdtree_jax.speculative.step import _flush, pending_capacity
 
@@ -130,10 +130,10 @@ def prompts(pair_f32):
 
 
 def _loop_run(target, drafter, prompts, spec, force=None, costs=None):
-    req = engine._validate(target, drafter, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
-                           topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
-    state, loop_drafter, _ = engine._setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
-                                           num_moe=0, slots=0)
+    req = validation.validate(target, drafter, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
+                              topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
+                                          num_moe=0, slots=0)
     if spec.menu:
         state = engine.with_costs(state, spec, costs or {"cost_ar": 1.0})
         if force is not None:
@@ -173,10 +173,10 @@ def test_lazy_drafter_context_is_the_eager_one(pair_f32, prompts):
     for b, p in enumerate(prompts):
         committed = list(p) + out[b, :lens[b] - len(p)].tolist()
         assert len(committed) == lens[b] and num_out[b] == lens[b] - len(p) + 1
-        req = engine._validate(target, drafter, [committed], max_new_tokens=4, budget=4, topk=4, tree_temperature=1.0,
-                               temperature=0.0, stop_ids=(), tree="ddtree")
-        ref, _, _ = engine._setup(target, drafter, req, engine.SpecConfig(budget=4, max_new_tokens=4), seed=0,
-                                  chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
+        req = validation.validate(target, drafter, [committed], max_new_tokens=4, budget=4, topk=4,
+                                  tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+        ref, _, _ = engine.setup(target, drafter, req, engine.SpecConfig(budget=4, max_new_tokens=4), seed=0,
+                                 chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
         assert int(dcache.lens[b]) == int(ref.dcache.lens[0]) == lens[b]
         n = lens[b]
         np.testing.assert_allclose(np.asarray(dcache.k[:, b, :, :n]), np.asarray(ref.dcache.k[:, 0, :, :n]),
@@ -252,17 +252,17 @@ def test_auto_runs_the_autoregressive_loop_when_the_cached_costs_say_no_budget_p
 
 def test_menu_and_budget_arguments():
     drafter = type("D", (), {"cfg": type("C", (), {"depth": 3})()})()
-    assert engine.adaptive_menu("auto", None, drafter, "ddtree", 2) == (0, 4, 8, 14)  # 2 + 4 + 8 prefixes at most
-    assert engine.adaptive_menu("auto", (8, 2), drafter, "ddtree", 4) == (0, 2, 8)
-    assert engine.adaptive_menu(16, None, drafter, "ddtree", 4) == ()
-    assert engine.adaptive_menu("auto", None, None, "ddtree", 4) == ()
-    assert engine.adaptive_menu("auto", None, drafter, "chain", 4) == ()
+    assert validation.adaptive_menu("auto", None, drafter, "ddtree", 2) == (0, 4, 8, 14)  # 2 + 4 + 8 prefixes at most
+    assert validation.adaptive_menu("auto", (8, 2), drafter, "ddtree", 4) == (0, 2, 8)
+    assert validation.adaptive_menu(16, None, drafter, "ddtree", 4) == ()
+    assert validation.adaptive_menu("auto", None, None, "ddtree", 4) == ()
+    assert validation.adaptive_menu("auto", None, drafter, "chain", 4) == ()
     with pytest.raises(ValueError, match="'auto'"):
-        engine.adaptive_menu("big", None, drafter, "ddtree", 4)
+        validation.adaptive_menu("big", None, drafter, "ddtree", 4)
     with pytest.raises(ValueError, match="menu needs a budget"):
-        engine.adaptive_menu("auto", (0,), drafter, "ddtree", 4)
+        validation.adaptive_menu("auto", (0,), drafter, "ddtree", 4)
     with pytest.raises(ValueError, match="menu is for"):
-        engine.adaptive_menu(8, (4,), drafter, "ddtree", 4)
+        validation.adaptive_menu(8, (4,), drafter, "ddtree", 4)
 
 
 # The cost model ------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax import runtime
-from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import admission, engine, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
@@ -93,17 +93,17 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     ref_ac = engine.generate(target, drafter, [prompts[0], prompts[2]], **kwargs).tokens
 
     spec = engine.SpecConfig(budget=16, tree_temperature=0.6, max_new_tokens=24)
-    req = engine._validate(target, drafter, [prompts[0], prompts[1]], max_new_tokens=24, budget=16, topk=4,
-                           tree_temperature=0.6, temperature=0.0, stop_ids=(), tree="ddtree")
-    state, loop_drafter, _ = engine._setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
-                                           num_moe=sum(layer.is_moe for layer in target.layers),
-                                           slots=next(layer.mlp.num_slots for layer in target.layers if layer.is_moe))
+    req = validation.validate(target, drafter, [prompts[0], prompts[1]], max_new_tokens=24, budget=16, topk=4,
+                              tree_temperature=0.6, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
+                                          num_moe=sum(layer.is_moe for layer in target.layers),
+                                          slots=next(layer.mlp.num_slots for layer in target.layers if layer.is_moe))
     loop = engine.ChunkedLoop(target, loop_drafter, spec, steps=k)  # the jitted path: its cache shows compiles
     out = loop(loop(state).state)  # two chunks: the second call's arguments are the steady state's (committed)
     traces, programs = engine._TRACES["decode_chunk"], engine._decode_chunk._cache_size()
     first_out = np.asarray(out.state.out[0])
-    state = engine.replace_row(target, loop_drafter, out.state, 1, prompts[2], spec=spec)
-    admit_programs = engine._admit._cache_size()
+    state = admission.replace_row(target, loop_drafter, out.state, 1, prompts[2], spec=spec)
+    admit_programs = admission._admit._cache_size()
     while True:
         out = loop(state)
         state = out.state
@@ -116,11 +116,11 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     assert (first_out == final_out[0])[first_out >= 0].all()
     assert not bool(state.cache.overflow)
     # A second replacement (another row) reuses the admission program; the pool's accounting holds.
-    state = engine.replace_row(target, loop_drafter, state, 0, prompts[1], spec=spec)
-    assert engine._admit._cache_size() == admit_programs
+    state = admission.replace_row(target, loop_drafter, state, 0, prompts[1], spec=spec)
+    assert admission._admit._cache_size() == admit_programs
     live = int(np.asarray(state.cache.seq_lens).sum())
     assert int(state.cache.num_free) == state.cache.num_slots - live
-    state = engine.reset_row(state, 0)
+    state = admission.reset_row(state, 0)
     assert int(state.cache.num_free) == state.cache.num_slots - int(np.asarray(state.cache.seq_lens).sum())
     assert not bool(state.active[0]) and int(state.num_out[0]) == 0
 

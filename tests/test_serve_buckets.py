@@ -21,7 +21,7 @@ def test_a_dropped_bucket_clears_jax_caches_and_the_live_one_keeps_serving(monke
     from kdtree_jax.generate import load_models
     from kdtree_jax.serve import scheduler as sched
     from kdtree_jax.serve.metrics import Metrics
-    from kdtree_jax.speculative import engine
+    from kdtree_jax.speculative import admission
 
     target, drafter, _, _, _ = load_models(DEFAULT, "float32")
     s = sched.Scheduler(target, drafter, sched.Settings(max_batch=2, max_len=64, budget=0, chunk_steps=2,
@@ -38,11 +38,11 @@ def test_a_dropped_bucket_clears_jax_caches_and_the_live_one_keeps_serving(monke
 
     try:
         greedy = run(0.0)
-        assert s.releases == 0 and engine._admit._cache_size() >= 1  # (other tests' shapes too)
+        assert s.releases == 0 and admission._admit._cache_size() >= 1  # (other tests' shapes too)
         monkeypatch.setattr(sched, "RELEASE_MAPS", 0)  # any mapping counts as many: every drop releases
         sampled = run(0.7)  # a new setting: the greedy bucket (idle) is dropped, JAX's caches cleared
         assert s.releases == 1 and list(s.buckets) == [(0.7, 1.0)]
-        assert engine._admit._cache_size() == 1  # cleared: the sampled admission only (the greedy one not used since)
+        assert admission._admit._cache_size() == 1  # cleared: the sampled admission only (the greedy one not used since)
         assert run(0.7) == sampled  # the live bucket's own program survived the clear (and the seed holds)
         monkeypatch.setattr(sched, "RELEASE_MAPS", None)  # half of vm.max_map_count: far above this process
         assert run(0.0) == greedy and s.releases == 1 and s.error is None

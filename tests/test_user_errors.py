@@ -31,7 +31,7 @@ def _no_device_work(monkeypatch):
     """Fail loudly if a check lets the call reach the prefill or the loop."""
     def boom(*a, **k):
         raise AssertionError("device work started before the arguments were checked")
-    monkeypatch.setattr(engine, "_setup", boom)
+    monkeypatch.setattr(engine, "setup", boom)
 
 
 @pytest.mark.parametrize("kwargs, message", [

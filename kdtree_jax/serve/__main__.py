@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     from kdtree_jax.serve.api import create_app
     from kdtree_jax.serve.metrics import Metrics
     from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, Settings, compile_count
-    from kdtree_jax.speculative import engine
+    from kdtree_jax.speculative import tree as trees
+    from kdtree_jax.speculative import validation
 
     t0 = time.perf_counter()
     print("[loading the model ...]", file=sys.stderr, flush=True)
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         return 0
     budget = 0 if args.no_speculative else args.budget
     if drafter is not None and budget not in (0, "auto"):
-        limit = min(engine.trees.max_ddtree_budget(drafter.cfg.depth, args.topk), engine.MAX_TREE_NODES - 1)
+        limit = min(trees.max_ddtree_budget(drafter.cfg.depth, args.topk), validation.MAX_TREE_NODES - 1)
         if budget > limit:
             _fail(f"--budget must be <= {limit} for this drafter and --topk {args.topk}; got {budget}")
     elif drafter is None and budget != 0:

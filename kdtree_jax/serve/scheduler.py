@@ -19,14 +19,14 @@ chunk i + 1; with a free row, chunk by chunk, so that a new request waits for on
         copy it into its row, one dispatch of one program (engine.ChunkedLoop.admit), stream its first token;
     launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
-        (client gone, stop string), is reset (engine.reset_row: its KV slots back to the pool) and its row is free.
+        (client gone, stop string), is reset (admission.reset_row: its KV slots back to the pool) and its row is free.
 
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
-max_tokens tokens (engine.admit_row), with no extra steps and no per-request compile.
+max_tokens tokens (admission.admit_row), with no extra steps and no per-request compile.
 
 The adaptive tree budget (Settings.budget "auto", the default): each bucket's loop has the menu of DDTree budgets
-(engine.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
+(validation.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
 drafter for an autoregressive step. The policy needs what a step costs on this device: when a bucket is made (after
 its chunk program compiles; for the greedy bucket that is the warm-up, before the server says it is serving) the
 bucket takes the costs from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model
@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
-from kdtree_jax.speculative import budget_policy, cost_model, engine
+from kdtree_jax.speculative import admission, budget_policy, cost_model, engine, validation
 
 # --- compile counting ---------------------------------------------------------------------------------------------
 # Every XLA compile (a jit cache miss, an eager op on a new shape) reports this event; counting it is how /metrics and
@@ -279,7 +279,7 @@ class Bucket:
                                     depth=self.drafter.cfg.depth, on_progress=progress)
         finally:
             for row in range(self.batch):
-                self.state = engine.reset_row(self.state, jnp.int32(row))
+                self.state = admission.reset_row(self.state, jnp.int32(row))
 
     def _publish_policy(self, policy) -> None:
         """A chunk's copy of the policy state (numpy) into the metrics: what changed since the last chunk."""
@@ -331,7 +331,7 @@ class Bucket:
         """The row's request is over: tell it, free its KV slots (after the chunk in flight), free the row."""
         req = self.owner[row]
         self.owner[row] = None
-        self.state = engine.reset_row(self.state, jnp.int32(row))
+        self.state = admission.reset_row(self.state, jnp.int32(row))
         if not req.finished:
             req.finished = True
             self.sched.metrics.add("requests_cancelled" if reason == "cancelled" else "requests_ok")
@@ -380,7 +380,7 @@ class Settings:
 
     max_batch: int = 8  # rows per bucket
     max_len: int = 1024  # pool positions per row: prompt + max_tokens + one verify tree must fit
-    # "auto": the adaptive budget (each step picks from engine.adaptive_menu's menu, 0: an autoregressive step without
+    # "auto": the adaptive budget (each step picks from validation.adaptive_menu's menu, 0: an autoregressive step without
     # the drafter); a number: DDTree nodes per step besides the root, every step; 0: autoregressive.
     budget: Union[int, str] = "auto"
     calibrate: bool = False  # "auto": measure the cost model again (once per process and model) instead of the cache's
@@ -410,7 +410,7 @@ class Scheduler:
         self._say = say
         budget = settings.budget
         if isinstance(budget, str):  # "auto": the menu (empty without a drafter: autoregressive)
-            self.menu = engine.adaptive_menu(budget, None, drafter, "ddtree", settings.topk)
+            self.menu = validation.adaptive_menu(budget, None, drafter, "ddtree", settings.topk)
             self.budget = max(self.menu) if self.menu else 0
         else:
             if isinstance(budget, bool) or int(budget) != budget or budget < 0:

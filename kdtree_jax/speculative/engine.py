@@ -13,6 +13,9 @@ Invariant between steps: the target cache holds every committed token except the
 holds the target features of the same positions.
 
 budget 0 is plain autoregressive decoding through the same loop (a root-only tree, no drafter pass).
+
+This module holds the loop, its state and `generate`; beside it: validation.py (the arguments and the memory a call
+needs), admission.py (a new prompt in a batch row between chunks), stats.py (what `generate` reports).
 """
 
 from __future__ import annotations
@@ -26,19 +29,18 @@ from typing import NamedTuple, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax import kv_pool, profiling, runtime
-from kdtree_jax.decode import _forward_chunk, prefill, validate_tokens
+from kdtree_jax.decode import prefill
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import replicate
 from kdtree_jax.speculative import accept as acceptance
-from kdtree_jax.speculative import budget_policy
+from kdtree_jax.speculative import admission, budget_policy, validation
 from kdtree_jax.speculative import cost_model as cost_models
-from kdtree_jax.speculative import tree as trees
+from kdtree_jax.speculative.stats import generate_stats
 from kdtree_jax.speculative.step import (ExpertLoad, LoopState, PendingContext, SpecConfig, TreeShape,
                                          pending_capacity, speculative_step)
 
@@ -81,7 +83,8 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 # buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
 # `kdtree_jax.runtime.configure()` sets that up (docs/usage.md, "Device-resident loop").
 DEFAULT_CHUNK_STEPS = 8
-PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
+
+
 _TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
 
 
@@ -138,7 +141,7 @@ class ChunkedLoop:
 
         loop = ChunkedLoop(target, drafter, spec, steps=8)
         out = loop(state)            # one chunk (asynchronous): ChunkOutput
-        state = out.state            # donated by the next call; loop.admit / reset_row work on it in between
+        state = out.state            # donated by the next call; loop.admit / admission.reset_row work on it in between
         final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
 
     drafter: None for autoregressive decoding (a root-only tree).
@@ -187,14 +190,15 @@ class ChunkedLoop:
         return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
 
     def admit(self, state: LoopState, prompt_ids, row: int, *, max_tokens: Optional[int] = None, seed: int = 0,
-              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
-        """`admit_row` with this loop's models and settings, flattened once: a new prompt in batch row `row`
+              chunk_size: int = admission.PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
+        """`admission.admit_row` with this loop's models and settings, flattened once: a new prompt in batch row `row`
         between chunks, one host dispatch of one compiled program. -> (the state, the first token [1] on device)."""
         plan = self._plans.get(chunk_size)
         if plan is None:
-            plan = self._plans[chunk_size] = _AdmitPlan(self.structure, self.hidden_layers, self.spec, chunk_size,
-                                                        self.mesh)
-        return _admit_call(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec, self.vocab_size)
+            plan = self._plans[chunk_size] = admission.AdmitPlan(self.structure, self.hidden_layers, self.spec,
+                                                                 chunk_size, self.mesh)
+        return admission.admit_with_plan(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec,
+                                         self.vocab_size)
 
     def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
         """Chunks until no sequence is active: -> (final state, chunks the host read).
@@ -213,228 +217,11 @@ class ChunkedLoop:
             finished = on_chunk(tokens, start, num_out) if on_chunk is not None else None
             current = following
             if finished:  # rows the host ended (a stop string): inactive from the chunk after the one in flight
-                current = current._replace(state=_deactivate(current.state, finished))
+                current = current._replace(state=admission.deactivate(current.state, finished))
             if not more:
                 return current.state, chunks
             if max_chunks is not None and chunks >= max_chunks:
                 raise RuntimeError(f"the decode loop did not finish within {max_chunks} chunks")
-
-
-def _deactivate(state: LoopState, rows) -> LoopState:
-    """The state with these batch rows inactive (the loop runs no more steps for them)."""
-    rows = jnp.asarray(sorted(set(int(r) for r in rows)), jnp.int32)
-    return state._replace(active=state.active.at[rows].set(False))
-
-
-def _reset_row_state(state: LoopState, row) -> LoopState:
-    which = jnp.arange(state.bonus.shape[0]) == row
-    dcache = state.dcache
-    if dcache is not None:
-        dcache = dcache._replace(lens=jnp.where(which, 0, dcache.lens))
-    pending = state.pending
-    if pending is not None:  # an adaptive loop's features not yet in the drafter's context: the old sequence's
-        pending = pending._replace(count=jnp.where(which, 0, pending.count))
-    return state._replace(cache=kv_pool.reset_sequences(state.cache, which), dcache=dcache,
-                          out=jnp.where(which[:, None], -1, state.out), num_out=jnp.where(which, 0, state.num_out),
-                          active=state.active & ~which, pending=pending)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def reset_row(state: LoopState, row) -> LoopState:
-    """Empty one batch row between chunks: its KV slots back to the pool, its drafter context, output and count
-    cleared, inactive. `row` is a device scalar, so any row reuses one compiled program (and the loop's)."""
-    return _reset_row_state(state, jnp.asarray(row, jnp.int32))
-
-
-# Row admission: a new prompt in one batch row between chunks -------------------------------------------------------
-# Continuous batching (the server, spec_decode.py --refill) gives a finished row the next prompt while the other rows
-# keep decoding. The prompt is prefilled alone, in a one-row pool as long as its padded length, and copied into the
-# batch's pool: prefilling a pool of the batch's shape would cost B times the work, and the other rows wait for it
-# (they share the state). Shapes stay fixed (the prompt padded to a power-of-two bucket, the row and the length device
-# scalars), so a steady stream of admissions compiles nothing. An admission is one host dispatch of one program
-# (`_admit`: the pool, the prefill chunks, the drafter's context, the first token and the copy), the models passed as
-# leaves flattened once (`ChunkedLoop.admit`): as ~25 separate jitted calls, each flattening the models again, it
-# cost the host 8.6-16.8 ms an admission, which bounded a refill run's tokens/s on an H200.
-
-
-def prompt_bucket(n: int, max_len: int) -> int:
-    """The padded prefill length of an n-token prompt admitted alone: a power of two from 16 (at most max_len), so
-    that a handful of prefill programs serve every prompt (the padding costs compute, not pool positions)."""
-    length = 16
-    while length < n:
-        length *= 2
-    return min(length, max_len)
-
-
-class _AdmitPlan:
-    """The static part of the admission program (`_admit`): the models' structure and what the prefill, the drafter
-    and the first token's pick compile in. Its hash is computed once: jax hashes a static argument at every call,
-    and hashing the models' structure (two NNX graphs) each time would cost the host what the fused call saves.
-    Equal plans share programs: the server's buckets of every sampling setting share one per prompt bucket and
-    sampling mode (the temperature and top_p are traced)."""
-
-    __slots__ = ("structure", "hidden_layers", "impl", "sampled", "top_k", "chunk_size", "mesh", "_key", "_hash")
-
-    def __init__(self, structure, hidden_layers: tuple, spec: SpecConfig, chunk_size: int, mesh):
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-        self.structure, self.hidden_layers, self.impl, self.mesh = structure, tuple(hidden_layers), spec.impl, mesh
-        self.sampled, self.top_k, self.chunk_size = spec.temperature != 0, int(spec.top_k), int(chunk_size)
-        self._key = (structure, self.hidden_layers, self.impl, self.sampled, self.top_k, self.chunk_size, mesh)
-        self._hash = hash(self._key)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return self is other or (isinstance(other, _AdmitPlan) and self._hash == other._hash
-                                 and self._key == other._key)
-
-
-def _sample_first(last_logits, seed, temperature, top_p, top_k: int):
-    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins.
-    filtered = acceptance.filter_logits(last_logits, temperature, top_k, top_p)
-    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
-    return jax.random.categorical(key, filtered).astype(jnp.int32)
-
-
-def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
-                     max_tokens) -> LoopState:
-    """Batch row `row` (a traced scalar) takes over the one-row pool `fresh` (and drafter context): see `admit_row`."""
-    state = _reset_row_state(state, row)
-    cache = state.cache
-    count = fresh.seq_lens[0]
-    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (the caller checked it against max_len)
-    j = jnp.arange(n, dtype=jnp.int32)
-    valid = j < count
-    short = cache.num_free < count
-    # The prompt's latent rows go to slots popped from the batch's pool (its slot table row points at them).
-    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
-    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
-    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0, :n]], mode="drop")
-    table = jnp.zeros((cache.max_len,), jnp.int32).at[:n].set(slots)
-    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
-                           seq_lens=cache.seq_lens.at[row].set(count),
-                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
-                           overflow=cache.overflow | short | fresh.overflow)
-    dcache = state.dcache
-    if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
-        n = min(fresh_dcache.k.shape[3], dcache.k.shape[3])  # positions: axis 3 ([L, B, Hkv, max_len, D])
-        dcache = DrafterCache(dcache.k.at[:, row, :, :n].set(fresh_dcache.k[:, 0, :, :n]),
-                              dcache.v.at[:, row, :, :n].set(fresh_dcache.v[:, 0, :, :n]),
-                              dcache.lens.at[row].set(fresh_dcache.lens[0]))
-    # The loop ends a row once its output count reaches the out buffer's width (max_new); this row's output starts
-    # at max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step and no compile.
-    token = first[0]
-    width = state.accepted_hist.shape[0]
-    max_new = state.out.shape[1] - width
-    offset = max_new - max_tokens
-    num_out = offset + 1
-    live = ~(token == state.stop_ids).any() & (num_out < max_new)
-    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
-    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
-                          out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
-                          active=state.active.at[row].set(live))
-
-
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
-def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: _AdmitPlan):
-    """One admission, one program (per plan and prompt bucket): the one-row pool, the prompt's prefill chunks, the
-    drafter's context, the first token and the adoption into batch row `row`. ids [1, bucket] (the prompt, zero
-    padded); ints [4] = (prompt length, row, max_tokens, seed); floats [2] = (temperature, top_p), for sampling.
-    -> (the state, the first token [1])."""
-    _TRACES["admit"] = _TRACES.get("admit", 0) + 1
-    target, drafter = jax.tree.unflatten(plan.structure, leaves)
-    n, row, max_tokens, seed = ints[0], ints[1], ints[2], ints[3]
-    length = ids.shape[1]
-    chunk = min(plan.chunk_size, length)
-    padded = _round_up(length, chunk)
-    tokens = jnp.pad(ids, ((0, 0), (0, padded - length)))
-    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
-    # overflow, and its flag is carried into the batch's all the same. Its dtype: the batch pool's.
-    fresh = kv_pool.init_cache(target.cfg, 1, padded, dtype=state.cache.pages.dtype)
-    if plan.mesh is not None:  # a sharded target: the pool lives whole on every device
-        fresh = jax.lax.with_sharding_constraint(fresh, NamedSharding(plan.mesh, PartitionSpec()))
-    last_logits, hidden = None, []
-    for start in range(0, padded, chunk):  # decode.prefill's chunks, in one program
-        num_valid = jnp.clip(n - start, 0, chunk).astype(jnp.int32)[None]
-        logits, h, fresh = _forward_chunk(target, fresh, tokens[:, start:start + chunk], num_valid,
-                                          plan.hidden_layers, plan.impl)
-        hidden.append(h)
-        idx = n - 1 - start  # the prompt's last token lies in some chunk; its logits are picked there
-        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[None, None, None], axis=1)[:, 0]
-        last_logits = picked if last_logits is None else jnp.where((idx >= 0) & (idx < chunk), picked, last_logits)
-    dcache = None
-    if drafter is not None:
-        hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
-        dcache = drafter.extend_context(drafter.init_cache(1, length), hidden, n[None])
-    if plan.sampled:
-        first = _sample_first(last_logits, seed, floats[0], floats[1], plan.top_k)
-    else:
-        first = argmax_last(last_logits)
-    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens), first
-
-
-def _admit_call(leaves, plan: _AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
-                seed: int, spec: SpecConfig, vocab_size: int):
-    """The host's part of an admission: checks and the padded prompt, then one dispatch of `_admit`."""
-    prompt = validate_tokens(np.asarray(prompt_ids), vocab_size, "prompt_ids")
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError("prompt_ids must be one non-empty prompt")
-    n, max_len = prompt.size, state.cache.max_len
-    if n > max_len:
-        raise ValueError(f"a prompt of {n} tokens does not fit the batch's {max_len} positions per sequence")
-    max_new = state.out.shape[1] - state.accepted_hist.shape[0]
-    max_tokens = max_new if max_tokens is None else int(max_tokens)
-    if not 1 <= max_tokens <= max_new:
-        raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
-    ids = np.zeros((1, prompt_bucket(n, max_len)), np.int32)
-    ids[0, :n] = prompt
-    ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF], np.int32)
-    floats = np.array([spec.temperature, spec.top_p], np.float32)
-    return _admit(leaves, state, ids, ints, floats, plan=plan)
-
-
-def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
-              spec: SpecConfig, max_tokens: Optional[int] = None, seed: int = 0,
-              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
-    """Batch row `row` takes a new prompt between chunks, in one dispatch of one compiled program (per prompt
-    bucket and sampling mode); the state is donated. -> (the state, the first token [1] int32, on the device).
-
-    The prompt is prefilled alone in a one-row pool padded to `prompt_bucket` (in chunks of chunk_size), the
-    drafter's context built over it, its first token picked (greedy, or sampled with `seed` at spec.temperature,
-    top_k, top_p), and the row's old sequence dropped (its KV slots back to the pool, its drafter context and output
-    cleared); the prompt's latent rows are copied into slots popped from the batch's pool, its drafter context
-    copied, and its first token becomes the row's bonus and first output; the row is active unless that token is a
-    stop id. A pool that runs short sets the state's overflow flag. max_tokens: the row stops after this many
-    tokens, the first included (default: the out buffer's max_new_tokens); its output then sits at
-    out[row, max_new - max_tokens:]. drafter: the one the loop runs (None when autoregressive). Nothing here reads
-    the device: the work queues behind the chunk in flight. Other rows go on untouched, no shape changes, nothing
-    compiles after the first admission of a bucket. `ChunkedLoop.admit` is the same with the models flattened once
-    (this flattens them at every call: ~1 ms of host time)."""
-    leaves, structure = jax.tree.flatten((target, drafter))
-    plan = _AdmitPlan(structure, drafter.target_layer_ids if drafter is not None else (), spec, chunk_size,
-                      getattr(target, "mesh", None))
-    return _admit_call(leaves, plan, state, prompt_ids, row, max_tokens, seed, spec, target.cfg.vocab_size)
-
-
-def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
-                spec: SpecConfig, chunk_size: int = PREFILL_CHUNK, seed: int = 0) -> LoopState:
-    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): `admit_row`, after
-    checking that the row exists and that the prompt, spec.max_new_tokens and a verify tree fit the pool's rows.
-    drafter: the one the loop runs (None when autoregressive). No compile after the first."""
-    cache = state.cache
-    prompt = np.asarray(prompt_ids)
-    if not 0 <= row < cache.batch:
-        raise ValueError(f"row must be in [0, {cache.batch}); got {row}")
-    depth = drafter.cfg.depth if drafter is not None else 0
-    nodes = (1 if drafter is None else spec.budget + 1 if spec.tree == "ddtree" else depth + 1 if spec.tree == "chain"
-             else trees.static_tree_structure(tuple(spec.tree))[0].shape[0])
-    if prompt.size + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
-        raise ValueError(f"a prompt of {prompt.size} tokens and {spec.max_new_tokens} new ones do not fit the "
-                         f"batch's {cache.max_len} positions per sequence")
-    state, _ = admit_row(target, drafter, state, row, prompt, spec=spec, seed=seed, chunk_size=chunk_size)
-    return state
 
 
 @jax.jit
@@ -448,211 +235,6 @@ def _first_token(last_logits, spec: SpecConfig, key):
     filtered = acceptance.filter_logits(last_logits, spec.temperature, spec.top_k, spec.top_p)
     keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(last_logits.shape[0]))
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-
-
-def _expert_load_stats(load: ExpertLoad, steps: int) -> dict:
-    """Per-step means of the router statistics, per MoE layer and overall."""
-    if load.slot_tokens.shape[0] == 0 or steps == 0:
-        return {}
-    device_tokens = np.asarray(load.device_tokens) / steps
-    device_active = np.asarray(load.device_active) / steps
-    imbalance = np.asarray(load.imbalance) / steps
-    return {
-        "devices": int(device_tokens.shape[1]),
-        "tokens_per_device_per_step": device_tokens.mean(0).round(3).tolist(),
-        "active_experts_per_device_per_step": device_active.mean(0).round(3).tolist(),
-        "max_over_mean_device_tokens": float(imbalance.mean()),
-        "max_over_mean_by_layer": imbalance.round(4).tolist(),
-        "slot_tokens": np.asarray(load.slot_tokens).tolist(),  # [n_moe, slots] totals, for EPLB
-    }
-
-
-def _as_batch(prompt_ids) -> tuple[list[np.ndarray], bool]:
-    """A prompt (list of ids), a batch of prompts (list of lists, ragged) or a [B, L] array."""
-    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
-        arr = np.asarray(prompt_ids)
-        if arr.ndim == 1:
-            return [arr], True
-        if arr.ndim == 2:
-            return list(arr), False
-        raise ValueError(f"prompt_ids must be [L] or [B, L]; got shape {arr.shape}")
-    prompt_ids = list(prompt_ids)
-    if prompt_ids and all(np.isscalar(t) for t in prompt_ids):
-        return [np.asarray(prompt_ids)], True
-    return [np.asarray(p) for p in prompt_ids], False
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-class _Request(NamedTuple):
-    """A validated `generate` call: the prompts, the stop ids and the loop's static geometry."""
-
-    prompts: list  # [np.ndarray] one per sequence
-    stop: np.ndarray  # [S] int32, -1 padding
-    use_drafter: bool  # False: autoregressive (no drafter, or ddtree with budget 0)
-    depth: int  # the drafter's D (0 without one)
-    num_nodes: int  # T, tree nodes per step (1 without the drafter)
-
-
-# Tree nodes a step may verify (root included). The tree builders themselves stop only at the number of distinct
-# prefixes (sum of K**d: 1.4e9 at D = 15, K = 4), but the step's cost grows faster than its nodes: the DDTree
-# level search sorts D x budget x ln(budget) candidates, the verify pass runs T query rows against the context
-# with a T x T ancestor mask, and the lm head writes T x V logits. Measured with the default pair on the 2-core CPU
-# (16 new tokens, 2 steps): 0.2 s a step at budget 256, 0.8 s at 1024, 3.2 s at 2048, 13.6 s at 4096 (and 15 s of
-# compile); the DDTree paper's largest budget is 1024. Larger trees are research for a faster device, not a run.
-MAX_TREE_NODES = 4097
-
-
-def _available_memory_bytes(target: Transformer) -> Optional[int]:
-    """Memory free for one generate call on the target's first device: the allocator's limit less what is in use on
-    an accelerator, the host's available memory on a CPU; None when unknown."""
-    import os
-
-    mesh = getattr(target, "mesh", None)
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-
-
-def _validate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int, budget: int,
-              topk: int, tree_temperature: float, temperature: float, stop_ids, tree: TreeShape, top_k: int = 0,
-              top_p: float = 1.0) -> _Request:
-    """Checks every argument of `generate` before any device work; raises ValueError naming the argument.
-
-    Beyond the types and signs: the context (the longest prompt, and it plus max_new_tokens, against the target's
-    max_position_embeddings), the tree's size (at most MAX_TREE_NODES nodes a step) and the memory the call needs
-    (the KV pool and the drafter's context for prompt + max_new_tokens per sequence, and a step's logits), so that
-    a huge value is a one-line error instead of a hang or an out-of-memory traceback."""
-    import operator
-
-    def integer(value, name):
-        if isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer; got {value!r}")
-        try:
-            return operator.index(value)
-        except TypeError:
-            raise ValueError(f"{name} must be an integer; got {value!r}") from None
-
-    cfg = target.cfg
-    if isinstance(budget, str):  # "auto": the loop's trees are sized by the menu's largest budget
-        menu = adaptive_menu(budget, None, drafter, tree, topk if isinstance(topk, int) else 1)
-        budget = max(menu) if menu else 0
-    prompts, _ = _as_batch(prompt_ids)
-    if not prompts:
-        raise ValueError("prompt_ids holds no prompt")
-    for b, p in enumerate(prompts):
-        if p.ndim != 1:
-            raise ValueError(f"prompt_ids[{b}] must be a flat list of token ids; got shape {p.shape}")
-        if p.size == 0:
-            raise ValueError(f"prompt_ids[{b}] is empty (every prompt needs at least one token)"
-                             if len(prompts) > 1 else "prompt_ids is empty (a prompt needs at least one token)")
-    for p in prompts:
-        validate_tokens(p, cfg.vocab_size, "prompt_ids")
-    max_new_tokens = integer(max_new_tokens, "max_new_tokens")
-    budget = integer(budget, "budget")
-    topk = integer(topk, "topk")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0; got {budget}")
-    if not 1 <= topk <= cfg.vocab_size:
-        raise ValueError(f"topk must be in [1, {cfg.vocab_size}] (the vocabulary); got {topk}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0; got {temperature}")
-    if not tree_temperature > 0:
-        raise ValueError(f"tree_temperature must be > 0; got {tree_temperature}")
-    top_k = integer(top_k, "top_k")
-    if not 0 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k must be in [0, {cfg.vocab_size}] (0: off; the vocabulary); got {top_k}")
-    if not 0 < top_p <= 1:  # whatever the temperature: a greedy call with a bad top_p is a bad call
-        raise ValueError(f"top_p must be in (0, 1] (1: off); got {top_p}")
-    if isinstance(tree, str) and tree not in ("ddtree", "chain"):
-        raise ValueError(f"tree must be 'ddtree', 'chain' or a tuple of branching factors; got {tree!r}")
-    stop = validate_tokens(np.asarray(list(stop_ids)), cfg.vocab_size, "stop_ids") if stop_ids else np.array([-1], np.int32)
-
-    # The context: rope positions past max_position_embeddings are outside what the target was trained on (and
-    # outside its yarn scaling): the output degrades without a word, so refuse before any device work.
-    context = cfg.max_position_embeddings
-    longest = max(p.size for p in prompts)
-    if longest > context:
-        raise ValueError(f"the prompt has {longest} tokens, more than the model's context of {context} tokens "
-                         "(max_position_embeddings); shorten it")
-    if longest + max_new_tokens > context:
-        raise ValueError(f"the prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
-                         f"{longest + max_new_tokens} tokens exceeds the model's context of {context} tokens "
-                         f"(max_position_embeddings); max_new_tokens can be at most {context - longest}")
-
-    if drafter is not None and drafter.cfg.depth < 1:
-        raise ValueError("the drafter's block_size must be >= 2")
-    use_drafter = drafter is not None and not (tree == "ddtree" and budget == 0)
-    depth = drafter.cfg.depth if drafter is not None else 0
-    if use_drafter and tree == "ddtree":
-        limit = min(trees.max_ddtree_budget(depth, topk), MAX_TREE_NODES - 1)
-        if budget > limit:
-            why = ("the most nodes a step may verify" if limit == MAX_TREE_NODES - 1 else
-                   f"the distinct prefixes of block_size {drafter.cfg.block_size} and topk {topk}")
-            raise ValueError(f"budget must be <= {limit} ({why}); got {budget}")
-    if not isinstance(tree, str):
-        branching = tuple(integer(b, "tree entries") for b in tree)
-        if use_drafter and len(branching) > depth:
-            raise ValueError(f"a static tree has at most {depth} levels (the drafter's block_size - 1); "
-                             f"got {len(branching)}")
-        if any(not 1 <= b <= topk for b in branching):
-            raise ValueError(f"static tree branching factors must be in [1, topk={topk}]; got {list(branching)}")
-        nodes, width = 1, 1
-        for b in branching:
-            width *= b
-            nodes += width
-            if nodes > MAX_TREE_NODES:
-                raise ValueError(f"the static tree {list(branching)} has more than {MAX_TREE_NODES} nodes (the most "
-                                 "a step may verify)")
-    num_nodes = (budget + 1 if tree == "ddtree" else depth + 1 if tree == "chain" else nodes)
-    if not use_drafter:
-        num_nodes = 1
-
-    # Memory: what `_setup` allocates (the KV pool, the drafter's context, the prompts' hidden states) and a step's
-    # largest buffers (logits and the ancestor mask of T nodes), against what the device has free.
-    batch = len(prompts)
-    padded = _round_up(longest, 64)
-    max_len = _round_up(padded + max_new_tokens + num_nodes + depth + 1, 64)
-    itemsize = jnp.dtype(target.dtype).itemsize
-    need = cfg.num_hidden_layers * batch * max_len * cfg.cache_dim * itemsize + batch * max_len * 8
-    if use_drafter:
-        dcfg = drafter.cfg
-        need += 2 * dcfg.num_layers * batch * max_len * dcfg.num_kv_heads * dcfg.head_dim * itemsize
-        need += len(drafter.target_layer_ids) * batch * padded * cfg.hidden_size * itemsize
-    need += batch * num_nodes * (cfg.vocab_size * 4 + -(-num_nodes // 32) * 4 + cfg.num_hidden_layers * cfg.hidden_size * 4)
-    available = _available_memory_bytes(target)
-    if available is not None and need > available:
-        raise ValueError(f"{batch} prompt(s) of up to {longest} tokens + max_new_tokens {max_new_tokens} with "
-                         f"{num_nodes}-node trees need about {_format_bytes(need)} (KV pool, drafter context, a "
-                         f"step's logits) but the device has {_format_bytes(available)} free: lower max_new_tokens, "
-                         "budget or the number of prompts")
-    return _Request(prompts, stop, use_drafter, depth, num_nodes)
 
 
 def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
@@ -787,21 +369,21 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
                                   expected=None if prior is None else np.asarray(prior.expected))
 
 
-def _setup(target: Transformer, drafter: Optional[Drafter], req: _Request, spec: SpecConfig, *, seed: int,
+def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed: int,
            chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None):
     """Prefill the prompts and the drafter's context, pick the first tokens: -> (the loop's starting state, the
     drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds)."""
     cfg = target.cfg
     batch = len(req.prompts)
     lens = np.array([p.size for p in req.prompts], np.int32)
-    chunk = min(chunk_size, _round_up(int(lens.max()), 16))
-    padded = _round_up(int(lens.max()), chunk)
+    chunk = min(chunk_size, validation.round_up(int(lens.max()), 16))
+    padded = validation.round_up(int(lens.max()), chunk)
     ids = np.zeros((batch, padded), np.int32)
     for b, p in enumerate(req.prompts):
         ids[b, :p.size] = p
     # Room for the prompt, every new token and one verify tree past the end; bucketed so similar
     # requests share a compiled loop.
-    max_len = _round_up(padded + spec.max_new_tokens + req.num_nodes + req.depth + 1, 64)
+    max_len = validation.round_up(padded + spec.max_new_tokens + req.num_nodes + req.depth + 1, 64)
 
     key = jax.random.key(seed)
     cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
@@ -929,69 +511,10 @@ def _host_driven_loops(compiled, key) -> Optional[int]:
     return _HOST_LOOPS[key]
 
 
-def _stats(final: LoopState, tokens: list, spec: SpecConfig, num_nodes: int, *, t_prefill: float, t_compile: float,
-           t_decode: float, step_profile: Optional[dict]) -> dict:
-    """`GenerateResult.stats` from the loop's final state and the timings."""
-    width = final.accepted_hist.shape[0]
-    hist = np.asarray(final.accepted_hist).astype(np.int64)
-    seq_steps = int(hist.sum())
-    new_tokens = sum(len(t) for t in tokens)
-    stats = {
-        "steps": int(final.step),
-        "sequence_steps": seq_steps,
-        "tau": float((hist * (np.arange(width) + 1)).sum() / seq_steps) if seq_steps else float("nan"),
-        # P(at least d drafted tokens accepted in a step), d = 1..D
-        "acceptance_by_depth": [float(hist[d:].sum() / seq_steps) if seq_steps else float("nan")
-                                for d in range(1, width)],
-        "new_tokens": new_tokens,
-        "prefill_seconds": t_prefill,
-        "compile_seconds": t_compile,
-        "decode_seconds": t_decode,
-        # Tokens from the decode loop (the first token of each sequence comes from the prefill).
-        "tokens_per_second": (new_tokens - len(tokens)) / t_decode if t_decode > 0 else float("nan"),
-        "tree": spec.tree if isinstance(spec.tree, str) else list(spec.tree),
-        "budget": num_nodes - 1,  # tree nodes besides the root
-        "tree_temperature": spec.tree_temperature,
-        "num_nodes": num_nodes,
-        "expert_load": _expert_load_stats(final.expert_load, int(final.step)),
-    }
-    if spec.menu and final.policy is not None:
-        stats["budget"] = "auto"
-        stats["budget_policy"] = budget_policy.summary(final.policy, spec.menu)
-    if step_profile is not None:
-        step_ms = t_decode / max(int(final.step), 1) * 1e3
-        stats["profile"] = {**step_profile, "step_ms": step_ms, "idle_ms": step_ms - step_profile["busy_ms"]}
-    return stats
-
-
 def _loop_on_device() -> bool:
     """Whether this process decodes on a GPU whose while loops XLA captures in command buffers (the chunked loop
     then runs its steps without the host)."""
     return jax.default_backend() == "gpu" and runtime.command_buffers_configured()
-
-
-def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, topk: int) -> tuple:
-    """The menu of DDTree budgets an adaptive loop chooses from, () for a fixed budget or no adaptive loop.
-
-    budget "auto" with a drafter and tree "ddtree": `menu` (default budget_policy.DEFAULT_MENU), each entry capped at the
-    prefixes the drafter's depth and topk make, with 0 (the autoregressive step) always in it. A number: ()."""
-    if not isinstance(budget, str):
-        if menu is not None:
-            raise ValueError("menu is for budget='auto'; a numeric budget verifies that budget every step")
-        return ()
-    if budget != "auto":
-        raise ValueError(f"budget must be an integer >= 0 or 'auto'; got {budget!r}")
-    if drafter is None or tree != "ddtree":
-        return ()
-    limit = min(trees.max_ddtree_budget(drafter.cfg.depth, topk), MAX_TREE_NODES - 1)
-    chosen = budget_policy.DEFAULT_MENU if menu is None else tuple(menu)
-    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0 for b in chosen):
-        raise ValueError(f"menu must hold integer budgets >= 0; got {list(chosen)}")
-    entries = sorted({0, *(min(int(b), limit) for b in chosen)})
-    if len(entries) < 2:
-        raise ValueError(f"menu needs a budget in [1, {limit}] (the prefixes the drafter's depth and topk make); "
-                         f"got {list(chosen)}")
-    return tuple(entries)
 
 
 def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int, context: float) -> Optional[dict]:
@@ -1094,13 +617,13 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     needs kdtree_jax.runtime.configure(row_invariant=True) before JAX starts (a warning says when its flags are
     missing).
 
-    Reads top to bottom as: `_validate` the arguments, `_setup` (prefill, first tokens, `initial_state`),
-    `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `_stats`.
+    Reads top to bottom as: `validation.validate` the arguments, `setup` (prefill, first tokens, `initial_state`),
+    `_run_loop` (compile, `ChunkedLoop` or `decode_loop`), `stats.generate_stats`.
     """
-    menu = adaptive_menu(budget, menu, drafter, tree, topk)
+    menu = validation.adaptive_menu(budget, menu, drafter, tree, topk)
     if isinstance(budget, str):
         budget = max(menu) if menu else 0
-    req = _validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
+    req = validation.validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
                     tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree,
                     top_k=top_k, top_p=top_p)
     mesh = getattr(target, "mesh", None)
@@ -1137,7 +660,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
 
-    state, loop_drafter, t_prefill = _setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
+    state, loop_drafter, t_prefill = setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
                                             kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots,
                                             on_progress=on_progress)
     on_chunk = None
@@ -1148,7 +671,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
             if on_tokens(b, [token]):
                 ended.add(b)
         if ended:
-            state = _deactivate(state, ended)
+            state = admission.deactivate(state, ended)
 
         def on_chunk(chunk_tokens, start, num_out):
             finished = []
@@ -1172,8 +695,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
 
     out_np, num_out = np.asarray(final.out), np.asarray(final.num_out)
     tokens = [out_np[b, :min(int(num_out[b]), max_new_tokens)].tolist() for b in range(len(req.prompts))]
-    stats = _stats(final, tokens, spec, req.num_nodes, t_prefill=t_prefill, t_compile=t_compile, t_decode=t_decode,
-                   step_profile=step_profile)
+    stats = generate_stats(final, tokens, spec, req.num_nodes, t_prefill=t_prefill, t_compile=t_compile,
+                           t_decode=t_decode, step_profile=step_profile)
     # The host's reads of the loop's output: one per chunk (one for the whole loop with chunk_steps 0). On a GPU,
     # XLA adds a read of the loop predicate per step unless a command buffer captures the loop (runtime.py).
     # host_driven_loops (GPU only, else None): the compiled loop's while loops outside command buffers.

@@ -1,0 +1,244 @@
+"""Batch rows between chunks of the decode loop: a new prompt admitted into a row (`admit_row`, `replace_row`,
+`ChunkedLoop.admit`), a row emptied (`reset_row`) or ended (`deactivate`); the state keeps its shapes, so nothing
+compiles after a prompt bucket's first admission."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from kdtree_jax import kv_pool
+from kdtree_jax.decode import _forward_chunk, validate_tokens
+from kdtree_jax.kv_pool import KVCache
+from kdtree_jax.model.drafter import Drafter, DrafterCache
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.ops.argmax import argmax_last
+from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import tree as trees
+from kdtree_jax.speculative.step import LoopState, SpecConfig
+from kdtree_jax.speculative.validation import round_up
+
+PREFILL_CHUNK = 64  # prefill tokens per pass (generate's default chunk_size)
+_TRACES: dict = {}  # name -> times traced (each trace is a compile)
+
+
+def deactivate(state: LoopState, rows) -> LoopState:
+    """The state with these batch rows inactive (the loop runs no more steps for them)."""
+    rows = jnp.asarray(sorted(set(int(r) for r in rows)), jnp.int32)
+    return state._replace(active=state.active.at[rows].set(False))
+
+
+def _reset_row_state(state: LoopState, row) -> LoopState:
+    which = jnp.arange(state.bonus.shape[0]) == row
+    dcache = state.dcache
+    if dcache is not None:
+        dcache = dcache._replace(lens=jnp.where(which, 0, dcache.lens))
+    pending = state.pending
+    if pending is not None:  # an adaptive loop's features not yet in the drafter's context: the old sequence's
+        pending = pending._replace(count=jnp.where(which, 0, pending.count))
+    return state._replace(cache=kv_pool.reset_sequences(state.cache, which), dcache=dcache,
+                          out=jnp.where(which[:, None], -1, state.out), num_out=jnp.where(which, 0, state.num_out),
+                          active=state.active & ~which, pending=pending)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def reset_row(state: LoopState, row) -> LoopState:
+    """Empty one batch row between chunks: its KV slots back to the pool, its drafter context, output and count
+    cleared, inactive. `row` is a device scalar, so any row reuses one compiled program (and the loop's)."""
+    return _reset_row_state(state, jnp.asarray(row, jnp.int32))
+
+
+# Row admission: a new prompt in one batch row between chunks -------------------------------------------------------
+# Continuous batching (the server, spec_decode.py --refill) gives a finished row the next prompt while the other rows
+# keep decoding. The prompt is prefilled alone, in a one-row pool as long as its padded length, and copied into the
+# batch's pool: prefilling a pool of the batch's shape would cost B times the work, and the other rows wait for it
+# (they share the state). Shapes stay fixed (the prompt padded to a power-of-two bucket, the row and the length device
+# scalars), so a steady stream of admissions compiles nothing. An admission is one host dispatch of one program
+# (`_admit`: the pool, the prefill chunks, the drafter's context, the first token and the copy), the models passed as
+# leaves flattened once (`ChunkedLoop.admit`): as ~25 separate jitted calls, each flattening the models again, it
+# cost the host 8.6-16.8 ms an admission, which bounded a refill run's tokens/s on an H200.
+
+
+def prompt_bucket(n: int, max_len: int) -> int:
+    """The padded prefill length of an n-token prompt admitted alone: a power of two from 16 (at most max_len), so
+    that a handful of prefill programs serve every prompt (the padding costs compute, not pool positions)."""
+    length = 16
+    while length < n:
+        length *= 2
+    return min(length, max_len)
+
+
+class AdmitPlan:
+    """The static part of the admission program (`_admit`): the models' structure and what the prefill, the drafter
+    and the first token's pick compile in. Its hash is computed once: jax hashes a static argument at every call,
+    and hashing the models' structure (two NNX graphs) each time would cost the host what the fused call saves.
+    Equal plans share programs: the server's buckets of every sampling setting share one per prompt bucket and
+    sampling mode (the temperature and top_p are traced)."""
+
+    __slots__ = ("structure", "hidden_layers", "impl", "sampled", "top_k", "chunk_size", "mesh", "_key", "_hash")
+
+    def __init__(self, structure, hidden_layers: tuple, spec: SpecConfig, chunk_size: int, mesh):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+        self.structure, self.hidden_layers, self.impl, self.mesh = structure, tuple(hidden_layers), spec.impl, mesh
+        self.sampled, self.top_k, self.chunk_size = spec.temperature != 0, int(spec.top_k), int(chunk_size)
+        self._key = (structure, self.hidden_layers, self.impl, self.sampled, self.top_k, self.chunk_size, mesh)
+        self._hash = hash(self._key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, AdmitPlan) and self._hash == other._hash
+                                 and self._key == other._key)
+
+
+def _sample_first(last_logits, seed, temperature, top_p, top_k: int):
+    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins.
+    filtered = acceptance.filter_logits(last_logits, temperature, top_k, top_p)
+    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
+    return jax.random.categorical(key, filtered).astype(jnp.int32)
+
+
+def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
+                     max_tokens) -> LoopState:
+    """Batch row `row` (a traced scalar) takes over the one-row pool `fresh` (and drafter context): see `admit_row`."""
+    state = _reset_row_state(state, row)
+    cache = state.cache
+    count = fresh.seq_lens[0]
+    n = min(fresh.max_len, cache.max_len)  # the prompt fits both (the caller checked it against max_len)
+    j = jnp.arange(n, dtype=jnp.int32)
+    valid = j < count
+    short = cache.num_free < count
+    # The prompt's latent rows go to slots popped from the batch's pool (its slot table row points at them).
+    slots = jnp.where(valid, cache.free_slots[jnp.clip(cache.num_free - 1 - j, 0, cache.num_slots - 1)], 0)
+    dest = jnp.where(valid & ~short, slots, cache.num_slots)  # out of range: dropped
+    pages = cache.pages.at[:, dest].set(fresh.pages[:, fresh.slot_table[0, :n]], mode="drop")
+    table = jnp.zeros((cache.max_len,), jnp.int32).at[:n].set(slots)
+    cache = cache._replace(pages=pages, slot_table=cache.slot_table.at[row].set(table),
+                           seq_lens=cache.seq_lens.at[row].set(count),
+                           num_free=jnp.where(short, cache.num_free, cache.num_free - count),
+                           overflow=cache.overflow | short | fresh.overflow)
+    dcache = state.dcache
+    if dcache is not None:  # positions past lens are masked out: the old occupant's leftovers there are never read
+        n = min(fresh_dcache.k.shape[3], dcache.k.shape[3])  # positions: axis 3 ([L, B, Hkv, max_len, D])
+        dcache = DrafterCache(dcache.k.at[:, row, :, :n].set(fresh_dcache.k[:, 0, :, :n]),
+                              dcache.v.at[:, row, :, :n].set(fresh_dcache.v[:, 0, :, :n]),
+                              dcache.lens.at[row].set(fresh_dcache.lens[0]))
+    # The loop ends a row once its output count reaches the out buffer's width (max_new); this row's output starts
+    # at max_new - max_tokens, so it ends after exactly max_tokens tokens, with no extra step and no compile.
+    token = first[0]
+    width = state.accepted_hist.shape[0]
+    max_new = state.out.shape[1] - width
+    offset = max_new - max_tokens
+    num_out = offset + 1
+    live = ~(token == state.stop_ids).any() & (num_out < max_new)
+    out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
+    return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
+                          out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
+                          active=state.active.at[row].set(live))
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
+    """One admission, one program (per plan and prompt bucket): the one-row pool, the prompt's prefill chunks, the
+    drafter's context, the first token and the adoption into batch row `row`. ids [1, bucket] (the prompt, zero
+    padded); ints [4] = (prompt length, row, max_tokens, seed); floats [2] = (temperature, top_p), for sampling.
+    -> (the state, the first token [1])."""
+    _TRACES["admit"] = _TRACES.get("admit", 0) + 1
+    target, drafter = jax.tree.unflatten(plan.structure, leaves)
+    n, row, max_tokens, seed = ints[0], ints[1], ints[2], ints[3]
+    length = ids.shape[1]
+    chunk = min(plan.chunk_size, length)
+    padded = round_up(length, chunk)
+    tokens = jnp.pad(ids, ((0, 0), (0, padded - length)))
+    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
+    # overflow, and its flag is carried into the batch's all the same. Its dtype: the batch pool's.
+    fresh = kv_pool.init_cache(target.cfg, 1, padded, dtype=state.cache.pages.dtype)
+    if plan.mesh is not None:  # a sharded target: the pool lives whole on every device
+        fresh = jax.lax.with_sharding_constraint(fresh, NamedSharding(plan.mesh, PartitionSpec()))
+    last_logits, hidden = None, []
+    for start in range(0, padded, chunk):  # decode.prefill's chunks, in one program
+        num_valid = jnp.clip(n - start, 0, chunk).astype(jnp.int32)[None]
+        logits, h, fresh = _forward_chunk(target, fresh, tokens[:, start:start + chunk], num_valid,
+                                          plan.hidden_layers, plan.impl)
+        hidden.append(h)
+        idx = n - 1 - start  # the prompt's last token lies in some chunk; its logits are picked there
+        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[None, None, None], axis=1)[:, 0]
+        last_logits = picked if last_logits is None else jnp.where((idx >= 0) & (idx < chunk), picked, last_logits)
+    dcache = None
+    if drafter is not None:
+        hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
+        dcache = drafter.extend_context(drafter.init_cache(1, length), hidden, n[None])
+    if plan.sampled:
+        first = _sample_first(last_logits, seed, floats[0], floats[1], plan.top_k)
+    else:
+        first = argmax_last(last_logits)
+    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens), first
+
+
+def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
+                seed: int, spec: SpecConfig, vocab_size: int):
+    """The host's part of an admission: checks and the padded prompt, then one dispatch of `_admit`."""
+    prompt = validate_tokens(np.asarray(prompt_ids), vocab_size, "prompt_ids")
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("prompt_ids must be one non-empty prompt")
+    n, max_len = prompt.size, state.cache.max_len
+    if n > max_len:
+        raise ValueError(f"a prompt of {n} tokens does not fit the batch's {max_len} positions per sequence")
+    max_new = state.out.shape[1] - state.accepted_hist.shape[0]
+    max_tokens = max_new if max_tokens is None else int(max_tokens)
+    if not 1 <= max_tokens <= max_new:
+        raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
+    ids = np.zeros((1, prompt_bucket(n, max_len)), np.int32)
+    ids[0, :n] = prompt
+    ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF], np.int32)
+    floats = np.array([spec.temperature, spec.top_p], np.float32)
+    return _admit(leaves, state, ids, ints, floats, plan=plan)
+
+
+def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
+              spec: SpecConfig, max_tokens: Optional[int] = None, seed: int = 0,
+              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
+    """Batch row `row` takes a new prompt between chunks, in one dispatch of one compiled program (per prompt
+    bucket and sampling mode); the state is donated. -> (the state, the first token [1] int32, on the device).
+
+    The prompt is prefilled alone in a one-row pool padded to `prompt_bucket` (in chunks of chunk_size), the
+    drafter's context built over it, its first token picked (greedy, or sampled with `seed` at spec.temperature,
+    top_k, top_p), and the row's old sequence dropped (its KV slots back to the pool, its drafter context and output
+    cleared); the prompt's latent rows are copied into slots popped from the batch's pool, its drafter context
+    copied, and its first token becomes the row's bonus and first output; the row is active unless that token is a
+    stop id. A pool that runs short sets the state's overflow flag. max_tokens: the row stops after this many
+    tokens, the first included (default: the out buffer's max_new_tokens); its output then sits at
+    out[row, max_new - max_tokens:]. drafter: the one the loop runs (None when autoregressive). Nothing here reads
+    the device: the work queues behind the chunk in flight. Other rows go on untouched, no shape changes, nothing
+    compiles after the first admission of a bucket. `ChunkedLoop.admit` is the same with the models flattened once
+    (this flattens them at every call: ~1 ms of host time)."""
+    leaves, structure = jax.tree.flatten((target, drafter))
+    plan = AdmitPlan(structure, drafter.target_layer_ids if drafter is not None else (), spec, chunk_size,
+                      getattr(target, "mesh", None))
+    return admit_with_plan(leaves, plan, state, prompt_ids, row, max_tokens, seed, spec, target.cfg.vocab_size)
+
+
+def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
+                spec: SpecConfig, chunk_size: int = PREFILL_CHUNK, seed: int = 0) -> LoopState:
+    """A new prompt in batch row `row` between chunks (the row's old sequence is dropped): `admit_row`, after
+    checking that the row exists and that the prompt, spec.max_new_tokens and a verify tree fit the pool's rows.
+    drafter: the one the loop runs (None when autoregressive). No compile after the first."""
+    cache = state.cache
+    prompt = np.asarray(prompt_ids)
+    if not 0 <= row < cache.batch:
+        raise ValueError(f"row must be in [0, {cache.batch}); got {row}")
+    depth = drafter.cfg.depth if drafter is not None else 0
+    nodes = (1 if drafter is None else spec.budget + 1 if spec.tree == "ddtree" else depth + 1 if spec.tree == "chain"
+             else trees.static_tree_structure(tuple(spec.tree))[0].shape[0])
+    if prompt.size + spec.max_new_tokens + nodes + depth + 1 > cache.max_len:
+        raise ValueError(f"a prompt of {prompt.size} tokens and {spec.max_new_tokens} new ones do not fit the "
+                         f"batch's {cache.max_len} positions per sequence")
+    state, _ = admit_row(target, drafter, state, row, prompt, spec=spec, seed=seed, chunk_size=chunk_size)
+    return state
