@@ -1,4 +1,6 @@
-"""The embedded default pair: the small trained target + drafter + tokenizer that kdtree-jax ships (checkpoints/README.md).
+"""The embedded default pair: the small trained target, drafter and tokenizer that kdtree-jax ships.
+
+checkpoints/README.md says how it was trained and what it decodes like.
 
     import kdtree_jax
     target, drafter, tokenizer = kdtree_jax.load_checkpoint(kdtree_jax.default_checkpoint())
@@ -30,4 +32,5 @@ def default_checkpoint(required: bool = True) -> str | None:
     if not required:
         return None
     raise FileNotFoundError(f"the embedded default pair is missing (no {_MARKER} in {' or '.join(_PLACES)}): "
-                            "reinstall kdtree-jax from a checkout that has checkpoints/default, or pass --checkpoint DIR")
+                            "reinstall kdtree-jax from a checkout that has checkpoints/default, or pass "
+                            "--checkpoint DIR")

@@ -1,8 +1,8 @@
 # kdtree_jax_cuda_choice(<out>): whether to build the CUDA handler, ON or OFF in <out>, with a sentence saying why in
-# <out>_REASON. Compiling the kernels takes minutes, so by default (AUTO) they are built only where they can run: a GPU
-# is visible (/dev/nvidia0 exists, or `nvidia-smi -L` lists one). KDTREE_JAX_CUDA=ON builds them anyway (a machine
-# that compiles for another), OFF never. The environment wins over a -D option, at every configure (nothing sticks in
-# the CMake cache), so that a variable set for one `pip install` is not remembered by the next.
+# <out>_REASON. Compiling the kernels takes minutes, so by default (AUTO) they are built only where they can run: a
+# GPU is visible (a /dev/nvidiaN device exists, or `nvidia-smi -L` lists one). KDTREE_JAX_CUDA=ON builds them anyway
+# (a machine that compiles for another), OFF never. The environment wins over a -D option, at every configure
+# (nothing sticks in the CMake cache), so that a variable set for one `pip install` is not remembered by the next.
 #
 # A function of its own so that tests/test_embedded.py can run it under `cmake -P` with a made-up environment.
 function(kdtree_jax_cuda_choice out)
@@ -24,9 +24,12 @@ function(kdtree_jax_cuda_choice out)
   elseif(want STREQUAL "AUTO" OR want STREQUAL "")
     set(choice OFF)
     set(reason "no GPU visible")
-    if(EXISTS "/dev/nvidia0")
+    # Any /dev/nvidiaN: a container given one GPU of a larger host may see it under its host number.
+    file(GLOB devices "/dev/nvidia[0-9]*")
+    if(devices)
+      list(GET devices 0 device)
       set(choice ON)
-      set(reason "a GPU is visible (/dev/nvidia0)")
+      set(reason "a GPU is visible (${device})")
     else()
       # A missing nvidia-smi leaves rc as an error string, which is not EQUAL 0.
       execute_process(COMMAND nvidia-smi -L RESULT_VARIABLE rc OUTPUT_VARIABLE gpus ERROR_QUIET TIMEOUT 30)

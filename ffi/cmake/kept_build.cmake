@@ -35,8 +35,8 @@ install(CODE "
   if(CMAKE_INSTALL_DO_STRIP)
     set(_strip --strip)
   endif()
-  execute_process(COMMAND \"${CMAKE_COMMAND}\" --install \"${_handlers}\" --prefix \"\${CMAKE_INSTALL_PREFIX}\" \${_strip}
-                  RESULT_VARIABLE _rc)
+  execute_process(COMMAND \"${CMAKE_COMMAND}\" --install \"${_handlers}\"
+                          --prefix \"\${CMAKE_INSTALL_PREFIX}\" \${_strip} RESULT_VARIABLE _rc)
   if(NOT _rc EQUAL 0)
     message(FATAL_ERROR \"installing from ${_handlers} failed\")
   endif()
