@@ -1,0 +1,134 @@
+"""Does the adaptive budget's calibration measure what its decode pays? One batch, one menu, per menu entry:
+
+- `calibrate`: engine.calibrate's step ms for the entry (the cost model's point, measured as generate measures it);
+- `chained`: (3 chained chunk calls - 1 call) / their steps on the adaptive loop forced to the entry (calibrate's
+  method without its state changes), with a warm-up call per entry, the median of 3;
+- `decode`: the adaptive loop forced to the entry decoding the batch to the end through ChunkedLoop.run (one chunk
+  in flight, as generate decodes): wall ms / steps;
+- `fixed decode`: the same for the fixed program of that budget (autoregressive for "ar").
+
+    python benchmarks/calibration_check.py --batch 16 --menu 0,8,16       # the default pair, GPU
+    python benchmarks/calibration_check.py --smoke                        # random tiny pair, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import kdtree_jax.runtime  # noqa: E402
+
+kdtree_jax.runtime.configure()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kdtree_jax.speculative import engine, validation  # noqa: E402
+from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
+
+
+def decode_ms(loop, state):
+    """Wall ms per step of decoding `state` (a copy) to the end, one chunk in flight: (ms/step, steps)."""
+    copy = jax.tree.map(jnp.copy, state)
+    jax.block_until_ready(copy)
+    start = int(copy.step)
+    t0 = time.perf_counter()
+    final, _ = loop.run(copy)
+    steps = int(final.step) - start
+    return (time.perf_counter() - t0) * 1e3 / max(steps, 1), steps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"),
+                   help="the pair (default: the embedded checkpoints/default)")
+    p.add_argument("--dtype", default="auto", help="the pair's dtype (auto: float32 on a CPU, as saved on a GPU)")
+    p.add_argument("--batch", default="16", help="batch sizes, comma-separated (default 16)")
+    p.add_argument("--menu", default="0,8,16", help="the adaptive menu, also the fixed budgets timed (default 0,8,16)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each held-out prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens decoded per row (default 96)")
+    p.add_argument("--chunk-steps", type=int, default=8, help="steps per call of the chunked loop (default 8)")
+    p.add_argument("--out", default=None, help="results directory (default: a temporary one)")
+    p.add_argument("--smoke", action="store_true", help="random tiny pair on the CPU, small sizes")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    target, drafter, tokenizer, pair = load_pair(args)
+    if args.smoke:
+        args.batch, args.menu, args.max_new_tokens, args.prompt_len = "2", "0,2,4", 16, 12
+    menu = tuple(sorted({0, *(int(b) for b in args.menu.split(","))}))
+    common = dict(max_new_tokens=args.max_new_tokens, topk=4, tree_temperature=1.0, temperature=0.0, stop_ids=(),
+                  tree="ddtree")
+    results = {}
+    for batch in [int(b) for b in args.batch.split(",")]:
+        prompts = [q.tolist() for q in heldout_prompts(tokenizer, batch, args.prompt_len)[0]]
+
+        def setup(spec, use_drafter):
+            req = validation.validate(target, drafter if use_drafter else None, prompts, budget=spec.budget,
+                                      **common)
+            state, loop_drafter, _ = engine.setup(target, drafter if use_drafter else None, req, spec, seed=0,
+                                                  chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
+            return state._replace(stop_ids=jnp.full_like(state.stop_ids, -1)), loop_drafter
+
+        rows = {}
+        for budget in menu:
+            spec = engine.SpecConfig(budget=budget, max_new_tokens=args.max_new_tokens)
+            state, loop_drafter = setup(spec, budget > 0)
+            loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
+            loop.compile(state)
+            decode_ms(loop, state)  # warm-up
+            rows["ar" if budget == 0 else str(budget)] = {"fixed_decode": decode_ms(loop, state)}
+        spec = engine.SpecConfig(budget=max(menu), max_new_tokens=args.max_new_tokens, menu=menu)
+        state, loop_drafter = setup(spec, True)
+        state = engine.with_costs(state, spec, {"cost_ar": 1.0, "cost_draft": 0.2,
+                                                "cost_verify": [1.0 + 0.02 * b for b in menu]})
+        loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
+        loop.compile(state)
+        point = engine.calibrate(loop, state, spec, chunk_steps=args.chunk_steps, depth=drafter.cfg.depth)
+        measured = point["measured_ms"]
+        for name, force in [("ar", len(menu))] + [(str(b), i) for i, b in enumerate(menu)]:
+            forced = state._replace(policy=state.policy._replace(force=jnp.int32(force)))
+            engine.time_calls(loop, forced)  # warm-up
+            chained = statistics.median(engine.step_ms_between(engine.time_calls(loop, forced, 1),
+                                                               engine.time_calls(loop, forced, 3))
+                                        for _ in range(3))
+            key = "ar" if name == "ar" else str(menu.index(int(name)))
+            row = rows.setdefault(name if name != "0" else "probe (drafter + root)", {})
+            row.update(calibrate=measured.get(key), chained=chained, decode=decode_ms(loop, forced))
+            print(f"B={batch} {name:>5s}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        results[batch] = rows
+    meta = {**base_meta(args, target, drafter, pair), "menu": list(menu),
+            "commit": os.environ.get("KDTREE_COMMIT") or base_meta(args, target, drafter, pair)["commit"]}
+    lines = [f"# Calibration against the decode ({meta['device']})", "",
+             f"commit {meta['commit']} · {pair} · greedy · menu {list(menu)} · {args.max_new_tokens} new tokens · "
+             f"chunks of {args.chunk_steps} steps · ms per step (decode: wall / steps, steps in brackets)", "",
+             "| batch | entry | calibrate | chained | decode (adaptive, forced) | decode (fixed program) |",
+             "|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else (f"{v[0]:.4f} ({v[1]})" if isinstance(v, (tuple, list)) else f"{v:.4f}")  # noqa: E731
+    for batch, rows in results.items():
+        for name, r in rows.items():
+            lines.append(f"| {batch} | {name} | {fmt(r.get('calibrate'))} | {fmt(r.get('chained'))} | "
+                         f"{fmt(r.get('decode'))} | {fmt(r.get('fixed_decode'))} |")
+    out_dir = args.out or tempfile.mkdtemp(prefix="calibration_check_")
+    os.makedirs(out_dir, exist_ok=True)
+    name = f"calibration_check_{'smoke_' if args.smoke else ''}{device_slug()}"
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump({"meta": meta, "results": {str(k): v for k, v in results.items()}}, f, indent=1)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
