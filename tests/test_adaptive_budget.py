@@ -290,3 +290,22 @@ def test_cost_model_points_interpolate_and_cache(tmp_path, monkeypatch):
     assert cm.make_point(1, 10, MENU, {"ar": 1.0, 0: 1.5, 1: 9.0})["cost_verify"][2] >= 1e29
     # Another key (another device, model or menu) does not read these points.
     assert cm.CostModel.load({**key, "backend": "gpu"}).points == []
+
+
+@needs_default
+def test_decode_ms_times_whole_chunks_of_every_row_without_consuming_the_state(pair_f32, prompts):
+    """Calibration times chunks as the decode runs them: every timed chunk runs all its steps (each starts with every
+    row active and room to emit, even where a forced large budget would finish the rows), and the state is reusable."""
+    target, drafter, _ = pair_f32
+    spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=8, menu=MENU)
+    req = validation.validate(target, drafter, prompts, max_new_tokens=8, budget=spec.budget, topk=spec.topk,
+                              tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
+                                          num_moe=0, slots=0)
+    state = engine.with_costs(state, spec, {"cost_ar": 1.0})
+    state = state._replace(policy=state.policy._replace(force=jnp.int32(len(MENU) - 1)))
+    loop = engine.ChunkedLoop(target, loop_drafter, spec, 2)
+    ms, steps, final = engine.decode_ms(loop, state, 3)
+    assert steps == 3 * 2 and ms > 0  # 8 tokens a row would end after ~2 steps of the largest budget without resets
+    assert int(final.step) == int(state.step) + 5 * 2  # the clock's 3 chunks, the one before and the one in flight
+    assert int(state.step) == 0 and not state.step.is_deleted()

@@ -311,16 +311,47 @@ def step_ms_between(short, long) -> float:
     return long[0] / max(long[1], 1)
 
 
+def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
+    """A step's ms of `loop` decoding from a copy of `state` (not consumed) as ChunkedLoop.run decodes: one chunk in
+    flight while the host reads the one before. The clock runs from the first chunk's read to that of the `chunks`-th
+    after it, so the launch of the first and the wait for the last stay out, and every gap the host leaves between
+    chunks stays in. Each chunk starts with every row active and none of its output used, so that no row runs out of
+    tokens to emit. -> (ms a step, steps timed, the final state)."""
+    def fresh(s: LoopState) -> LoopState:
+        return s._replace(num_out=jnp.zeros_like(s.num_out), active=jnp.ones_like(s.active))
+
+    copy = jax.tree.map(jnp.copy, state)
+    jax.block_until_ready(copy)
+    current = loop(fresh(copy))
+    step = jnp.copy(current.state.step)  # the next call donates the state
+    following = loop(fresh(current.state))
+    jax.device_get(current.num_out)
+    first = int(step)
+    t0 = time.perf_counter()
+    for _ in range(chunks):
+        current = following
+        step = jnp.copy(current.state.step)
+        following = loop(fresh(current.state))
+        jax.device_get((current.tokens, current.num_out))
+    ms = (time.perf_counter() - t0) * 1e3
+    steps = int(step) - first
+    jax.block_until_ready(following)
+    return ms / max(steps, 1), steps, following.state
+
+
 CALIBRATION_STEPS = (2, 10)  # a timing's short and long run, in steps, where one call runs the whole decode
-CALIBRATION_CALLS = (1, 3)  # the same in chained calls of the chunked loop
+# Chunks timed per entry of the chunked loop (decode_ms). Chained calls timed without the host's reads of each chunk
+# (the short / long difference) came out at 0.55-0.84x what the decode paid on the H200 (4af3d85,
+# benchmarks/results/history/calibration_check_h200_4af3d85.md): the policy then drafted where AR was faster.
+CALIBRATION_CHUNKS = 3
 
 
 def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, depth: int, on_progress=None) -> dict:
     """Time every menu budget in the compiled adaptive loop `call` (ChunkedLoop or decode_loop's compiled program),
     each on a copy of `state` with the policy forced to it: -> a cost_model point (make_point) with the run's
-    acceptance as the prior. The state itself is not touched. A step's cost is the difference of a long and a short
-    run over the difference of their steps, which leaves out what a call costs whatever it runs (its launch, the
-    loop weights, the read of the result). An entry that cannot beat autoregressive decoding even if every drafted
+    acceptance as the prior. The state itself is not touched. A step's cost is what the decode pays for it: in the
+    chunked loop, chunks run as ChunkedLoop.run runs them (`decode_ms`); in one whole-decode call, the difference of
+    a long and a short run over the difference of their steps (a call's launch and result read drop out). An entry that cannot beat autoregressive decoding even if every drafted
     token were accepted ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least
     as much; so does one whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step
     and no more than the entry before it. Entries not timed cost +inf (never chosen)."""
@@ -330,20 +361,27 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
 
     def timed(force: int, long: bool):
         forced = base._replace(policy=base.policy._replace(force=jnp.int32(force)))
-        if chunk_steps:
-            return time_calls(call, forced, CALIBRATION_CALLS[long])
         # decode_loop runs until max_new_tokens steps: start it that many steps before
         start = jnp.full_like(base.step, max(spec.max_new_tokens - CALIBRATION_STEPS[long], 0))
         return time_calls(call, forced._replace(step=start))
 
     def step_ms(force: int):
+        if chunk_steps:
+            forced = base._replace(policy=base.policy._replace(force=jnp.int32(force)))
+            ms_step, _, final = min((decode_ms(call, forced, CALIBRATION_CHUNKS) for _ in range(2)),
+                                    key=lambda r: r[0])
+            return ms_step, final
         short = min((timed(force, False) for _ in range(2)), key=lambda r: r[0])
         long = min((timed(force, True) for _ in range(2)), key=lambda r: r[0])
         return step_ms_between(short, long), long[2]
 
     modes = ["ar"] + list(range(len(menu)))
     ms, prior, last_rate = {}, None, float("inf")
-    timed(len(menu), False)  # warm-up (on a GPU, the first call of a program runs its command buffer's warm-up)
+    # warm-up (on a GPU, the first call of a program runs its command buffer's warm-up)
+    if chunk_steps:
+        decode_ms(call, base._replace(policy=base.policy._replace(force=jnp.int32(len(menu)))), 1)
+    else:
+        timed(len(menu), False)
     for n, mode in enumerate(modes):
         if on_progress is not None:
             on_progress("calibrate", n, len(modes))
@@ -359,7 +397,7 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
                                                                             and rate <= last_rate):
                 break
             last_rate = rate
-    steps = CALIBRATION_CALLS[1] * chunk_steps if chunk_steps else CALIBRATION_STEPS[1]
+    steps = CALIBRATION_CHUNKS * chunk_steps if chunk_steps else CALIBRATION_STEPS[1]
     if on_progress is not None:
         on_progress("calibrate", len(modes), len(modes))
     batch = state.bonus.shape[0]
