@@ -81,6 +81,7 @@ from kdtree_jax.checkpoint import add_dtype_argument, recommended_tree_temperatu
 from kdtree_jax.provenance import git_commit  # noqa: E402
 from kdtree_jax import corpus  # noqa: E402
 from kdtree_jax.model.drafter import DrafterConfig  # noqa: E402
+from kdtree_jax.speculative.sampling import SamplingParams
 from kdtree_jax.speculative import tree as trees  # noqa: E402
 from kdtree_jax import kv_pool  # noqa: E402
 from kdtree_jax.serve.scheduler import compile_count  # noqa: E402
@@ -393,8 +394,8 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     # the static run of the same decoder compiled, when it ran last (engine.chunked_loop).
     spec = engine.SpecConfig(tree=tree if isinstance(tree, str) else tuple(tree),
                              budget=budget if req.use_drafter else 0, topk=topk,
-                             tree_temperature=float(tree_temperature), temperature=float(temperature),
-                             top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens, impl=impl,
+                             tree_temperature=float(tree_temperature), sampled=float(temperature) > 0,
+                             max_new_tokens=max_new_tokens, impl=impl,
                              row_invariant=bool(row_invariant), menu=menu)
     use = use if req.use_drafter else None
     depth = req.depth if req.use_drafter else 0
@@ -416,9 +417,10 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
         return engine.with_costs(state, spec, costs) if costs else state
 
     loop = engine.chunked_loop(target, use, spec, min(chunk_steps, max_new_tokens))
+    settings = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
 
     def admit(state, row, prompt, i):
-        return loop.admit(state, prompt, row, seed=seed + i)
+        return loop.admit(state, prompt, row, seed=seed + i, sampling=settings)
 
     t0 = time.perf_counter()
     loop.compile(empty_state())  # a hit when the static run of this decoder just compiled it (generate's loop)

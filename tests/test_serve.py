@@ -103,7 +103,7 @@ def _log(server: dict) -> str:
 
 
 def _greedy_cost_model():
-    """(the cost model the server's greedy bucket loads, the context its calibration runs at), computed as the server
+    """(the cost model the server's bucket loads, the context its calibration runs at), computed as the server
     computes them: the same models (float32 on a CPU), settings and calibration prompt."""
     from kdtree_jax.generate import load_models
     from kdtree_jax.serve import scheduler as sched
@@ -113,7 +113,7 @@ def _greedy_cost_model():
     s = sched.Scheduler(target, drafter, sched.Settings(
         max_batch=MAX_BATCH, max_len=MAX_LEN, chunk_steps=CHUNK_STEPS,
         calibration_prompt=tuple(tokenizer.encode(sched.CALIBRATION_TEXT))), Metrics())
-    return s.cost_model_for((0.0, 1.0)), float(len(s.calibration_prompt())), s.menu
+    return s.cost_model(), float(len(s.calibration_prompt())), s.menu
 
 
 def _seed_cost_model(step_ms: dict, expected=None) -> dict:
@@ -176,7 +176,7 @@ def test_models_health_metrics(server):
     assert health["status"] == "ok" and health["decoding"] == "speculative" and health["budget"] == "auto"
     assert health["budget_menu"] == [0, 4, 8, 16, 32, 64]
     # The start-up took the fixture's cached cost model (it measured nothing).
-    greedy = health["budget_policy"]["buckets"]["greedy"]
+    greedy = health["budget_policy"]["buckets"]["batch"]
     assert greedy["calibrated"] is False and greedy["costs_ms"]["ar"] == SEEDED_STEP_MS["ar"]
     assert "(cost model from the cache)" in _log(server)
     m = _metrics(url)
@@ -365,8 +365,8 @@ def test_metrics_render_the_adaptive_budget():
     assert "budget_steps_total" not in m.render() and m.budget_policy() is None  # a fixed budget: none of it
     m.set_menu((0, 4, 16))
     summary = {"costs_ms": {"ar": 1.0, "draft": 0.5, "verify": [1.0, 1.2, float("inf")]}, "calibration": [1.0]}
-    m.add_policy((0.0, 1.0), (0, 4, 16), [1, 5, 2, 3], [30.0, 27.0, 9.0], summary)  # 8 drafted steps of 9 rows
-    m.add_policy((0.7, 1.0), (0, 4, 16), [0, 1, 0, 4], [3.0, 4.0, 1.0], summary)
+    m.add_policy("batch", (0, 4, 16), [1, 5, 2, 3], [30.0, 27.0, 9.0], summary)  # 8 drafted steps of 9 rows
+    m.add_policy("batch", (0, 4, 16), [0, 1, 0, 4], [3.0, 4.0, 1.0], summary)  # the next chunk
     values = parse(m.render())
     assert {k: v for k, v in values.items() if k.startswith("budget_steps_total")} == {
         'budget_steps_total{budget="0"}': 1, 'budget_steps_total{budget="4"}': 6, 'budget_steps_total{budget="16"}': 2}
@@ -376,8 +376,8 @@ def test_metrics_render_the_adaptive_budget():
     assert "# TYPE kdtree_serve_budget_steps_total counter" in text and "# TYPE kdtree_serve_observed_tau gauge" in text
     policy = m.budget_policy()
     json.dumps(policy, allow_nan=False)  # strict JSON: the infinite cost is null
-    assert policy["buckets"]["greedy"]["costs_ms"]["verify"] == [1.0, 1.2, None]
-    assert set(policy["buckets"]) == {"greedy", "temperature=0.7,top_p=1"}
+    assert policy["buckets"]["batch"]["costs_ms"]["verify"] == [1.0, 1.2, None]
+    assert set(policy["buckets"]) == {"batch"}  # one bucket for every sampling setting
     m.reset_counts()  # the warm-up's steps are forgotten with the rest
     assert parse(m.render())['budget_steps_total{budget="4"}'] == 0 and parse(m.render())["predicted_tau"] == 0
 
@@ -434,8 +434,8 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
     calibrated = _start_server("--calibrate")
     try:
         log = _log(calibrated)
-        assert "[measuring the tree-budget cost model: batch 4, greedy" in log and "(cost model measured now)" in log
-        greedy = httpx.get(calibrated["url"] + "/health").json()["budget_policy"]["buckets"]["greedy"]
+        assert "[measuring the tree-budget cost model: batch 4 (" in log and "(cost model measured now)" in log
+        greedy = httpx.get(calibrated["url"] + "/health").json()["budget_policy"]["buckets"]["batch"]
         assert greedy["calibrated"] is True and greedy["costs_ms"]["ar"] < 1000
         model, context, _ = _greedy_cost_model()
         assert [p["batch"] for p in model.points] == [MAX_BATCH]  # the stale point replaced, not added to

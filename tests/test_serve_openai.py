@@ -96,6 +96,19 @@ def test_chat_stop_seed_and_the_room_left(app_client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_penalties_change_the_answer_in_the_same_program(app_client):
+    """presence_penalty / frequency_penalty are each request's own settings (one compiled program for all)."""
+    client, _ = app_client
+    from kdtree_jax.speculative import engine
+
+    plain = _chat(client, max_tokens=24).json()["choices"][0]["message"]["content"]
+    traced = engine._TRACES.get("decode_chunk", 0)
+    penalised = _chat(client, max_tokens=24, presence_penalty=2.0, frequency_penalty=2.0).json()
+    assert penalised["choices"][0]["message"]["content"] != plain
+    assert _chat(client, max_tokens=24, frequency_penalty=0.0).json()["choices"][0]["message"]["content"] == plain
+    assert engine._TRACES.get("decode_chunk", 0) == traced
+
+
 def test_models_and_model_by_id(app_client):
     client, _ = app_client
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
@@ -131,6 +144,8 @@ BAD_CHAT = [
       "max_completion_tokens": 4}, 400, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 300}]}, 400, "prompt"),  # beyond a pool row
 ]

@@ -13,7 +13,7 @@
 Start-up: bind the port (a port in use is a one-line error, status 2, before anything loads), load the
 checkpoint (a corrupt or truncated file is one line naming it, status 1), compile the greedy batch's programs on a short request (a minute or less on a CPU),
 with --budget auto (the default) take the tree budget's step cost model from the cache or measure it (seconds, once
-per model pair, device, --max-batch and sampling mode; --calibrate measures it again), then serve. SIGINT / SIGTERM
+per model pair, device and --max-batch; --calibrate measures it again), then serve. SIGINT / SIGTERM
 stop accepting connections, let the requests in flight finish (up to --drain-timeout seconds), end the rest (a stream
 with a final error event, a whole request with a 503: api.py), wait for the decode thread to leave (after the compile or chunk it is running returns: XLA's native code is never torn
 down under it) and exit 0. A signal during the start-up (load, warm-up compile, cost-model measurement) stops there,
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)")
     p.add_argument("--max-batch", type=int, default=8,
-                   help="batch rows decoded together (per sampling setting); more rows: more throughput, more memory")
+                   help="batch rows decoded together, whatever each request's sampling settings (one compiled "
+                        "program); more rows: more throughput, more memory")
     p.add_argument("--max-len", type=int, default=1024,
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
@@ -63,14 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--topk allow; 0 verifies the root only, and the policy may also skip the drafter for a plain "
                         "autoregressive step) by the drafter's own probabilities and a cost model of this device: "
                         "what a step of each budget costs at --max-batch rows, measured at start-up (a few seconds, "
-                        "after the compile) once per model pair, device, batch size and sampling mode and cached "
+                        "after the compile) once per model pair, device and batch size and cached "
                         "($KDTREE_JAX_CACHE, else $XDG_CACHE_HOME/kdtree_jax or ~/.cache/kdtree_jax; see "
                         "--calibrate). /metrics and /health then report the "
                         "steps of each budget, the steps without the drafter and the predicted vs observed tau. "
                         "A number: that budget every step (0: autoregressive, as --no-speculative)")
     p.add_argument("--calibrate", action="store_true",
-                   help="with --budget auto: measure the step cost model again at start-up (and for each new sampling "
-                        "setting) instead of using the cached one, and cache the new measurement; for after a "
+                   help="with --budget auto: measure the step cost model again at start-up instead of using the "
+                        "cached one, and cache the new measurement; for after a "
                         "driver, library, hardware or flag change that alters step times")
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
@@ -83,10 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(smaller: sooner; larger: less host work per token)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond those the free batch rows will take; more get 429")
-    p.add_argument("--max-buckets", type=int, default=4,
-                   help="sampling settings (greedy, each temperature/top_p pair) with a live batch at once; each has "
-                        "its own pool and compiled program (a new setting compiles once; the least recently used idle "
-                        "one is dropped to make room)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: float32 on a CPU, as saved on a GPU)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -108,7 +105,7 @@ def _fail(message: str):
 def check_flags(args) -> None:
     if not 0 < args.port < 65536:
         _fail(f"--port must be in [1, 65535]; got {args.port}")
-    for name in ("max_batch", "max_len", "chunk_steps", "max_queue", "max_buckets"):
+    for name in ("max_batch", "max_len", "chunk_steps", "max_queue"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.budget != "auto" and args.budget < 0:
@@ -251,7 +248,7 @@ def main(argv=None) -> int:
     settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, calibrate=args.calibrate,
                         calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
                         tree_temperature=args.tree_temperature or recommended, chunk_steps=args.chunk_steps,
-                        max_queue=args.max_queue, max_buckets=args.max_buckets)
+                        max_queue=args.max_queue)
     metrics = Metrics()
     scheduler = Scheduler(target, drafter, settings, metrics, say=lambda line: print(line, file=sys.stderr, flush=True))
     if scheduler.max_tokens_for(1) < 1:
@@ -288,8 +285,8 @@ def main(argv=None) -> int:
         app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info, template=template)
 
         if scheduler.menu:
-            greedy = scheduler.buckets.get((0.0, 1.0))  # made by the warm-up (none with --no-warmup)
-            cost_info = greedy.cost_info if greedy is not None else None
+            bucket = scheduler.bucket  # made by the warm-up (none with --no-warmup)
+            cost_info = bucket.cost_info if bucket is not None else None
             shape = ("adaptive DDTree budget from {" + ", ".join(map(str, scheduler.menu)) + "}"
                      + ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
                         " (cost model from the cache)"))

@@ -55,6 +55,9 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, ge=1)  # OpenAI's default
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default (0: greedy)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's penalties, from the counts of the prompt's and the answer's tokens (speculative/sampling.py)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     n: int = 1
@@ -66,12 +69,10 @@ class CompletionRequest(BaseModel):
     logprobs: Optional[int] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
 
-    NEUTRAL: ClassVar[dict] = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "logit_bias": (None, {})}
+    NEUTRAL: ClassVar[dict] = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,),
+               "logit_bias": (None, {})}
 
 
 class TextPart(BaseModel):
@@ -104,6 +105,9 @@ class ChatRequest(BaseModel):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's penalties, from the counts of the prompt's and the answer's tokens (speculative/sampling.py)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     n: int = 1
@@ -113,8 +117,6 @@ class ChatRequest(BaseModel):
     # not implemented: only their neutral values
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
@@ -124,8 +126,8 @@ class ChatRequest(BaseModel):
     metadata: Optional[dict] = None
     service_tier: Optional[str] = None
 
-    NEUTRAL: ClassVar[dict] = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    NEUTRAL: ClassVar[dict] = {"logprobs": (None, False), "top_logprobs": (None, 0),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "response_format": (None, {"type": "text"}), "store": (None, False),
                "service_tier": (None, "auto", "default")}
 
@@ -351,6 +353,7 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
                 pass
 
         job = sched.Request(prompt=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                             seed=req.seed, emit=emit)
         try:
             scheduler.submit(job)

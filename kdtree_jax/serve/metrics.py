@@ -25,7 +25,7 @@ _DOC = {
     "pool_slots_free": ("gauge", "KV pool slots free"),
     "pool_usage": ("gauge", "1 - pool_slots_free / pool_slots"),
     "queue_length": ("gauge", "Requests waiting for a batch row"),
-    "buckets": ("gauge", "Live buckets (one per sampling setting: greedy, each temperature/top_p)"),
+    "buckets": ("gauge", "Live buckets (one: the batch, for any sampling settings; 0 before the first request)"),
     "compiles_total": ("counter", "XLA compiles in this process (constant under a steady load)"),
 }
 # The adaptive tree budget's (--budget auto): on the page only when the server runs it. A batch step is one step of
@@ -169,16 +169,15 @@ class Metrics:
 
     def budget_policy(self) -> "dict | None":
         """The adaptive budget as JSON (for /health; None with a fixed budget): the totals /metrics shows, and per
-        bucket (sampling setting) its cost model (cached or measured, the step costs) and its calibration bins."""
+        bucket (the batch) its cost model (cached or measured, the step costs) and its calibration bins."""
         snap = self.snapshot()
         if "budget_steps_total" not in snap:
             return None
         with self._lock:
             buckets = {}
             for key in {**self.cost_infos, **self.policies}:
-                name = "greedy" if key[0] == 0 else f"temperature={key[0]:g},top_p={key[1]:g}"
                 summary = self.policies.get(key, {})
-                buckets[name] = {**self.cost_infos.get(key, {}),
+                buckets[key] = {**self.cost_infos.get(key, {}),
                                  **{k: summary[k] for k in ("costs_ms", "calibration") if k in summary}}
             menu = list(self.menu)
         return _finite({"menu": menu, "budget_steps": snap["budget_steps_total"],

@@ -6,13 +6,18 @@ the server's asyncio loop must never block on the device. The web side talks to 
 (a locked deque), `cancel` (a flag the thread reads) and, back, each request's `emit` callback (the server passes
 one that hands events to its asyncio loop with call_soon_threadsafe).
 
-A *bucket* is one batch of `max_batch` rows with its own pool, state and compiled chunk program; requests with the
-same sampling settings share one (greedy is one bucket; each (temperature, top_p) another, since the engine compiles
-them into the program). The shapes of everything a bucket runs are fixed when it is made — the pool, the chunk
-program, row admission (a prefill padded to a power-of-two length bucket), row reset — so a steady load compiles
-nothing: `compile_count()` counts XLA compiles (the /metrics line `kdtree_serve_compiles_total`).
+The *bucket* is the one batch of `max_batch` rows with its pool, state and compiled chunk program. Every request
+shares it whatever its sampling settings: each row's temperature, top-k, top-p, penalties and random stream are data
+in the loop state, set when the row is admitted (speculative/sampling.py), so the program is compiled with
+SpecConfig(sampled=True, penalties=True) and serves any mix. The cost of that generality is paid by greedy loads too:
+every step filters each tree node's logits with its row's settings (a sort of the vocabulary per node; a greedy row
+then takes the argmax of what is left) and keeps each row's token counts for the penalties, where a greedy-only
+program takes the argmax of the raw logits. The shapes of everything the bucket runs are fixed when it is made — the
+pool, the chunk program, row admission (a prefill padded to a power-of-two length bucket), row reset — so a steady
+load of any mix of settings compiles nothing: `compile_count()` counts XLA compiles (the /metrics line
+`kdtree_serve_compiles_total`).
 
-One bucket's cycle (when its batch is full, with one chunk in flight: the host reads chunk i while the device runs
+The bucket's cycle (when its batch is full, with one chunk in flight: the host reads chunk i while the device runs
 chunk i + 1; with a free row, chunk by chunk, so that a new request waits for one chunk at most):
 
     admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket) and
@@ -27,10 +32,10 @@ max_tokens tokens (admission.admit_row), with no extra steps and no per-request 
 
 The adaptive tree budget (Settings.budget "auto", the default): each bucket's loop has the menu of DDTree budgets
 (validation.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
-drafter for an autoregressive step. The policy needs what a step costs on this device: when a bucket is made (after
-its chunk program compiles; for the greedy bucket that is the warm-up, before the server says it is serving) the
-bucket takes the costs from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model
-pair, device, batch size and sampling mode (or Settings.calibrate asks for a fresh measurement once per process),
+drafter for an autoregressive step. The policy needs what a step costs on this device: when the bucket is made (after
+its chunk program compiles; that is the warm-up, before the server says it is serving) the bucket takes the costs
+from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model pair, device, batch size
+and program (or Settings.calibrate asks for a fresh measurement once per process),
 measures them: a short fixed prompt (CALIBRATION_TEXT) is admitted into every row, engine.calibrate times each menu
 entry on copies of that state with the loop's own program (nothing compiles), and the rows are reset. The policy's
 state lives in the bucket's loop state, so what it learned (its calibration bins, its counters) carries from request
@@ -42,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import itertools
 import threading
 import time
@@ -55,6 +59,7 @@ import numpy as np
 
 from kdtree_jax import kv_pool
 from kdtree_jax.speculative import admission, budget_policy, cost_model, engine, validation
+from kdtree_jax.speculative.sampling import SamplingParams
 
 # --- compile counting ---------------------------------------------------------------------------------------------
 # Every XLA compile (a jit cache miss, an eager op on a new shape) reports this event; counting it is how /metrics and
@@ -78,45 +83,6 @@ def compile_count() -> int:
 
 compile_count()  # listen from import on
 
-# --- releasing the programs of dropped buckets ----------------------------------------------------------------------
-# Each sampling setting compiles its own chunk program (the temperature and top_p are compiled in), and JAX's
-# tracing and lowering caches keep every executable it ever compiled, whether or not its bucket is still there.
-# XLA:CPU maps each loaded executable into memory mappings of its own (~700 for the default pair's DDTree chunk);
-# a server that sees ~45 distinct settings passes half of vm.max_map_count (65530 by default), and at the limit an
-# mmap inside the next compile fails and the process segfaults (tests/conftest.py, tests/test_memory_maps.py). So
-# when a bucket is dropped and the process holds more than RELEASE_MAPS mappings (None: half of vm.max_map_count),
-# JAX's caches are cleared. Each live bucket keeps its chunk program (compiled ahead of time, owned by its
-# ChunkedLoop); the small shared programs (prefill per prompt bucket, row admission and reset) compile again once.
-RELEASE_MAPS: Optional[int] = None
-
-
-def memory_maps() -> int:
-    """Memory mappings of this process (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:
-        return 0
-
-
-def release_executables_if_many_maps(limit: Optional[int] = None) -> bool:
-    """Clear JAX's caches when the process holds more than `limit` memory mappings (default RELEASE_MAPS, else half
-    of vm.max_map_count); True if it did."""
-    if limit is None:
-        limit = RELEASE_MAPS
-    if limit is None:
-        try:
-            with open("/proc/sys/vm/max_map_count") as f:
-                limit = int(f.read()) // 2
-        except (OSError, ValueError):
-            limit = 65530 // 2
-    if memory_maps() <= limit:
-        return False
-    jax.clear_caches()
-    gc.collect()
-    return True
-
-
 class QueueFull(Exception):
     """The waiting queue is at --max-queue: the server answers 429."""
 
@@ -135,8 +101,12 @@ class Request:
     prompt: list
     max_tokens: int
     emit: Callable[[str, object], None]
-    temperature: float = 0.0
+    temperature: float = 0.0  # the sampling settings (speculative/sampling.py's SamplingParams; 0: greedy)
     top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = None
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -145,10 +115,12 @@ class Request:
     delivered: int = 0  # tokens handed to emit
     finished: bool = False
 
-    @property
-    def sampling(self) -> tuple:
-        """The bucket key: requests with equal keys run in one compiled program."""
-        return (0.0, 1.0) if self.temperature == 0 else (float(self.temperature), float(self.top_p))
+    def __post_init__(self):
+        # Checked here, on the caller's thread: a bad setting is the caller's ValueError, not a failed decode step.
+        self.sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                       repetition_penalty=self.repetition_penalty,
+                                       presence_penalty=self.presence_penalty,
+                                       frequency_penalty=self.frequency_penalty)
 
 
 @jax.jit
@@ -160,33 +132,30 @@ def _counters(state: engine.LoopState):
     return state.accepted_hist + 0, state.cache.num_free + 0, policy
 
 
-@jax.jit
-def _with_key(state: engine.LoopState, seed) -> engine.LoopState:
-    """A fresh random stream for a bucket that had no live row: a lone seeded request is reproducible."""
-    return state._replace(key=jax.random.key(seed), step=jnp.zeros_like(state.step))
-
-
 class _Stopped(Exception):
     """stop() came while the warm-up was measuring a cost model: the warm-up ends there."""
 
 
 class Bucket:
-    """`max_batch` rows decoding with one sampling setting: the pool, the loop state, who owns which row."""
+    """`max_batch` rows decoding together, each with its own sampling settings: the pool, the loop state, who owns
+    which row."""
 
-    def __init__(self, sched: "Scheduler", sampling: tuple):
-        self.sched, self.sampling = sched, sampling
+    KEY = "batch"  # its name in the metrics
+
+    def __init__(self, sched: "Scheduler"):
+        self.sched = sched
         target, drafter = sched.target, sched.drafter
         s = sched.settings
-        self.spec = sched.spec_for(sampling)
+        self.spec = sched.spec()
         # The adaptive budget whose cached costs say no budget pays here (a CPU): the plain autoregressive program.
         self.refusal = None
         if self.spec.menu and s.costs is None and not s.calibrate:
-            self.refusal = engine.cached_refusal(sched.cost_model_for(sampling), self.spec.menu, s.max_batch,
+            self.refusal = engine.cached_refusal(sched.cost_model(), self.spec.menu, s.max_batch,
                                                  float(len(sched.calibration_prompt())))
             if self.refusal is not None:
                 self.spec = dataclasses.replace(self.spec, menu=(), budget=0)
-                sched.metrics.set_cost_info(sampling, {**self.refusal, "seconds": 0.0})
-                sched.say(f"[tree-budget cost model ({'greedy' if sampling[0] == 0 else sampling}, cached): "
+                sched.metrics.set_cost_info(self.KEY, {**self.refusal, "seconds": 0.0})
+                sched.say(f"[tree-budget cost model ({self._label()}, cached): "
                           f"serving autoregressively: {self.refusal['why']}]")
         self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
         self.batch, self.max_len = s.max_batch, s.max_len
@@ -202,7 +171,8 @@ class Bucket:
             cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
             width=depth + 1, stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
             expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
-            active=np.zeros((self.batch,), bool), adaptive=adaptive)
+            active=np.zeros((self.batch,), bool), adaptive=adaptive,
+            counts=np.zeros((self.batch, cfg.vocab_size), np.int32) if self.spec.penalties else None)
         # Committed to the device like every state a jitted call returns: a program's cache key includes that, so an
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
         self.state = jax.device_put(self.state, jax.devices()[0])
@@ -231,7 +201,7 @@ class Bucket:
         if s.costs is not None:
             costs, info = dict(s.costs), {"cost_model": "given", "calibrated": False}
         else:
-            model = sched.cost_model_for(self.sampling)
+            model = sched.cost_model()
             prompt = sched.calibration_prompt()
             context = float(len(prompt))  # calibrate's context: the rows' mean length (the prompt's)
             path = str(model.path)
@@ -239,8 +209,8 @@ class Bucket:
             point = None if fresh else model.lookup(self.batch, context)
             measured = point is None
             if measured:
-                sched.say(f"[measuring the tree-budget cost model: batch {self.batch}, "
-                          f"{self._label()} (once per model pair, device, batch size and sampling mode; cached in "
+                sched.say(f"[measuring the tree-budget cost model: {self._label()} (once per model pair, device, "
+                          f"batch size and program; cached in "
                           f"{model.path.parent}) ...]")
                 model.add(self._calibrate(prompt))
                 model.save()
@@ -252,7 +222,7 @@ class Bucket:
         self.state = jax.device_put(engine.with_costs(self.state, self.spec, costs), jax.devices()[0])
         info["costs_ms"] = budget_policy.summary(jax.device_get(self.state.policy), self.spec.menu)["costs_ms"]
         self.cost_info = info
-        sched.metrics.set_cost_info(self.sampling, info)
+        sched.metrics.set_cost_info(self.KEY, info)
         ms = info["costs_ms"]
         how = (f"measured in {info['seconds']:.1f} s" if info["calibrated"] else
                "given" if s.costs is not None else "cached")
@@ -262,8 +232,7 @@ class Bucket:
                   f"drafter {ms['draft']:.3g} ms, verify by budget {{{verify}}} ms]")
 
     def _label(self) -> str:
-        temperature, top_p = self.sampling
-        return "greedy" if temperature == 0 else f"temperature {temperature:g}, top_p {top_p:g}"
+        return f"batch {self.sched.settings.max_batch}"
 
     def _calibrate(self, prompt: list) -> dict:
         """engine.calibrate on this bucket's rows, each holding `prompt` (calibrate times copies of that state with the
@@ -286,7 +255,7 @@ class Bucket:
         summary = budget_policy.summary(policy, self.spec.menu)
         chosen = np.asarray(policy.chosen, np.int64)
         sums = np.array([policy.predicted_tokens, policy.observed_tokens, policy.sequence_steps], np.float64)
-        self.sched.metrics.add_policy(self.sampling, self.spec.menu, chosen - self.chosen_seen, sums - self.sums_seen,
+        self.sched.metrics.add_policy(self.KEY, self.spec.menu, chosen - self.chosen_seen, sums - self.sums_seen,
                                       summary)
         self.chosen_seen, self.sums_seen = chosen, sums
 
@@ -302,14 +271,15 @@ class Bucket:
 
     def admit(self, reqs: list[Request]) -> None:
         """Give each request a free row (the caller checked there are enough): prefill it alone, copy it in, stream
-        its first token. The other rows wait meanwhile (the state is theirs too), so this is kept to one row's work."""
+        its first token. The other rows wait meanwhile (the state is theirs too), so this is kept to one row's work.
+        The row takes the request's sampling settings and a random stream of its own from its seed (else its id), so a
+        seeded request's tokens do not depend on the batch it joins."""
         sched = self.sched
-        if self.busy() == 0 and self.spec.temperature > 0 and reqs[0].seed is not None:
-            self.state = _with_key(self.state, jnp.int32(reqs[0].seed & 0x7FFFFFFF))
         firsts = []
         for req, row in zip(reqs, self.free_rows()):
-            seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF  # sampling only
-            self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed)
+            seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
+            self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed,
+                                                sampling=req.sampling)
             self.owner[row] = req
             firsts.append((req, row, first))
         for req, row, first in firsts:
@@ -360,7 +330,7 @@ class Bucket:
         self.hist_seen = np.asarray(hist, np.int64)
         if policy is not None:
             self._publish_policy(policy)
-        self.sched.metrics.set_pool(self.sampling, int(num_free), self.state.cache.num_slots)
+        self.sched.metrics.set_pool(self.KEY, int(num_free), self.state.cache.num_slots)
         for row, req in enumerate(owners):
             if req is None or self.owner[row] is not req or req.finished:
                 continue
@@ -371,14 +341,14 @@ class Bucket:
     def refresh_pool(self) -> None:
         """Publish the pool's free slots when no chunk is in flight to do it (after the last row retired)."""
         if not self.inflight:
-            self.sched.metrics.set_pool(self.sampling, int(self.state.cache.num_free), self.state.cache.num_slots)
+            self.sched.metrics.set_pool(self.KEY, int(self.state.cache.num_free), self.state.cache.num_slots)
 
 
 @dataclasses.dataclass
 class Settings:
     """The scheduler's static settings (the server's flags)."""
 
-    max_batch: int = 8  # rows per bucket
+    max_batch: int = 8  # batch rows
     max_len: int = 1024  # pool positions per row: prompt + max_tokens + one verify tree must fit
     # "auto": the adaptive budget (each step picks from validation.adaptive_menu's menu, 0: an autoregressive step without
     # the drafter); a number: DDTree nodes per step besides the root, every step; 0: autoregressive.
@@ -390,7 +360,6 @@ class Settings:
     tree_temperature: float = 1.0
     chunk_steps: int = 4  # decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
-    max_buckets: int = 4  # distinct sampling settings with a live pool at once
 
 
 # What the adaptive budget's calibration decodes in every row (Settings.calibration_prompt: its tokens, the server's
@@ -427,7 +396,7 @@ class Scheduler:
             metrics.set_menu(self.menu)
         # The out buffer's width bounds any request's max_tokens; the pool (max_len) is the real limit.
         self.max_new_tokens = settings.max_len
-        self.buckets: dict[tuple, Bucket] = {}
+        self.bucket: Optional[Bucket] = None  # made by the warm-up or the first request
         self._waiting: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
         self._accepting = True
@@ -437,24 +406,22 @@ class Scheduler:
         self.warmup_error: Optional[BaseException] = None  # what a failed warm-up on the decode thread raised
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
-        self.releases = 0  # times dropping a bucket cleared JAX's caches (release_executables_if_many_maps)
 
     def say(self, line: str) -> None:
         if self._say is not None:
             self._say(line)
 
-    def spec_for(self, sampling: tuple) -> engine.SpecConfig:
-        """The SpecConfig of the bucket of this (temperature, top_p)."""
-        temperature, top_p = sampling
+    def spec(self) -> engine.SpecConfig:
+        """The bucket's SpecConfig: one program for any sampling settings (they are each row's data)."""
         s = self.settings
         return engine.SpecConfig(tree="ddtree", budget=self.budget if self.speculative else 0, topk=s.topk,
-                                 tree_temperature=s.tree_temperature, temperature=temperature, top_p=top_p,
+                                 tree_temperature=s.tree_temperature, sampled=True, penalties=True,
                                  max_new_tokens=self.max_new_tokens, menu=self.menu)
 
-    def cost_model_for(self, sampling: tuple) -> cost_model.CostModel:
-        """The cached cost model of the bucket of this (temperature, top_p) (adaptive budget only; no points when
-        none is cached). Its points are keyed by batch size (max_batch) and context (len(calibration_prompt()))."""
-        return cost_model.CostModel.load(cost_model.fingerprint(self.target, self.drafter, self.spec_for(sampling)))
+    def cost_model(self) -> cost_model.CostModel:
+        """The bucket's cached cost model (adaptive budget only; no points when none is cached). Its points are keyed
+        by batch size (max_batch) and context (len(calibration_prompt()))."""
+        return cost_model.CostModel.load(cost_model.fingerprint(self.target, self.drafter, self.spec()))
 
     def calibration_prompt(self) -> list:
         """The tokens the adaptive budget's calibration admits into every row."""
@@ -503,11 +470,14 @@ class Scheduler:
         return len(self._waiting)
 
     def busy_rows(self) -> int:
-        return sum(sum(r is not None for r in b.owner) for b in self.buckets.values())
+        return 0 if self.bucket is None else self.bucket.busy()
+
+    def _idle(self) -> bool:
+        return self.bucket is None or self.bucket.idle()
 
     # -- the thread -----------------------------------------------------------------------------------------------
     def start(self, warmup: bool = False) -> None:
-        """Run the decode thread; with warmup, it first compiles the greedy bucket's programs (warmup()) and sets
+        """Run the decode thread; with warmup, it first compiles the bucket's programs (warmup()) and sets
         `ready` when that is over. The thread is not a daemon: whoever starts it must stop() it (and the interpreter
         waits for it rather than tearing it down inside a compile: a thread unwound while in XLA's native code aborts
         the process with "FATAL: exception not rethrown")."""
@@ -522,10 +492,9 @@ class Scheduler:
             if not drain:
                 for req in self._waiting:
                     req.cancelled = True
-                for b in self.buckets.values():
-                    for req in b.owner:
-                        if req is not None:
-                            req.cancelled = True
+                for req in self.bucket.owner if self.bucket is not None else []:
+                    if req is not None:
+                        req.cancelled = True
             self._stop = True
             self._lock.notify()
         if self._thread is not None:
@@ -536,7 +505,7 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def warmup(self) -> bool:
-        """Compile the greedy bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
+        """Compile the bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
         reset) and, with the adaptive budget, take its cost model from the cache or measure it, before serving, by
         running one short request on the calling thread. False if stop() came first: it returns at the next safe point
         (between compiles, calibration timings and chunks), leaving the scheduler to be stopped."""
@@ -547,7 +516,7 @@ class Scheduler:
             return False
         self._warming = True
         try:  # the chunk program's compile, and with the adaptive budget its costs (cached or measured now)
-            bucket = self.buckets.get(req.sampling) or self._new_bucket(req.sampling)
+            bucket = self._get_bucket()
         except _Stopped:
             return False
         finally:
@@ -578,9 +547,9 @@ class Scheduler:
             return
         while True:
             with self._lock:
-                while not self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
+                while not self._stop and not self._waiting and self._idle():
                     self._lock.wait(0.5)
-                if self._stop and not self._waiting and all(b.idle() for b in self.buckets.values()):
+                if self._stop and not self._waiting and self._idle():
                     return
                 waiting = [r for r in self._waiting if not r.cancelled]
                 for r in self._waiting:
@@ -599,56 +568,41 @@ class Scheduler:
             self._update_gauges()
 
     def _admit_waiting(self, waiting: list[Request]) -> list[Request]:
-        """Admit what fits, bucket by bucket, oldest first: -> the requests left waiting."""
-        left, by_bucket = [], collections.OrderedDict()
-        for req in waiting:
-            by_bucket.setdefault(req.sampling, []).append(req)
-        for key, reqs in by_bucket.items():
-            bucket = self.buckets.get(key) or self._new_bucket(key)
-            if bucket is None:
-                left.extend(reqs)
-                continue
-            bucket.sweep_cancelled()
-            if bucket.free_rows():
-                # Read the chunk in flight first (it may free more rows): the new rows' prefills then run at once
-                # instead of queueing behind it, which would be most of a request's time to first token. (With no
-                # free row the bucket keeps its chunk in flight: a full batch stays pipelined.)
-                while bucket.inflight:
-                    bucket.collect()
-            free = len(bucket.free_rows())
-            if free:
-                bucket.admit(reqs[:free])
-                self._update_gauges()  # /metrics shows the new rows before their first chunk
-            left.extend(reqs[free:])
-        left.sort(key=lambda r: r.id)
-        return left
+        """Admit what fits, oldest first: -> the requests left waiting."""
+        if not waiting:
+            return []
+        bucket = self._get_bucket()
+        bucket.sweep_cancelled()
+        if bucket.free_rows():
+            # Read the chunk in flight first (it may free more rows): the new rows' prefills then run at once instead
+            # of queueing behind it, which would be most of a request's time to first token. (With no free row the
+            # bucket keeps its chunk in flight: a full batch stays pipelined.)
+            while bucket.inflight:
+                bucket.collect()
+        free = len(bucket.free_rows())
+        if free:
+            bucket.admit(waiting[:free])
+            self._update_gauges()  # /metrics shows the new rows before their first chunk
+        return waiting[free:]
 
-    def _new_bucket(self, key: tuple) -> Optional[Bucket]:
-        """A bucket for new sampling settings; at --max-buckets the least recently used idle one is dropped first
-        (None when every bucket is busy: the request waits)."""
-        if len(self.buckets) >= self.settings.max_buckets:
-            idle = [k for k, b in self.buckets.items() if b.idle()]
-            if not idle:
-                return None
-            oldest = min(idle, key=lambda k: self.buckets[k].last_used)
-            del self.buckets[oldest]
-            self.metrics.drop_pool(oldest)
-            if release_executables_if_many_maps():
-                self.releases += 1
-        bucket = self.buckets[key] = Bucket(self, key)
-        return bucket
+    def _get_bucket(self) -> Bucket:
+        if self.bucket is None:
+            self.bucket = Bucket(self)
+        return self.bucket
 
     def _step(self) -> None:
-        """One chunk for every bucket with live rows. A full bucket keeps one chunk in flight (the device never waits
-        for the host); one with a free row reads each chunk before the next, so that a request arriving meanwhile
-        is admitted after the chunk running now rather than after the one behind it (half the wait for its first
-        token, for a little device idle time a chunk while the batch has room)."""
-        for bucket in list(self.buckets.values()):
-            bucket.sweep_cancelled()
-            if bucket.busy():
-                bucket.launch()
-            while len(bucket.inflight) > (1 if bucket.busy() == bucket.batch else 0):
-                bucket.collect()
+        """One chunk if any row is live. A full batch keeps one chunk in flight (the device never waits for the host);
+        one with a free row reads each chunk before the next, so that a request arriving meanwhile is admitted after
+        the chunk running now rather than after the one behind it (half the wait for its first token, for a little
+        device idle time a chunk while the batch has room)."""
+        bucket = self.bucket
+        if bucket is None:
+            return
+        bucket.sweep_cancelled()
+        if bucket.busy():
+            bucket.launch()
+        while len(bucket.inflight) > (1 if bucket.busy() == bucket.batch else 0):
+            bucket.collect()
 
     def _fail_all(self, e: Exception, admitting: list[Request]) -> None:
         """Fail every request in a row and those being admitted (the others still wait in the queue)."""
@@ -662,21 +616,19 @@ class Scheduler:
                 req.finished = True
                 self.metrics.add("requests_error")
                 req.emit("error", message)
-        for key, bucket in list(self.buckets.items()):
-            for req in bucket.owner:
+        if self.bucket is not None:
+            for req in self.bucket.owner:
                 if req is not None and not req.finished:
                     req.finished = True
                     self.metrics.add("requests_error")
                     req.emit("error", message)
-            del self.buckets[key]  # its state may be half-donated: start it afresh
-            self.metrics.drop_pool(key)
+            self.bucket = None  # its state may be half-donated: start it afresh
+            self.metrics.drop_pool(Bucket.KEY)
 
     def _update_gauges(self) -> None:
-        for bucket in self.buckets.values():
-            bucket.refresh_pool()
+        if self.bucket is not None:
+            self.bucket.refresh_pool()
         busy = self.busy_rows()
-        self._free_rows = sum(len(b.free_rows()) for b in self.buckets.values()) if self.buckets else \
-            self.settings.max_batch
-        self.metrics.set_gauges(queue_length=len(self._waiting), busy_rows=busy,
-                                rows=self.settings.max_batch * max(len(self.buckets), 1),
-                                buckets=len(self.buckets), compiles=compile_count())
+        self._free_rows = self.settings.max_batch - busy
+        self.metrics.set_gauges(queue_length=len(self._waiting), busy_rows=busy, rows=self.settings.max_batch,
+                                buckets=int(self.bucket is not None), compiles=compile_count())

@@ -19,6 +19,7 @@ from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.ops.argmax import argmax_last
 from kdtree_jax.speculative import accept as acceptance
+from kdtree_jax.speculative import sampling as sampling_ops
 from kdtree_jax.speculative import tree as trees
 from kdtree_jax.speculative.step import LoopState, SpecConfig
 from kdtree_jax.speculative.validation import round_up
@@ -80,14 +81,14 @@ class AdmitPlan:
     Equal plans share programs: the server's buckets of every sampling setting share one per prompt bucket and
     sampling mode (the temperature and top_p are traced)."""
 
-    __slots__ = ("structure", "hidden_layers", "impl", "sampled", "top_k", "chunk_size", "mesh", "_key", "_hash")
+    __slots__ = ("structure", "hidden_layers", "impl", "sampled", "penalties", "chunk_size", "mesh", "_key", "_hash")
 
     def __init__(self, structure, hidden_layers: tuple, spec: SpecConfig, chunk_size: int, mesh):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
         self.structure, self.hidden_layers, self.impl, self.mesh = structure, tuple(hidden_layers), spec.impl, mesh
-        self.sampled, self.top_k, self.chunk_size = spec.temperature != 0, int(spec.top_k), int(chunk_size)
-        self._key = (structure, self.hidden_layers, self.impl, self.sampled, self.top_k, self.chunk_size, mesh)
+        self.sampled, self.penalties, self.chunk_size = spec.sampled, spec.penalties, int(chunk_size)
+        self._key = (structure, self.hidden_layers, self.impl, self.sampled, self.penalties, self.chunk_size, mesh)
         self._hash = hash(self._key)
 
     def __hash__(self):
@@ -98,15 +99,8 @@ class AdmitPlan:
                                  and self._key == other._key)
 
 
-def _sample_first(last_logits, seed, temperature, top_p, top_k: int):
-    # The prompt's own seed (not the batch's stream): its first token does not depend on the batch it joins.
-    filtered = acceptance.filter_logits(last_logits, temperature, top_k, top_p)
-    key = jax.random.fold_in(jax.random.key(seed), 1 << 30)
-    return jax.random.categorical(key, filtered).astype(jnp.int32)
-
-
 def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[DrafterCache], row, first,
-                     max_tokens) -> LoopState:
+                     max_tokens, settings: sampling_ops.RowSampling, key, counts) -> LoopState:
     """Batch row `row` (a traced scalar) takes over the one-row pool `fresh` (and drafter context): see `admit_row`."""
     state = _reset_row_state(state, row)
     cache = state.cache
@@ -139,16 +133,20 @@ def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[Dr
     num_out = offset + 1
     live = ~(token == state.stop_ids).any() & (num_out < max_new)
     out_row = jnp.full((state.out.shape[1],), -1, jnp.int32).at[offset].set(token)
+    # The row's own settings, random stream and token counts (prompt + first token).
     return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[row].set(token),
                           out=state.out.at[row].set(out_row), num_out=state.num_out.at[row].set(num_out),
-                          active=state.active.at[row].set(live))
+                          active=state.active.at[row].set(live), sampling=state.sampling.set_row(row, settings),
+                          key=state.key.at[row].set(key),
+                          counts=None if counts is None else state.counts.at[row].set(counts[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
     """One admission, one program (per plan and prompt bucket): the one-row pool, the prompt's prefill chunks, the
     drafter's context, the first token and the adoption into batch row `row`. ids [1, bucket] (the prompt, zero
-    padded); ints [4] = (prompt length, row, max_tokens, seed); floats [2] = (temperature, top_p), for sampling.
+    padded); ints [5] = (prompt length, row, max_tokens, seed, top_k); floats [5] = (temperature, top_p,
+    repetition_penalty, presence_penalty, frequency_penalty): the row's sampling settings, data like the rest.
     -> (the state, the first token [1])."""
     _TRACES["admit"] = _TRACES.get("admit", 0) + 1
     target, drafter = jax.tree.unflatten(plan.structure, leaves)
@@ -175,15 +173,23 @@ def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
     if drafter is not None:
         hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
         dcache = drafter.extend_context(drafter.init_cache(1, length), hidden, n[None])
+    settings = sampling_ops.RowSampling(floats[0:1], floats[1:2], ints[4:5], floats[2:3], floats[3:4], floats[4:5])
+    # The row's own stream, from its seed: its tokens do not depend on the batch it joins.
+    key = jax.random.key(seed.astype(jnp.uint32))
+    counts = None
+    if plan.penalties:
+        counts = sampling_ops.count_tokens(jnp.where(jnp.arange(length)[None, :] < n, ids, -1), target.cfg.vocab_size)
     if plan.sampled:
-        first = _sample_first(last_logits, seed, floats[0], floats[1], plan.top_k)
+        first = sampling_ops.first_tokens(last_logits, settings, key[None], counts)
     else:
-        first = argmax_last(last_logits)
-    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens), first
+        first = argmax_last(last_logits if counts is None else sampling_ops.penalize(last_logits, counts, settings))
+    if counts is not None:
+        counts = sampling_ops.add_tokens(counts, first[:, None])
+    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens, settings, key, counts), first
 
 
 def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
-                seed: int, spec: SpecConfig, vocab_size: int):
+                seed: int, spec: SpecConfig, vocab_size: int, sampling: Optional[sampling_ops.SamplingParams] = None):
     """The host's part of an admission: checks and the padded prompt, then one dispatch of `_admit`."""
     prompt = validate_tokens(np.asarray(prompt_ids), vocab_size, "prompt_ids")
     if prompt.ndim != 1 or prompt.size == 0:
@@ -197,14 +203,20 @@ def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: 
         raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
     ids = np.zeros((1, prompt_bucket(n, max_len)), np.int32)
     ids[0, :n] = prompt
-    ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF], np.int32)
-    floats = np.array([spec.temperature, spec.top_p], np.float32)
+    p = sampling or sampling_ops.SamplingParams()
+    if (p.sampled and not spec.sampled) or (p.penalised and not spec.penalties):
+        raise ValueError(f"this loop was compiled without {'sampling' if p.sampled and not spec.sampled else 'penalties'}"
+                         " (SpecConfig.sampled / penalties); the request's settings need it")
+    ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF, p.top_k], np.int32)
+    floats = np.array([p.temperature, p.top_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty],
+                      np.float32)
     return _admit(leaves, state, ids, ints, floats, plan=plan)
 
 
 def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
               spec: SpecConfig, max_tokens: Optional[int] = None, seed: int = 0,
-              chunk_size: int = PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
+              chunk_size: int = PREFILL_CHUNK, sampling: Optional[sampling_ops.SamplingParams] = None
+              ) -> tuple[LoopState, jnp.ndarray]:
     """Batch row `row` takes a new prompt between chunks, in one dispatch of one compiled program (per prompt
     bucket and sampling mode); the state is donated. -> (the state, the first token [1] int32, on the device).
 
@@ -222,7 +234,8 @@ def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState,
     leaves, structure = jax.tree.flatten((target, drafter))
     plan = AdmitPlan(structure, drafter.target_layer_ids if drafter is not None else (), spec, chunk_size,
                       getattr(target, "mesh", None))
-    return admit_with_plan(leaves, plan, state, prompt_ids, row, max_tokens, seed, spec, target.cfg.vocab_size)
+    return admit_with_plan(leaves, plan, state, prompt_ids, row, max_tokens, seed, spec, target.cfg.vocab_size,
+                           sampling)
 
 
 def replace_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,

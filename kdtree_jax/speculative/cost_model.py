@@ -55,8 +55,8 @@ def fingerprint(target, drafter, spec) -> dict:
         "drafter_dtype": str(getattr(drafter, "dtype", "")),
         "menu": list(spec.menu),
         "topk": spec.topk,
-        "sampled": spec.temperature > 0,
-        "top_k": spec.top_k,
+        "sampled": spec.sampled,
+        "penalties": spec.penalties,
         "impl": spec.impl,
         "row_invariant": spec.row_invariant,
     }

@@ -40,6 +40,7 @@ from kdtree_jax.sharding import replicate
 from kdtree_jax.speculative import accept as acceptance
 from kdtree_jax.speculative import admission, budget_policy, validation
 from kdtree_jax.speculative import cost_model as cost_models
+from kdtree_jax.speculative import sampling as sampling_ops
 from kdtree_jax.speculative.stats import generate_stats
 from kdtree_jax.speculative.step import (ExpertLoad, LoopState, PendingContext, SpecConfig, TreeShape,
                                          pending_capacity, speculative_step)
@@ -190,6 +191,7 @@ class ChunkedLoop:
         return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
 
     def admit(self, state: LoopState, prompt_ids, row: int, *, max_tokens: Optional[int] = None, seed: int = 0,
+              sampling: Optional[sampling_ops.SamplingParams] = None,
               chunk_size: int = admission.PREFILL_CHUNK) -> tuple[LoopState, jnp.ndarray]:
         """`admission.admit_row` with this loop's models and settings, flattened once: a new prompt in batch row `row`
         between chunks, one host dispatch of one compiled program. -> (the state, the first token [1] on device)."""
@@ -198,7 +200,7 @@ class ChunkedLoop:
             plan = self._plans[chunk_size] = admission.AdmitPlan(self.structure, self.hidden_layers, self.spec,
                                                                  chunk_size, self.mesh)
         return admission.admit_with_plan(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec,
-                                         self.vocab_size)
+                                         self.vocab_size, sampling)
 
     def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
         """Chunks until no sequence is active: -> (final state, chunks the host read).
@@ -229,17 +231,19 @@ def _extend_drafter(drafter: Drafter, dcache: DrafterCache, hidden, num_new):
     return drafter.extend_context(dcache, hidden, num_new)
 
 
-def _first_token(last_logits, spec: SpecConfig, key):
-    if spec.temperature == 0:
-        return argmax_last(last_logits)
-    filtered = acceptance.filter_logits(last_logits, spec.temperature, spec.top_k, spec.top_p)
-    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(last_logits.shape[0]))
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+def _first_tokens(last_logits, spec: SpecConfig, rows: sampling_ops.RowSampling, keys, counts):
+    """Each prompt's first token: its row's settings (sampling.first_tokens), the argmax in a greedy program."""
+    if spec.sampled:
+        return sampling_ops.first_tokens(last_logits, rows, keys, counts)
+    if counts is not None:
+        last_logits = sampling_ops.penalize(last_logits, counts, rows)
+    return argmax_last(last_logits)
 
 
 def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
                   stop_ids, key, expert_load: ExpertLoad, active=None,
-                  adaptive: Optional[tuple] = None) -> LoopState:
+                  adaptive: Optional[tuple] = None, sampling: Optional[sampling_ops.RowSampling] = None,
+                  counts=None) -> LoopState:
     """The decode loop's starting state (the public way to build a LoopState, for `decode_loop`).
 
     cache: the target's pool after the prompts (the first token not yet in it); dcache: the drafter's
@@ -247,9 +251,16 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
     generated token (the first tree's root), already emitted; width: D + 1 (tokens a step can emit; 1
     without a drafter); stop_ids [S] int32 (-1 padding); active [B] bool (default: every sequence);
     adaptive: (PolicyState, PendingContext) for a loop whose SpecConfig has a menu (`adaptive_parts`), else None.
+    key: [B] keys, one random stream per row, or one key (row b's stream is then fold_in(key, b)).
+    sampling: each row's settings (sampling.RowSampling; default: greedy, no penalties); counts: [B, V] int32 token
+    counts of each row's prompt and emitted tokens, for a loop whose SpecConfig has penalties, else None.
     """
     first_tokens = jnp.asarray(first_tokens, jnp.int32)
     batch = first_tokens.shape[0]
+    if key.ndim == 0:
+        key = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+    if sampling is None:
+        sampling = sampling_ops.RowSampling.of([sampling_ops.SamplingParams()] * batch)
     return LoopState(
         cache=cache,
         dcache=dcache,
@@ -264,6 +275,8 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
         expert_load=expert_load,
         policy=None if adaptive is None else adaptive[0],
         pending=None if adaptive is None else adaptive[1],
+        sampling=sampling_ops.RowSampling(*(jnp.asarray(x) for x in sampling)),
+        counts=None if counts is None else jnp.asarray(counts, jnp.int32),
     )
 
 
@@ -407,8 +420,8 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
                                   expected=None if prior is None else np.asarray(prior.expected))
 
 
-def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed: int,
-           chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None):
+def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed,
+           chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None, sampling=None):
     """Prefill the prompts and the drafter's context, pick the first tokens: -> (the loop's starting state, the
     drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds)."""
     cfg = target.cfg
@@ -423,7 +436,14 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
     # requests share a compiled loop.
     max_len = validation.round_up(padded + spec.max_new_tokens + req.num_nodes + req.depth + 1, 64)
 
-    key = jax.random.key(seed)
+    # One random stream per row: fold_in(key(seed), b) for one seed, key(seed_b) for a seed per prompt.
+    keys = (sampling_ops.row_keys(np.asarray(seed) & 0x7FFFFFFF) if np.ndim(seed) else
+            sampling_ops.batch_keys(int(seed), batch))
+    rows = sampling_ops.RowSampling.of(sampling or [sampling_ops.SamplingParams()] * batch)
+    counts = None
+    if spec.penalties:  # the prompts' tokens (the zero padding not counted)
+        counts = sampling_ops.count_tokens(np.where(np.arange(padded)[None, :] < lens[:, None], ids, -1),
+                                           cfg.vocab_size)
     cache = kv_pool.init_cache(cfg, batch, max_len, dtype=kv_dtype or target.dtype)
     mesh = getattr(target, "mesh", None)
     if mesh is not None:  # a sharded target: the pool and the drafter live whole on every device
@@ -438,7 +458,9 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
     dcache = None
     if req.use_drafter:
         dcache = _extend_drafter(drafter, drafter.init_cache(batch, max_len), hidden, jnp.asarray(lens))
-    first = _first_token(last_logits, spec, jax.random.fold_in(key, 1 << 30))
+    first = _first_tokens(last_logits, spec, rows, keys, counts)
+    if counts is not None:
+        counts = sampling_ops.add_tokens(counts, first[:, None])
     first_np = np.asarray(first)
     t_prefill = time.perf_counter() - t0
 
@@ -449,9 +471,9 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
         if mesh is not None:
             adaptive = replicate(adaptive, mesh)
     state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,
-                          width=(req.depth if req.use_drafter else 0) + 1, stop_ids=req.stop, key=key,
+                          width=(req.depth if req.use_drafter else 0) + 1, stop_ids=req.stop, key=keys,
                           expert_load=ExpertLoad.zeros(num_moe, slots, spec.expert_devices), active=active,
-                          adaptive=adaptive)
+                          adaptive=adaptive, sampling=rows, counts=counts)
     return state, (drafter if req.use_drafter else None), t_prefill
 
 
@@ -604,10 +626,24 @@ def _replicated_policy(target: Transformer, state: LoopState) -> LoopState:
     return state if mesh is None else state._replace(policy=replicate(state.policy, mesh))
 
 
+def _row_settings(prompt_ids, sampling, seed, **scalars) -> list:
+    """generate's sampling arguments as one SamplingParams per prompt (ValueError naming a bad one)."""
+    batch = len(validation._as_batch(prompt_ids)[0])
+    if sampling is None:
+        sampling = sampling_ops.SamplingParams(**{k: v for k, v in scalars.items()})
+    rows = [sampling] * batch if isinstance(sampling, sampling_ops.SamplingParams) else list(sampling)
+    if len(rows) != batch or not all(isinstance(p, sampling_ops.SamplingParams) for p in rows):
+        raise ValueError(f"sampling must be a SamplingParams or a list of {batch} (one per prompt)")
+    if np.ndim(seed) and len(seed) != batch:
+        raise ValueError(f"seed must be one integer or a list of {batch} (one per prompt); got {len(seed)}")
+    return rows
+
+
 def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max_new_tokens: int = 64,
              budget: Union[int, str] = "auto", topk: int = 4, tree_temperature: float = 1.0, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
+             top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, sampling=None,
+             seed: Union[int, Sequence[int]] = 0, stop_ids: Sequence[int] = (), tree: TreeShape = "ddtree", impl: str = "auto",
              chunk_size: int = 64, kv_dtype=None, expert_devices: Optional[int] = None,
              profile: bool = False, chunk_steps: Optional[int] = None, on_tokens=None,
              on_progress=None, row_invariant: bool = False, calibrate: bool = False,
@@ -627,7 +663,11 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     tree: "ddtree" (the `budget` best prefixes of the drafter's top-`topk` per depth), "chain" (DFlash:
     top-1 per depth) or a tuple of branching factors per depth (a static shape). budget 0 (or no
     drafter) decodes autoregressively through the same loop. temperature 0 is greedy; otherwise every
-    emitted token is an exact sample of the target's (top-k/top-p filtered) distribution.
+    emitted token is an exact sample of the target's (penalised, top-k/top-p filtered) distribution
+    (speculative/sampling.py). repetition_penalty / presence_penalty / frequency_penalty: from the counts of each
+    sequence's prompt and emitted tokens. sampling: a SamplingParams for every prompt, or a list of one per prompt
+    (mixed settings in one batch and one program), instead of temperature ... frequency_penalty. seed: one for the
+    batch (row b's stream is fold_in(key(seed), b)) or one per prompt.
     Returns the generated ids per sequence and stats: decoding ('speculative', or 'autoregressive' when there is no
     drafter or a DDTree's budget is 0; then tree is 'autoregressive' too), steps, tau (mean tokens per step), per-depth
     acceptance, tokens/s, and the router's expert load per step grouped into `expert_devices` devices
@@ -661,9 +701,16 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     menu = validation.adaptive_menu(budget, menu, drafter, tree, topk)
     if isinstance(budget, str):
         budget = max(menu) if menu else 0
+    # The scalars checked by validate (its messages name the vocabulary's bound), each row's settings then.
+    given = sampling if sampling is None or isinstance(sampling, sampling_ops.SamplingParams) else list(sampling)
+    listed = [given] if isinstance(given, sampling_ops.SamplingParams) else given
+    scalars = dict(temperature=temperature, top_p=top_p, top_k=top_k) if given is None else dict(
+        temperature=0.0, top_p=1.0, top_k=max((getattr(p, "top_k", 0) for p in listed), default=0))
     req = validation.validate(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, budget=budget, topk=topk,
-                    tree_temperature=tree_temperature, temperature=temperature, stop_ids=stop_ids, tree=tree,
-                    top_k=top_k, top_p=top_p)
+                    tree_temperature=tree_temperature, stop_ids=stop_ids, tree=tree, **scalars)
+    rows = _row_settings(prompt_ids, given, seed, temperature=temperature, top_p=top_p, top_k=top_k,
+                         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty)
     mesh = getattr(target, "mesh", None)
     devices = expert_devices or (mesh.size if mesh is not None else 1)
     moe_layers = [layer.mlp for layer in target.layers if layer.is_moe]
@@ -672,7 +719,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"expert_devices ({devices}) must divide the expert slots per layer ({slots})")
     spec = SpecConfig(tree=tree if isinstance(tree, str) else tuple(int(b) for b in tree),
                       budget=budget if req.use_drafter else 0, topk=topk, tree_temperature=float(tree_temperature),
-                      temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                      sampled=any(p.sampled for p in rows), penalties=any(p.penalised for p in rows),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
                       row_invariant=bool(row_invariant), menu=menu if req.use_drafter else ())
     # The cached cost model and acceptance prior may already say that no budget pays on this device at this batch
@@ -698,7 +745,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
 
-    state, loop_drafter, t_prefill = setup(target, drafter, req, spec, seed=seed, chunk_size=chunk_size,
+    state, loop_drafter, t_prefill = setup(target, drafter, req, spec, seed=seed, sampling=rows, chunk_size=chunk_size,
                                             kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots,
                                             on_progress=on_progress)
     on_chunk = None

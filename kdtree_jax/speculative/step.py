@@ -48,12 +48,9 @@ class SpecConfig:
     # token whenever it is the target's argmax, which happens far more often than its probability says;
     # sharpening makes the tree trust the drafter's top choice deeper. 1.0: the probabilities as they are.
     tree_temperature: float = 1.0
-    temperature: float = 0.0
-    top_k: int = 0  # target sampling filters (temperature > 0)
-    top_p: float = 1.0
-    # Per-row settings (LoopState.sampling set): what the program can do, whatever each row asks (sampling.py).
-    # sampled: some row may sample (False: every row greedy, the argmax of every node at once); penalties: some row
-    # may have a penalty (False: no token counts in the state, no penalty work).
+    # What the program can do; each row's own settings are data (LoopState.sampling, sampling.py), so one program
+    # serves any mix. sampled: some row may sample (False: every row greedy, the argmax of every node at once);
+    # penalties: some row may have a penalty (False: no token counts in the state, no penalty work).
     sampled: bool = False
     penalties: bool = False
     max_new_tokens: int = 64
@@ -103,15 +100,14 @@ class LoopState(NamedTuple):
     num_out: jnp.ndarray  # [B]
     active: jnp.ndarray  # [B] bool
     step: jnp.ndarray  # [] loop iterations
-    key: jnp.ndarray
+    key: jnp.ndarray  # [B] keys: each row's random stream (a step draws from fold_in(key, num_out))
     accepted_hist: jnp.ndarray  # [D + 1]: count of active steps with num_accepted == d
     stop_ids: jnp.ndarray  # [S] int32 (-1 padding)
     expert_load: ExpertLoad
     # The adaptive budget's state (SpecConfig.menu set; None otherwise).
     policy: Optional[policy_ops.PolicyState] = None
     pending: Optional["PendingContext"] = None
-    # Each row's sampling settings (sampling.RowSampling); with them `key` is [B] keys, one stream per row.
-    sampling: Optional[sampling_ops.RowSampling] = None
+    sampling: Optional[sampling_ops.RowSampling] = None  # each row's settings (initial_state sets them)
     counts: Optional[jnp.ndarray] = None  # [B, V] int32 token counts of prompt + emitted (SpecConfig.penalties)
 
 
@@ -183,14 +179,8 @@ def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: Lo
     cache = cache._replace(pages=fwd.kv_pages)
 
     with jax.named_scope("accept"):
-        if state.sampling is not None:
-            keys = sampling_ops.step_keys(state.key, state.num_out)
-            acc = sampling_ops.accept_rows(tree, fwd.logits, keys, state.sampling, state.counts, sampled=spec.sampled)
-        elif spec.temperature == 0:
-            acc = acceptance.accept_greedy(tree, fwd.logits)
-        else:
-            acc = acceptance.accept_sampled(tree, fwd.logits, jax.random.fold_in(state.key, state.step),
-                                            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+        keys = sampling_ops.step_keys(state.key, state.num_out) if spec.sampled else None
+        acc = sampling_ops.accept_rows(tree, fwd.logits, keys, state.sampling, state.counts, sampled=spec.sampled)
     active = state.active
     with jax.named_scope("commit"):
         cache = kv_pool.commit_path(cache, slots, acc.path, acc.num_accepted, active)
