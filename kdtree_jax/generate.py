@@ -23,11 +23,23 @@ import types
 
 import jax.numpy as jnp
 
+from kdtree_jax import generation_config
 from kdtree_jax.checkpoint import add_dtype_argument
 from kdtree_jax.embedded import default_checkpoint
 from kdtree_jax.speculative import engine, validation
+from kdtree_jax.speculative.sampling import SamplingParams
 
 DEFAULT_CHECKPOINT = default_checkpoint(required=False)  # None where this install carries no default pair
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, except None (a default that help text describes in words)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+_FROM_CONFIG = "default: the checkpoint's generation_config.json, else "
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "agreeing path is kept. Greedy output is plain greedy decoding's (token for token in "
                     "float32; in bfloat16 a T-node verify pass can round a near-tie differently from a "
                     "1-token step); sampled output is an exact sample of the target.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue; '-' reads it from standard input")
     source.add_argument("--prompt-file", metavar="PATH", help="read the text to continue from this file (UTF-8)")
@@ -77,10 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default="ddtree",
                    help="'ddtree' (best-first, dynamic), 'chain' (DFlash: the drafter's top-1 path) or a static "
                         "shape as comma-separated branching per depth, e.g. 4,2,1")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample the target")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the target distribution (sampling)")
-    p.add_argument("--top-k", dest="top_k_sampling", type=int, default=0,
-                   help="top-k filter of the target distribution (sampling; 0: off); --topk is the drafter's")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0: greedy; > 0: sample the target ({_FROM_CONFIG}0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus filter of the target distribution (sampling; 1: off; {_FROM_CONFIG}1)")
+    p.add_argument("--top-k", dest="top_k_sampling", type=int, default=None,
+                   help=f"top-k filter of the target distribution (sampling; 0: off; {_FROM_CONFIG}0); --topk is the "
+                        "drafter's")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide a positive logit (multiply a negative one) by this for every token already in the "
+                        f"prompt or the output (greedy or sampled; 1: off; {_FROM_CONFIG}1)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help=f"subtract this from the logit of every token already in the prompt or the output (0: off; "
+                        f"{_FROM_CONFIG}0)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtract this times its count from the logit of every token in the prompt or the output "
+                        f"(0: off; {_FROM_CONFIG}0)")
     p.add_argument("--top-k-sampling", dest="top_k_sampling", type=int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -114,6 +138,16 @@ def notice(message: str) -> None:
     print(f"notice: {message}", file=sys.stderr, flush=True)
 
 
+def checkpoint_dir(checkpoint: str | None) -> str:
+    """--checkpoint, else the embedded pair, else an error saying it is missing: never untrained weights' noise."""
+    if checkpoint is not None:
+        return checkpoint
+    try:
+        return DEFAULT_CHECKPOINT or default_checkpoint()
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
 def load_models(checkpoint: str | None, dtype: str = "auto"):
     """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature).
 
@@ -122,11 +156,7 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
     from kdtree_jax.checkpoint import recommended_tree_temperature
     from kdtree_jax.tokenizer import load_tokenizer
 
-    if checkpoint is None:  # the embedded pair, or an error saying it is missing: never untrained weights' noise
-        try:
-            checkpoint = DEFAULT_CHECKPOINT or default_checkpoint()
-        except FileNotFoundError as e:
-            _fail(str(e))
+    checkpoint = checkpoint_dir(checkpoint)
     if not os.path.isdir(checkpoint):
         _fail(f"--checkpoint {checkpoint!r} is not a directory")
     from kdtree_jax.checkpoint import CorruptCheckpoint, checked_load
@@ -161,7 +191,9 @@ def _byte_notice(checkpoint, tokenizer, target) -> None:
 ECHO_LIMIT = 2000  # characters of the prompt echoed to stdout; a longer prompt's echo is cut to its end
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "tree_temperature": "--tree-temperature", "budget": "--budget",
           "topk": "--topk", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-          "prompt_ids": "the prompt", "stop_ids": "the stop ids", "tree": "--tree"}
+          "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+          "frequency_penalty": "--frequency-penalty", "prompt_ids": "the prompt", "stop_ids": "the stop ids",
+          "tree": "--tree"}
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -309,14 +341,37 @@ def check_flags(args, tree) -> None:
         _fail(f"--budget must be in [0, {validation.MAX_TREE_NODES - 1}] (tree nodes a step verifies); got {args.budget}")
     if args.topk < 1:
         _fail(f"--topk must be >= 1; got {args.topk}")
-    if not args.temperature >= 0:
+    if args.temperature is not None and not args.temperature >= 0:
         _fail(f"--temperature must be >= 0 (0: greedy); got {args.temperature}")
     if args.tree_temperature is not None and not args.tree_temperature > 0:
         _fail(f"--tree-temperature must be > 0; got {args.tree_temperature}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         _fail(f"--top-p must be in (0, 1] (1: off); got {args.top_p}")
-    if args.top_k_sampling < 0:
+    if args.top_k_sampling is not None and args.top_k_sampling < 0:
         _fail(f"--top-k must be >= 0 (0: off); got {args.top_k_sampling}")
+    if args.repetition_penalty is not None and not args.repetition_penalty > 0:
+        _fail(f"--repetition-penalty must be > 0 (1: off); got {args.repetition_penalty}")
+
+
+def sampling_settings(args, checkpoint: str) -> SamplingParams:
+    """The sampling flags the user gave, the checkpoint's generation_config.json for the others (a notice says which
+    it recommended), else the defaults: greedy, no penalties."""
+    try:
+        recommended = generation_config.load(checkpoint)
+    except ValueError as e:  # the file's own key names
+        _fail(str(e))
+    try:
+        params = generation_config.resolve(
+            recommended, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k_sampling,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty)
+    except ValueError as e:
+        _fail(_as_flags(str(e)))
+    taken = {k: v for k, v in recommended.items() if getattr(args, "top_k_sampling" if k == "top_k" else k) is None}
+    if taken and not args.json:
+        notice(f"sampling settings from {generation_config.FILENAME}: "
+               + ", ".join(f"{_FLAGS[k]} {v:g}" for k, v in taken.items()) + " (a flag overrides each)")
+    return params
 
 
 def echo_prompt(prompt: str) -> str:
@@ -454,14 +509,16 @@ def main(argv=None) -> int:
     load_seconds = time.perf_counter() - t_start
     if args.tree_temperature is None:
         args.tree_temperature = recommended
+    sampling = sampling_settings(args, checkpoint_dir(args.checkpoint))
     ids = tokenizer.encode(prompt)
     if not ids:
         _fail("the prompt encodes to no tokens")
     stop_ids = stop_token_ids(tokenizer, stops)
     try:  # every argument against the model (context, tree size, memory) before any device work
         validation.validate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
-                            topk=args.topk, tree_temperature=args.tree_temperature, temperature=args.temperature,
-                            stop_ids=stop_ids, tree=tree, top_k=args.top_k_sampling, top_p=args.top_p)
+                            topk=args.topk, tree_temperature=args.tree_temperature,
+                            temperature=sampling.temperature, stop_ids=stop_ids, tree=tree, top_k=sampling.top_k,
+                            top_p=sampling.top_p)
     except ValueError as e:
         _fail(_as_flags(str(e)))
     autoregressive_notice(drafter, args)
@@ -479,8 +536,7 @@ def main(argv=None) -> int:
                 stream = _stop_first(beat, stream, progress)
             res = engine.generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, budget=args.budget,
                                   topk=args.topk, tree_temperature=args.tree_temperature,
-                                  temperature=args.temperature, top_k=args.top_k_sampling, top_p=args.top_p,
-                                  seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
+                                  sampling=sampling, seed=args.seed, tree=tree, impl=args.impl, profile=args.profile,
                                   stop_ids=stop_ids, on_tokens=stream, on_progress=progress,
                                   row_invariant=args.row_invariant, calibrate=args.calibrate)
     except ValueError as e:
@@ -526,21 +582,22 @@ def run_batch(args, tree, stops, t_start) -> int:
     load_seconds = time.perf_counter() - t_start
     if args.tree_temperature is None:
         args.tree_temperature = recommended
+    sampling = sampling_settings(args, checkpoint_dir(args.checkpoint))
     ids = [tokenizer.encode(p) for p in prompts]
     for i, row in enumerate(ids):
         if not row:
             _fail(f"--batch-file prompt {i + 1} encodes to no tokens")
     stop_ids = stop_token_ids(tokenizer, stops)
     kwargs = dict(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                  tree_temperature=args.tree_temperature, temperature=args.temperature, stop_ids=stop_ids, tree=tree,
-                  top_k=args.top_k_sampling, top_p=args.top_p)
+                  tree_temperature=args.tree_temperature, stop_ids=stop_ids, tree=tree)
     try:
-        validation.validate(target, drafter, ids, **kwargs)
+        validation.validate(target, drafter, ids, **kwargs, temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p)
         autoregressive_notice(drafter, args)
         print(f"[{description}; loaded in {load_seconds:.1f} s; decoding {len(ids)} prompts together ...]",
               file=sys.stderr, flush=True)
         with Heartbeat("prefill, compile and decode"):
-            res = engine.generate(target, drafter, ids, **kwargs, seed=args.seed, impl=args.impl,
+            res = engine.generate(target, drafter, ids, **kwargs, sampling=sampling, seed=args.seed, impl=args.impl,
                                   row_invariant=args.row_invariant, on_tokens=StopWatch(tokenizer, stops),
                                   calibrate=args.calibrate)
     except ValueError as e:

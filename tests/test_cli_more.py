@@ -223,7 +223,7 @@ def test_an_empty_prompt_of_a_batch_is_named_and_top_k_keeps_its_old_spelling():
 
     assert build_parser().parse_args(["--prompt", "x", "--top-k-sampling", "3"]).top_k_sampling == 3  # old spelling
     assert build_parser().parse_args(["--prompt", "x", "--top-k", "5"]).top_k_sampling == 5
-    assert build_parser().parse_args(["--prompt", "x"]).top_k_sampling == 0
+    assert build_parser().parse_args(["--prompt", "x"]).top_k_sampling is None  # the checkpoint's, else 0
 
 
 def test_progress_hook_counts_prefill_chunks(monkeypatch):
