@@ -30,7 +30,7 @@ Each request's own max_tokens is enforced on the device by where its output star
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
 max_tokens tokens (admission.admit_row), with no extra steps and no per-request compile.
 
-The adaptive tree budget (Settings.budget "auto", the default): each bucket's loop has the menu of DDTree budgets
+The adaptive tree budget (Settings.budget "auto", the default): the bucket's loop has the menu of DDTree budgets
 (validation.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
 drafter for an autoregressive step. The policy needs what a step costs on this device: when the bucket is made (after
 its chunk program compiles; that is the warm-up, before the server says it is serving) the bucket takes the costs
@@ -177,8 +177,7 @@ class Bucket:
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
         self.state = jax.device_put(self.state, jax.devices()[0])
         self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
-        # Compiled ahead of time, as engine.generate does: the bucket owns its program, which goes when the bucket is
-        # dropped (once JAX's caches are cleared) and stays through a clear while the bucket lives.
+        # Compiled ahead of time, as engine.generate does: the bucket owns its program.
         self.loop.compile(self.state)
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
