@@ -78,8 +78,8 @@ class AdmitPlan:
     """The static part of the admission program (`_admit`): the models' structure and what the prefill, the drafter
     and the first token's pick compile in. Its hash is computed once: jax hashes a static argument at every call,
     and hashing the models' structure (two NNX graphs) each time would cost the host what the fused call saves.
-    Equal plans share programs: the server's buckets of every sampling setting share one per prompt bucket and
-    sampling mode (the temperature and top_p are traced)."""
+    Equal plans share programs: one per prompt bucket for a loop's program, whatever each row's sampling settings
+    (they are traced data)."""
 
     __slots__ = ("structure", "hidden_layers", "impl", "sampled", "penalties", "chunk_size", "mesh", "_key", "_hash")
 
@@ -218,12 +218,12 @@ def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState,
               chunk_size: int = PREFILL_CHUNK, sampling: Optional[sampling_ops.SamplingParams] = None
               ) -> tuple[LoopState, jnp.ndarray]:
     """Batch row `row` takes a new prompt between chunks, in one dispatch of one compiled program (per prompt
-    bucket and sampling mode); the state is donated. -> (the state, the first token [1] int32, on the device).
+    bucket); the state is donated. -> (the state, the first token [1] int32, on the device).
 
     The prompt is prefilled alone in a one-row pool padded to `prompt_bucket` (in chunks of chunk_size), the
-    drafter's context built over it, its first token picked (greedy, or sampled with `seed` at spec.temperature,
-    top_k, top_p), and the row's old sequence dropped (its KV slots back to the pool, its drafter context and output
-    cleared); the prompt's latent rows are copied into slots popped from the batch's pool, its drafter context
+    drafter's context built over it, its first token picked with `sampling` (the row's settings from now on; default
+    greedy) from a random stream of the row's own, from `seed`, and the row's old sequence dropped (its KV slots back
+    to the pool, its drafter context and output cleared); the prompt's latent rows are copied into slots popped from the batch's pool, its drafter context
     copied, and its first token becomes the row's bonus and first output; the row is active unless that token is a
     stop id. A pool that runs short sets the state's overflow flag. max_tokens: the row stops after this many
     tokens, the first included (default: the out buffer's max_new_tokens); its output then sits at
