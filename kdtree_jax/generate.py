@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculative output equals autoregressive output token for token in bfloat16 (much slower: "
                         "every row-wise part in fixed 64-row blocks; on a GPU also untuned cuBLAS GEMMs)")
     p.add_argument("--profile", action="store_true",
-                   help="first run the decode loop once under the profiler and print where a step's time goes: "
+                   help="after the timed decode, profile one step of the loop (on a copy of its starting state) and "
+                        "print where a step's time goes: "
                         "kernel time per part (drafter, tree + accept + commit, the verify pass's attention, MoE and "
                         "dense layers, lm head) and the device's idle time (stats.profile with --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
@@ -543,6 +544,7 @@ def main(argv=None) -> int:
         _fail(_as_flags(str(e)))
     tokens = res.tokens[0]
     text, finish_reason = finished_text(tokenizer, tokens, stops, stop_ids, args.max_new_tokens)
+    tokens = tokens_of_text(tokenizer, tokens, text)
     stats = res.stats
     wall_seconds = time.perf_counter() - t_start
     if args.json:
@@ -567,11 +569,27 @@ def autoregressive_notice(drafter, args) -> None:
 
 def finished_text(tokenizer, tokens, stops, stop_ids, max_new_tokens) -> tuple[str, str]:
     """A sequence's text, cut before its first stop string, and why it ended: 'stop' (a stop string; the tokens may
-    run up to a chunk past it) or 'length' (max_new_tokens)."""
+    run up to a chunk past it: `tokens_of_text` cuts them) or 'length' (max_new_tokens)."""
     text, stopped = cut_at_stop(tokenizer.decode(tokens), stops)
     if stopped or (tokens and tokens[-1] in stop_ids) or len(tokens) < max_new_tokens:
         return text, "stop"
     return text, "length"
+
+
+def tokens_of_text(tokenizer, tokens, text: str) -> list:
+    """The shortest prefix of `tokens` whose text covers `text` (a prefix of their decoding, as cut at a stop
+    string): the tokens a caller gets back, not the ones the loop ran past the stop. A token that straddles the
+    stop is kept (its text is cut)."""
+    if len(tokenizer.decode(tokens)) <= len(text):
+        return list(tokens)
+    lo, hi = 0, len(tokens)  # decode(tokens[:hi]) covers text; the smallest such k (lengths grow with k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(tokens[:mid])) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return list(tokens[:lo])
 
 
 def run_batch(args, tree, stops, t_start) -> int:
@@ -606,6 +624,7 @@ def run_batch(args, tree, stops, t_start) -> int:
              "batch_size": len(prompts)}
     for i, (prompt, tokens) in enumerate(zip(prompts, res.tokens)):
         text, finish_reason = finished_text(tokenizer, tokens, stops, stop_ids, args.max_new_tokens)
+        tokens = tokens_of_text(tokenizer, tokens, text)
         print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": tokens,
                           "finish_reason": finish_reason, "model": description,
                           "stats": {**stats, "new_tokens": len(tokens)}}), flush=True)

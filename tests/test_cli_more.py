@@ -26,6 +26,15 @@ def test_stop_string_cuts_the_text_and_ends_the_row(capsys, monkeypatch):
     cut = plain["text"][:plain["text"].index("return")]
     stopped = _json(capsys, BASE + ["--stop", "return", "--stop", "no such text"])
     assert stopped["text"] == cut and stopped["finish_reason"] == "stop"
+    # The tokens are cut with the text: the fewest of the run's tokens whose text covers it, not what the loop ran
+    # past the stop (up to a chunk).
+    from kdtree_jax import default_checkpoint
+    from kdtree_jax.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(os.path.join(default_checkpoint(), "tokenizer"))
+    n = len(stopped["tokens"])
+    assert stopped["tokens"] == plain["tokens"][:n]
+    assert tokenizer.decode(stopped["tokens"]).startswith(cut) and len(tokenizer.decode(stopped["tokens"][:-1])) < len(cut)
     # Streamed without the prompt: the same cut text, the stop string never shown; the progress bar is fed the
     # prefill and the compile (generate's on_progress).
     import kdtree_jax.generate as cli
@@ -44,7 +53,7 @@ def test_stop_string_cuts_the_text_and_ends_the_row(capsys, monkeypatch):
     # '\n' is one token, so it is also a stop id the loop checks on the device.
     assert plain["text"].startswith("\n")
     first = _json(capsys, BASE + ["--stop", "\\n"])
-    assert first["text"] == "" and first["tokens"] == plain["tokens"][:1] and first["finish_reason"] == "stop"
+    assert first["text"] == "" and first["tokens"] == [] and first["finish_reason"] == "stop"  # the stop is not kept
 
 
 def test_token_stream_holds_back_what_may_start_a_stop():

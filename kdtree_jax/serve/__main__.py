@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=4, help="drafter candidates per depth the tree may branch into")
     p.add_argument("--tree-temperature", type=float, default=None,
                    help="DDTree ranks prefixes by the drafter's probabilities at this temperature (default: the "
-                        "checkpoint's recommendation, 0.6 for the embedded pair, else 1.0)")
+                        "checkpoint's recommendation (its kdtree_checkpoint.json; 1.0 for the embedded pair), else 1.0)")
     p.add_argument("--no-speculative", action="store_true",
                    help="decode autoregressively (one target pass a token; the drafter is not run): the baseline")
     p.add_argument("--chunk-steps", type=int, default=4,
