@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kdtree_jax.speculative import engine, validation  # noqa: E402
-from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
+from kdtree_jax.speculative import engine  # noqa: E402
+from spec_decode import base_meta, device_slug, greedy_loop_state, heldout_prompts, load_pair  # noqa: E402
 
 # name: XLA options of the adaptive loop's program
 SETTINGS = {
@@ -71,26 +71,17 @@ def main(argv=None) -> int:
         args.batch, args.menu, args.max_new_tokens, args.prompt_len = 2, "0,2,4", 16, 12
     menu = tuple(sorted({0, *(int(b) for b in args.menu.split(","))}))
     prompts = [q.tolist() for q in heldout_prompts(tokenizer, args.batch, args.prompt_len)[0]]
-    common = dict(max_new_tokens=args.max_new_tokens, topk=4, tree_temperature=1.0, temperature=0.0, stop_ids=(),
-                  tree="ddtree")
-
-    def setup(spec, use_drafter: bool):
-        req = validation.validate(target, drafter if use_drafter else None, prompts, budget=spec.budget, **common)
-        state, loop_drafter, _ = engine.setup(target, drafter if use_drafter else None, req, spec, seed=0,
-                                              chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
-        return state._replace(stop_ids=jnp.full_like(state.stop_ids, -1)), loop_drafter
-
     reference = {}
     for budget in menu:
         spec = engine.SpecConfig(budget=budget, max_new_tokens=args.max_new_tokens)
-        state, loop_drafter = setup(spec, budget > 0)
+        state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
         loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
         loop.compile(state)
         _, steps, final = engine.time_calls(loop, state, 3)
         reference[budget] = (np.asarray(final.out)[:, :args.max_new_tokens], steps)
 
     spec = engine.SpecConfig(budget=max(menu), max_new_tokens=args.max_new_tokens, menu=menu)
-    state, loop_drafter = setup(spec, True)
+    state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
     state = engine.with_costs(state, spec, {"cost_ar": 1.0, "cost_draft": 0.2,
                                             "cost_verify": [1.0 + 0.02 * b for b in menu]})
     loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)

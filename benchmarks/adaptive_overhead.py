@@ -36,8 +36,8 @@ kdtree_jax.runtime.configure()
 
 import jax.numpy as jnp  # noqa: E402
 
-from kdtree_jax.speculative import engine, validation  # noqa: E402
-from spec_decode import base_meta, device_slug, heldout_prompts, load_pair  # noqa: E402
+from kdtree_jax.speculative import engine  # noqa: E402
+from spec_decode import base_meta, device_slug, greedy_loop_state, heldout_prompts, load_pair  # noqa: E402
 
 
 def step_ms(loop: engine.ChunkedLoop, state, repeats: int) -> float:
@@ -49,27 +49,15 @@ def step_ms(loop: engine.ChunkedLoop, state, repeats: int) -> float:
 
 def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps: int, repeats: int) -> list:
     rows = []
-    common = dict(max_new_tokens=max_new_tokens, topk=4, tree_temperature=1.0, temperature=0.0, stop_ids=(),
-                  tree="ddtree")
-
-    def state_for(spec, loop_drafter_wanted):
-        req = validation.validate(target, drafter if loop_drafter_wanted else None, prompts, budget=spec.budget,
-                                  **common)
-        state, loop_drafter, _ = engine.setup(target, drafter if loop_drafter_wanted else None, req, spec, seed=0,
-                                              chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
-        # No row stops early: every timed step is a full batch's.
-        state = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1))
-        return state, loop_drafter
-
     fixed = {}
     for budget in menu:
         spec = engine.SpecConfig(budget=budget, max_new_tokens=max_new_tokens)
-        state, loop_drafter = state_for(spec, budget > 0)
+        state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
         loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
         loop.compile(state)
         fixed[budget] = step_ms(loop, state, repeats)
     spec = engine.SpecConfig(budget=max(menu), max_new_tokens=max_new_tokens, menu=tuple(menu))
-    state, loop_drafter = state_for(spec, True)
+    state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
     state = engine.with_costs(state, spec, {"cost_ar": 1.0})
     loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
     loop.compile(state)

@@ -64,6 +64,7 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,18 @@ def heldout_prompts(tokenizer, count: int, length: int, start: int = 0):
         prompts.append(ids[cut - length:cut])
         where.append(f"{name}@{cut}")
     return prompts, where
+
+
+def greedy_loop_state(target, drafter, prompts: list, spec: engine.SpecConfig):
+    """A greedy decode loop's starting state for `prompts` under `spec`, with no stop ids (no row stops early: every
+    timed step is a full batch's), and the drafter the loop runs (None where spec.budget is 0): -> (state, drafter).
+    What the adaptive-budget benchmarks time their programs from."""
+    use = drafter if spec.budget > 0 else None
+    req = validation.validate(target, use, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
+                              topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine.setup(target, use, req, spec, seed=0, chunk_size=64, kv_dtype=None, num_moe=0,
+                                          slots=0)
+    return state._replace(stop_ids=jnp.full_like(state.stop_ids, -1)), loop_drafter
 
 
 def batches(items: list, size: int) -> list:
