@@ -37,19 +37,6 @@ COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "WHILE", 
 COMMAND_BUFFER_FLAGS = (f"--xla_gpu_enable_command_buffer={','.join(COMMAND_BUFFER_TYPES)} "
                         "--xla_gpu_graph_min_graph_size=1")
 ENV_SWITCH = "KDTREE_JAX_COMMAND_BUFFERS"
-# The adaptive budget's loop (speculative/step.py) takes the process's setting: its loops of zero or one trip are
-# counters since the flag form ran wrongly inside a CUDA graph (benchmarks/adaptive_command_buffers.py).
-ADAPTIVE_COMMAND_BUFFER_TYPES = COMMAND_BUFFER_TYPES
-
-
-def adaptive_compile_options() -> dict | None:
-    """Per-program XLA options of the adaptive loop: on a GPU, command buffers without WHILE and CONDITIONAL (see
-    ADAPTIVE_COMMAND_BUFFER_TYPES); None elsewhere."""
-    import jax
-
-    if jax.default_backend() != "gpu":
-        return None
-    return {"xla_gpu_enable_command_buffer": ",".join(ADAPTIVE_COMMAND_BUFFER_TYPES)}
 ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_level", "0"),
                        ("xla_allow_excess_precision", "false"))
 # Programmatic dependent launch (a Hopper-and-later feature; only an H200 was at hand to check it): a kernel may start

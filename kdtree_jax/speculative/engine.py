@@ -37,7 +37,6 @@ from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import replicate
-from kdtree_jax.speculative import accept as acceptance
 from kdtree_jax.speculative import admission, budget_policy, validation
 from kdtree_jax.speculative import cost_model as cost_models
 from kdtree_jax.speculative import sampling as sampling_ops
@@ -101,16 +100,10 @@ class ChunkOutput(NamedTuple):
 
 
 def _compile(lowered, spec: SpecConfig):
-    """Compile a decode loop; the adaptive one with runtime.adaptive_compile_options() (its control flow outside the
-    GPU's command buffers)."""
-    options = runtime.adaptive_compile_options() if spec.menu else None
-    if options is None:
-        return lowered.compile()
-    try:
-        return lowered.compile(compiler_options=options)
-    except Exception as e:  # noqa: BLE001 - XLA's errors have no common type
-        raise ValueError(f"the adaptive budget's decode loop did not compile with its options {options} on this GPU "
-                         f"({str(e).splitlines()[0][:200]}); use a numeric budget (e.g. budget=16, --budget 16)") from e
+    """Compile a decode loop ahead of its first call. The adaptive loop takes the process's command-buffer setting
+    like every other program: its loops of zero or one trip run correctly inside a CUDA graph since 0061bda
+    (benchmarks/adaptive_command_buffers.py)."""
+    return lowered.compile()
 
 
 @jax.jit
@@ -184,7 +177,7 @@ class ChunkedLoop:
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
     def __call__(self, state: LoopState) -> ChunkOutput:
-        if self.compiled is None and self.spec.menu:  # the adaptive loop compiles with its own options (_compile)
+        if self.compiled is None and self.spec.menu:  # the adaptive loop is compiled ahead (calibration times it)
             self.compile(state)
         if self.compiled is not None:
             return self.compiled(self.leaves, self.loop_weights, state)
