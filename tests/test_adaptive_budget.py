@@ -15,7 +15,8 @@ from kdtree_jax.speculative import budget_policy as bp
 from kdtree_jax.speculative import cost_model as cm
 from kdtree_jax.speculative import engine, validation
 from kdtree_jax.speculative import tree as trees
-from kdtree_jax.speculative.step import _flush, pending_capacity
+from kdtree_jax.profiling import HloIndex
+from kdtree_jax.speculative.step import _at_most_once, _flush, pending_capacity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
@@ -112,6 +113,28 @@ def test_tree_prefix_is_the_smaller_budget():
         prefix = trees.tree_prefix(big, budget + 1)
         for name in ("tokens", "parents", "depths", "positions", "mask", "valid", "scores"):
             np.testing.assert_array_equal(np.asarray(getattr(prefix, name)), np.asarray(getattr(small, name)), name)
+
+
+def test_an_untaken_branch_leaves_its_work_inside_its_loop():
+    """A branch of the step (an at-most-once loop) whose work reads only values its loop does not change keeps that
+    work inside the loop: XLA's loop-invariant code motion would otherwise hoist it out, where it runs on every step,
+    taken or not (the adaptive program forced to autoregressive steps ran its drafter on each)."""
+    def program(run, x, c0):
+        def body(c, x):
+            with jax.named_scope("branch_work"):
+                return c[0] + jnp.tanh(x @ x).sum(), x.sum()
+        return _at_most_once(run, body, (c0, jnp.float32(0)), x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)
+    compiled = jax.jit(program).lower(jnp.bool_(True), x, jnp.float32(1)).compile()
+    index = HloIndex(compiled.as_text())
+    work = [name for name, op in index.op_name.items() if "branch_work" in op]
+    assert work, "the program lost the branch's op names"
+    hoisted = [name for name in work if index.place[name][0] == index.entry]
+    assert not hoisted, f"the branch's work runs outside its loop: {hoisted}"
+    expect = 1 + np.tanh(np.asarray(x, np.float64) @ np.asarray(x, np.float64)).sum()
+    np.testing.assert_allclose(float(compiled(jnp.bool_(True), x, jnp.float32(1))[0]), expect, rtol=1e-4)
+    assert float(compiled(jnp.bool_(False), x, jnp.float32(1))[0]) == 1.0
 
 
 # The compiled loop ----------------------------------------------------------------------------------------------------

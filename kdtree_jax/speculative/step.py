@@ -259,16 +259,25 @@ def _root_tree(bonus, start, num_nodes: int, depth: int) -> trees.Tree:
                           jnp.float32), max_depth=depth)
 
 
-def _at_most_once(run, body, carry):
-    """body(carry) if `run` (a traced bool) else carry, as a loop of zero or one trip.
+def _at_most_once(run, body, carry, inputs=()):
+    """body(carry, inputs) if `run` (a traced bool) else carry, as a loop of zero or one trip.
 
     Not a `lax.cond`: XLA copies a buffer that a conditional's branch updates in place (measured: the whole KV pool,
     every step, in each branch of a `lax.switch` inside the decode loop), while a loop's carry is updated in place. A
     menu of branches is one such loop per entry, at most one of which runs. The trip count is a counter against a
     computed bound (a `fori_loop`), not a flag that the body sets to a constant False: inside a CUDA graph (XLA's
     WHILE command buffer, jaxlib 0.11.2, H200) the flag form ran its body again and again (wrong tokens, pool
-    overflow, and a hang with only loops captured; benchmarks/adaptive_command_buffers.py)."""
-    return jax.lax.fori_loop(0, jnp.asarray(run, jnp.int32), lambda _, c: body(c), carry)
+    overflow, and a hang with only loops captured; benchmarks/adaptive_command_buffers.py).
+
+    The body reads the carry and `inputs` (the step's values it needs besides the carry) only through an optimization
+    barrier with the trip counter. Without it XLA's loop-invariant code motion hoists whatever the body computes from
+    values the loop does not change (the drafter's whole pass, a flush's projections, each verify entry's embedding
+    and first projections) out of the loop, where it runs on every step, taken or not: the adaptive program forced to
+    autoregressive steps ran its drafter on each (CPU, batch 4: 28.5 ms a step against the fixed program's 8.5)."""
+    def trip(i, c):
+        c, ins, _ = jax.lax.optimization_barrier((c, inputs, i))
+        return body(c, ins)
+    return jax.lax.fori_loop(0, jnp.asarray(run, jnp.int32), trip, carry)
 
 
 def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig,
@@ -283,7 +292,7 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
         drafted = policy_ops.should_draft(policy, menu, context)
     # The drafter's context is brought up to date only when the drafter runs (or the ring would overflow).
     flush = drafted | (pending.count.max() + width > pending.hidden.shape[2])
-    dcache, pending = _at_most_once(flush, lambda c: _flush(drafter, *c), (state.dcache, pending))
+    dcache, pending = _at_most_once(flush, lambda c, _: _flush(drafter, *c), (state.dcache, pending))
     state = state._replace(dcache=dcache)
 
     # The drafter's branch gets only what it reads, and returns only new arrays (the tree).
@@ -306,14 +315,15 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
     # Only loops in the step's control flow (no conditional): the root-only tree is the cheap default, replaced by the
     # drafter's tree on a drafted step.
     operands = (state.dcache, state.bonus, state.cache.seq_lens, state.active)
-    tree, choice, expected = _at_most_once(drafted, lambda _: with_drafter(operands), without_drafter(operands))
+    tree, choice, expected = _at_most_once(drafted, lambda _, ops: with_drafter(ops), without_drafter(operands),
+                                           operands)
 
     # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
     # and the drafter's context need of the walk.
     verify_fields = ("cache", "bonus", "out", "num_out", "active", "step", "accepted_hist", "expert_load", "counts")
 
     def verify_budget(budget: int):
-        def run(carry):
+        def run(carry, tree):
             sub = state._replace(**dict(zip(verify_fields, carry[0])))
             prefix = trees.tree_prefix(tree, budget + 1)
             sub, verified = verify_and_commit(target, drafter, sub, spec, prefix, loop_weights)
@@ -328,13 +338,13 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
                                                       pending.hidden.dtype), jnp.zeros((batch,), jnp.int32))
     # Entry 0 (a root-only verify: every autoregressive step) is tested first and alone, so that a cheap step
     # evaluates two loop conditions rather than one per entry; the speculative entries sit inside the second loop.
-    def speculative(carry):
+    def speculative(carry, tree):
         for i, budget in enumerate(menu[1:], start=1):
-            carry = _at_most_once(choice == i, verify_budget(budget), carry)
+            carry = _at_most_once(choice == i, verify_budget(budget), carry, tree)
         return carry
 
-    carry = _at_most_once(choice == 0, verify_budget(menu[0]), none)
-    fields, path, num_accepted, path_hidden, num_keep = _at_most_once(choice > 0, speculative, carry)
+    carry = _at_most_once(choice == 0, verify_budget(menu[0]), none, tree)
+    fields, path, num_accepted, path_hidden, num_keep = _at_most_once(choice > 0, speculative, carry, tree)
     state = state._replace(**dict(zip(verify_fields, fields)))
     with jax.named_scope("drafter"):
         rows = jnp.arange(num_keep.shape[0])[:, None]
