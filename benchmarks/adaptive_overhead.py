@@ -3,14 +3,14 @@
     python benchmarks/adaptive_overhead.py --batch 1,16,64          # the default pair, H200: ~1 minute
     python benchmarks/adaptive_overhead.py --smoke                  # random tiny pair, CPU, seconds
 
-The adaptive loop (budget "auto") compiles every budget of its menu into one program and picks one per step on the
-device; `PolicyState.force` makes it take one entry every step (what its calibration times). For each batch size this
-times, in the engine's chunked loop, a step of: the fixed autoregressive program (no drafter), the adaptive program
-forced to an autoregressive step (the gate closed: no drafter pass), forced to the drafter and a root-only verify (a
-probe), and, per menu budget b, the fixed DDTree-b program and the adaptive one forced to b. A step's time is the
-difference of a long and a short run over the difference of their steps (engine.calibrate's method: a call's fixed
-cost drops out), the best of --repeats. The gap between a fixed row and its adaptive twin is the price of choosing:
-the gate, the policy's bookkeeping, the lazily extended drafter context and one at-most-once loop per menu entry.
+The adaptive loop (budget "auto") compiles one chunk program per menu entry and picks one per chunk
+(budget_policy.py); `PolicyState.force` makes it take one entry every chunk (what its calibration times). For each
+batch size this times, in the engine's chunked loop, a step of: the fixed autoregressive program (no drafter) beside
+the adaptive loop's autoregressive entry (which keeps the drafter's context: the ring append, a flush a chunk), and,
+per drafting menu budget b, the fixed DDTree-b program beside the adaptive entry b (which drafts the menu's largest
+tree, to predict every entry, and verifies its prefix). A step's time is the difference of a long and a short run
+over the difference of their steps (a call's fixed cost drops out), the best of --repeats. The gap between a fixed
+row and its adaptive twin is the price of choosing. --profile adds each row's kernels from one profiled chunk.
 
 Writes <out>/adaptive_overhead_<device>.{json,md}.
 """
@@ -34,7 +34,10 @@ import kdtree_jax.runtime  # noqa: E402
 
 kdtree_jax.runtime.configure()
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from kdtree_jax import profiling  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
 from spec_decode import base_meta, device_slug, greedy_loop_state, heldout_prompts, load_pair  # noqa: E402
@@ -47,31 +50,53 @@ def step_ms(loop: engine.ChunkedLoop, state, repeats: int) -> float:
                for _ in range(repeats))
 
 
-def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps: int, repeats: int) -> list:
+def kernel_profile(loop: engine.ChunkedLoop, state, chunk_steps: int) -> dict:
+    """One chunk of `loop` from a copy of `state` under the profiler: kernel time per part of the step, the union of
+    the kernel intervals (busy), kernels per step, and the largest kernels of the parts a step adds to the verify
+    pass (profiling.profile_call). A step's ms well above its busy ms is time the GPU waited (host-driven loops)."""
+    prof = profiling.profile_call(loop.compiled, (loop.leaves, loop.loop_weights, jax.tree.map(jnp.copy, state)),
+                                  steps=chunk_steps)
+    keep = ("drafter", "tree_accept_commit", "other")
+    return {"busy_ms": prof["busy_ms"], "kernels_per_step": prof["kernels_per_step"],
+            "components_ms": prof["components_ms"], "idle_gaps": prof["idle_gaps"][:6],
+            "top_ops": {c: rows[:8] for c, rows in prof["top_ops"].items() if c in keep}}
+
+
+def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps: int, repeats: int,
+            profile: bool = False, hlo_dir=None) -> list:
     rows = []
-    fixed = {}
+    fixed, fixed_profiles = {}, {}
     for budget in menu:
         spec = engine.SpecConfig(budget=budget, max_new_tokens=max_new_tokens)
         state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
         loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
         loop.compile(state)
         fixed[budget] = step_ms(loop, state, repeats)
+        if profile:
+            fixed_profiles[budget] = kernel_profile(loop, state, chunk_steps)
     spec = engine.SpecConfig(budget=max(menu), max_new_tokens=max_new_tokens, menu=tuple(menu))
     state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
     state = engine.with_costs(state, spec, {"cost_ar": 1.0})
     loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
     loop.compile(state)
+    if hlo_dir:
+        with open(os.path.join(hlo_dir, f"adaptive_b{len(prompts)}.hlo.txt"), "w") as f:
+            f.write(loop.compiled.as_text() or "")
 
     def forced(entry):
         return state._replace(policy=state.policy._replace(force=jnp.int32(entry)))
 
-    auto_ar = step_ms(loop, forced(len(menu)), repeats)
-    rows.append({"step": "autoregressive (no drafter)", "budget": 0, "fixed_ms": fixed[0], "adaptive_ms": auto_ar})
+    def row(name, budget, entry, fixed_ms, fixed_profile=None):
+        r = {"step": name, "budget": budget, "fixed_ms": fixed_ms, "adaptive_ms": step_ms(loop, forced(entry), repeats)}
+        if profile:
+            r["adaptive_profile"] = kernel_profile(loop, forced(entry), chunk_steps)
+            r["fixed_profile"] = fixed_profile
+        return r
+
+    rows.append(row("autoregressive (no drafter)", 0, len(menu), fixed[0], fixed_profiles.get(0)))
     for i, budget in enumerate(menu):
-        ms = step_ms(loop, forced(i), repeats)
-        name = "drafter + root-only verify (a probe)" if budget == 0 else f"DDTree {budget}"
-        rows.append({"step": name, "budget": budget, "fixed_ms": fixed[budget] if budget else None,
-                     "adaptive_ms": ms})
+        if budget:
+            rows.append(row(f"DDTree {budget}", budget, i, fixed[budget], fixed_profiles.get(budget)))
     return rows
 
 
@@ -90,6 +115,19 @@ def render(meta: dict, results: dict) -> str:
             lines.append(f"| {r['step']} | {fixed:.4f} |" if fixed else f"| {r['step']} | - |")
             lines[-1] += f" {r['adaptive_ms']:.4f} | {over} |"
         lines.append("")
+        if any("adaptive_profile" in r for r in rows):
+            lines += ["Kernels (one profiled chunk; ms a step): busy = union of the kernel intervals; the parts a step "
+                      "adds to the verify pass.", "",
+                      "| step | program | busy | kernels | drafter | tree, accept, commit | other |", "|---|---|---|---|---|---|---|"]
+            for r in rows:
+                for which in ("fixed", "adaptive"):
+                    prof = r.get(f"{which}_profile")
+                    if prof:
+                        c = prof["components_ms"]
+                        lines.append(f"| {r['step']} | {which} | {prof['busy_ms']:.4f} | {prof['kernels_per_step']:.0f} | "
+                                     f"{c.get('drafter', 0):.4f} | {c.get('tree_accept_commit', 0):.4f} | "
+                                     f"{c.get('other', 0):.4f} |")
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -106,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timings per row; the best is kept")
     p.add_argument("--out", default=None, help="directory of the results (default benchmarks/results; --smoke: a "
                                                "temporary directory)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one chunk of every row (kernels per step, busy time, parts; in the json)")
+    p.add_argument("--dump-hlo", action="store_true", help="write each batch's adaptive program (HLO text) to --out")
     p.add_argument("--smoke", action="store_true", help="random tiny pair on the CPU, small sizes")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -115,20 +156,21 @@ def main(argv=None) -> int:
     menu = [int(b) for b in args.menu.split(",")]
     if 0 not in menu:
         menu = [0] + menu
+    out = args.out or (tempfile.mkdtemp(prefix="adaptive_overhead_") if args.smoke else
+                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    os.makedirs(out, exist_ok=True)
     results = {}
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = [p.tolist() for p in heldout_prompts(tokenizer, batch, args.prompt_len)[0]]
         print(f"batch {batch} ...", file=sys.stderr, flush=True)
         results[batch] = measure(target, drafter, prompts, menu=menu, max_new_tokens=args.max_new_tokens,
-                                 chunk_steps=args.chunk_steps, repeats=args.repeats)
+                                 chunk_steps=args.chunk_steps, repeats=args.repeats, profile=args.profile,
+                                 hlo_dir=out if args.dump_hlo else None)
     meta = {**base_meta(args, target, drafter, pair), "max_new_tokens": args.max_new_tokens,
             "chunk_steps": args.chunk_steps, "repeats": args.repeats, "menu": menu,
             "date": datetime.date.today().isoformat()}
     meta["dtype"] = str(target.dtype)
     meta["commit"] = os.environ.get("KDTREE_COMMIT") or meta.get("commit")
-    out = args.out or (tempfile.mkdtemp(prefix="adaptive_overhead_") if args.smoke else
-                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    os.makedirs(out, exist_ok=True)
     name = f"adaptive_overhead_{'smoke_' if args.smoke else ''}{device_slug()}"
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump({"meta": meta, "results": {str(k): v for k, v in results.items()}}, f, indent=1)

@@ -4,9 +4,8 @@
 #   budget_sweep_h200.*       each fixed budget's tok/s beside auto's and AR's per (batch, temperature, context)
 #   spec_decode_h200.*        spec_decode.py with auto in its budgets, static batches and continuous batching (--refill)
 #   generate_auto.json        the CLI's first run with --budget auto (calibration included)
-#   adaptive_command_buffers_h200.*  the adaptive loop's correctness and step under three command-buffer settings
 #   KDTREE_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_adaptive.sh
-# env: STAGES (default "cb generate sweep refill overhead"), SESSION_S (default 540), SWEEP_ARGS, REFILL_ARGS.
+# env: STAGES (default "generate sweep refill overhead"), SESSION_S (default 540), SWEEP_ARGS, REFILL_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -14,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} KDTREE_JAX_CACHE=/tmp/kdtree_jax_cache
 t_begin=$(date +%s)
 SESSION_S=${SESSION_S:-540}
-STAGES=${STAGES:-cb generate sweep refill overhead}
+STAGES=${STAGES:-generate sweep refill overhead}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${SKIP_BUILD:-0}" = 0 ]; then
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -31,7 +30,6 @@ stage() {  # stage NAME SECONDS COMMAND...
   grep -v '^{' "$OUT/$name.log" | tr '\r' '\n' | grep -v 'it/s\]' | tail -8
 }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-has cb && stage cb 150 python3 benchmarks/adaptive_command_buffers.py --out "$OUT" && cat "$OUT"/adaptive_command_buffers_*.md
 has generate && stage generate 120 python3 -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 128
 has sweep && stage sweep 360 python3 benchmarks/budget_sweep.py --out "$OUT" ${SWEEP_ARGS:-} && head -40 "$OUT"/budget_sweep_*.md
 has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \

@@ -268,18 +268,16 @@ def pick(menu: list, points: dict, drafter_ms: float, scores, valid, context: fl
     policy = budget_policy.init_state(menu, cost_ar=c_ar, cost_draft=drafter_ms, cost_verify=verify,
                                       context0=context)
     q = budget_policy.calibrated(policy, scores, valid)
-    active = jnp.ones((1,), bool)
-    choice, expected = budget_policy.choose(policy, menu, q, active, jnp.float32(context))
     e = np.asarray(budget_policy.expected_tokens(q, menu))[0]
-    # The gate in its steady state: its running prediction equal to these E(b).
-    gated = budget_policy.init_state(menu, cost_ar=c_ar, cost_draft=drafter_ms, cost_verify=verify,
-                                     context0=context, expected=e)
-    drafts = bool(budget_policy.should_draft(gated, menu, jnp.float32(context)))
     cost = [drafter_ms + (v if b > 0 else c_ar) for b, v in zip(menu, verify)]
     rates = [float(x / y) for x, y in zip(e, cost)]  # tokens per ms, per sequence
-    chosen = int(choice)
+    # The gate in its steady state (its running prediction equal to these E(b)): the best drafting budget's rate
+    # against an autoregressive step's (budget_policy.next_entry).
+    chosen = max((i for i, b in enumerate(menu) if b > 0), key=lambda i: rates[i])
+    drafts = rates[chosen] * c_ar >= 1.0
     budget = menu[chosen] if drafts else None  # None: the gate keeps the step autoregressive
     best_rate = rates[chosen] if drafts else 1.0 / c_ar
+    expected = e
     return {"budget": budget, "drafts": drafts, "choice": menu[chosen], "c_ar_ms": c_ar,
             "speedup_vs_ar": best_rate * c_ar, "expected": e.tolist(), "cost_ms": cost, "rate_per_ms": rates,
             "extrapolated": extrapolated, "summed_expected": np.asarray(expected).tolist()}

@@ -422,7 +422,7 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     def empty_state():
         cache = kv_pool.init_cache(target.cfg, batch, max_len, dtype=target.dtype)
         dcache = use.init_cache(batch, max_len) if use is not None else None
-        adaptive = engine.adaptive_parts(target, use, spec, batch) if spec.menu else None
+        adaptive = engine.adaptive_parts(target, use, spec, batch, chunk_steps=chunk_steps) if spec.menu else None
         state = engine.initial_state(cache, dcache, np.zeros((batch,), np.int32), max_new_tokens=max_new_tokens,
                                      width=depth + 1, stop_ids=req.stop, key=jax.random.key(seed),
                                      expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),

@@ -15,8 +15,7 @@ from kdtree_jax.speculative import budget_policy as bp
 from kdtree_jax.speculative import cost_model as cm
 from kdtree_jax.speculative import engine, validation
 from kdtree_jax.speculative import tree as trees
-from kdtree_jax.profiling import HloIndex
-from kdtree_jax.speculative.step import _at_most_once, _flush, pending_capacity
+from kdtree_jax.speculative.step import flush_pending
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
@@ -44,58 +43,59 @@ def test_expected_tokens_and_calibration_against_numpy():
     np.testing.assert_allclose(e, np.stack([1 + q[:, 1:1 + b].sum(1) for b in MENU], 1), rtol=1e-5)
 
 
-def _policy(cost_ar=1.0, cost_draft=0.2, cost_verify=(1.0, 1.3, 2.0), **kw):
+def _policy(cost_ar=1.0, cost_draft=0.0, cost_verify=(1.0, 1.5, 2.5), **kw):
     return bp.init_state(MENU, cost_ar=cost_ar, cost_draft=cost_draft, cost_verify=cost_verify, **kw)
 
 
-def test_choose_maximises_expected_tokens_per_cost():
-    active = jnp.ones((2,), bool)
-    q = np.zeros((2, 17), np.float32)
-    q[:, 1:5] = 0.9  # four confident nodes, then nothing: budget 4 is worth 4.6 tokens for 1.5
-    choice, expected = bp.choose(_policy(), MENU, jnp.asarray(q), active, 0.0)
-    np.testing.assert_allclose(np.asarray(expected), [2.0, 9.2, 9.2], rtol=1e-6)
-    assert int(choice) == 1
-    q[:, 5:] = 0.9  # sixteen confident nodes: 16 pays for its cost
-    assert int(bp.choose(_policy(), MENU, jnp.asarray(q), active, 0.0)[0]) == 2
-    q[:] = 0.01  # the drafter is lost: a root-only verify beats every tree
-    assert int(bp.choose(_policy(), MENU, jnp.asarray(q), active, 0.0)[0]) == 0
-    # A forced entry (calibration) wins over the rule.
-    assert int(bp.choose(_policy(force=2), MENU, jnp.asarray(q), active, 0.0)[0]) == 2
+def test_step_expected_sums_each_entrys_prefix_over_active_rows():
+    q = np.zeros((3, 17), np.float32)
+    q[:, 1:5] = 0.9  # four confident nodes, then nothing
+    e = bp.step_expected(jnp.asarray(q), MENU, jnp.asarray([True, True, False]))
+    np.testing.assert_allclose(np.asarray(e), [2.0, 9.2, 9.2], rtol=1e-6)
 
 
-def test_gate_skips_the_drafter_when_speculation_cannot_pay_and_probes():
-    cheap = _policy(expected=(1.0, 4.0, 6.0))
-    assert bool(bp.should_draft(cheap, MENU, 0.0))
-    # The drafter costs 9 AR steps: the gate closes, and opens again only to probe every probe_every steps.
-    closed = _policy(cost_draft=9.0, expected=(1.0, 4.0, 6.0))
-    assert int(closed.probe_every) == bp.probe_interval(9.0, 1.0) == min(bp.PROBE_MAX, 450)
-    assert not bool(bp.should_draft(closed, MENU, 0.0))
-    assert bool(bp.should_draft(closed._replace(since_draft=closed.probe_every - 1), MENU, 0.0))
-    assert not bool(bp.should_draft(cheap._replace(force=jnp.int32(len(MENU))), MENU, 0.0))  # forced AR
-    assert bool(bp.should_draft(closed._replace(force=jnp.int32(0)), MENU, 0.0))  # forced probe
+def test_next_entry_maximises_expected_tokens_per_cost_and_probes():
+    def entry(**kw):
+        return int(bp.next_entry(_policy(**kw), MENU, 0.0, steps=8))
+
+    assert entry(expected=(1.0, 4.6, 4.6)) == 1  # 4.6 tokens for 1.5 beats 4.6 for 2.5 and 1 for 1
+    assert entry(expected=(1.0, 4.6, 9.2)) == 2
+    # No budget beats an autoregressive step: autoregressive chunks, until a probe is due.
+    lost = _policy(expected=(1.0, 1.05, 1.1))
+    assert int(lost.probe_every) == bp.probe_interval(1.0, 0.0, (1.0, 1.5, 2.5), MENU) == 25  # 0.5 extra / 2%
+    assert int(bp.next_entry(lost, MENU, 0.0, steps=8)) == len(MENU)
+    assert int(bp.next_entry(lost._replace(since_draft=jnp.int32(25 * 8)), MENU, 0.0, steps=8)) == 1
+    # A forced entry (calibration) wins over the rule; a budget 0 entry is an autoregressive chunk.
+    assert entry(expected=(1.0, 4.6, 4.6), force=2) == 2
+    assert entry(expected=(1.0, 4.6, 4.6), force=0) == entry(expected=(1.0, 4.6, 4.6), force=len(MENU)) == len(MENU)
 
 
-def test_update_counts_verified_and_accepted_nodes():
+def test_a_probe_that_loses_doubles_the_interval_one_that_pays_resets_it():
+    lost = _policy(expected=(1.0, 1.05, 1.1))._replace(probe_every=jnp.int32(40))
+    assert int(bp.end_of_chunk(lost, MENU, 1, 0.0).probe_every) == 80
+    assert int(bp.end_of_chunk(lost, MENU, len(MENU), 0.0).probe_every) == 40  # an autoregressive chunk: no verdict
+    paid = lost._replace(expected=jnp.asarray([1.0, 4.0, 4.0], jnp.float32))
+    assert int(bp.end_of_chunk(paid, MENU, 1, 0.0).probe_every) == 25
+
+
+def test_observe_counts_verified_and_accepted_nodes():
     policy = _policy()
     scores = jnp.asarray([[0.0, -0.01, -0.02, -3.0, -3.0] + [-9.0] * 12], jnp.float32)
     valid = jnp.ones((1, 17), bool)
     path = jnp.asarray([[0, 1, 2, -1]], jnp.int32)  # nodes 1 and 2 accepted, 3 and 4 verified and refused
     expected = jnp.asarray([1.0, 3.0, 3.0], jnp.float32)
-    new = bp.update(policy, MENU, drafted=jnp.bool_(True), choice=jnp.int32(1), scores=scores, valid=valid,
-                    expected=expected, path=path, num_accepted=jnp.asarray([2]), active=jnp.ones((1,), bool),
-                    context=0.0)
+    new = bp.observe(policy._replace(since_draft=jnp.int32(5)), MENU, 1, scores=scores, valid=valid,
+                     expected=expected, path=path, num_accepted=jnp.asarray([2]), active=jnp.ones((1,), bool))
     d = bp.CALIBRATION_DECAY
     acc, pred = np.asarray(new.bin_acc), np.asarray(new.bin_pred)
     np.testing.assert_allclose(acc[0], bp.PRIOR_WEIGHT * d + 2, rtol=1e-6)  # two accepted in the top bin
     np.testing.assert_allclose(pred[0], bp.PRIOR_WEIGHT * d + np.exp(-0.01) + np.exp(-0.02), rtol=1e-6)
     np.testing.assert_allclose(acc[7], bp.PRIOR_WEIGHT * d, rtol=1e-6)  # the refused pair's bin: no acceptance
     np.testing.assert_allclose(pred[7], bp.PRIOR_WEIGHT * d + 2 * np.exp(-3.0), rtol=1e-6)
-    assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0]
+    assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0] and int(new.since_draft) == 0
     assert float(new.observed_tokens) == 3.0 and float(new.predicted_tokens) == 3.0
-    # An AR step (no drafter) counts as such and leaves the bins alone.
-    ar = bp.update(new, MENU, drafted=jnp.bool_(False), choice=jnp.int32(0), scores=scores, valid=valid,
-                   expected=expected, path=path, num_accepted=jnp.asarray([0]), active=jnp.ones((1,), bool),
-                   context=0.0)
+    # An autoregressive step counts as such and leaves the bins alone.
+    ar = bp.count_undrafted(new, MENU)
     assert np.asarray(ar.chosen).tolist() == [0, 1, 0, 1]
     np.testing.assert_array_equal(np.asarray(ar.bin_acc), acc)
     assert int(ar.since_draft) == 1
@@ -115,28 +115,6 @@ def test_tree_prefix_is_the_smaller_budget():
             np.testing.assert_array_equal(np.asarray(getattr(prefix, name)), np.asarray(getattr(small, name)), name)
 
 
-def test_an_untaken_branch_leaves_its_work_inside_its_loop():
-    """A branch of the step (an at-most-once loop) whose work reads only values its loop does not change keeps that
-    work inside the loop: XLA's loop-invariant code motion would otherwise hoist it out, where it runs on every step,
-    taken or not (the adaptive program forced to autoregressive steps ran its drafter on each)."""
-    def program(run, x, c0):
-        def body(c, x):
-            with jax.named_scope("branch_work"):
-                return c[0] + jnp.tanh(x @ x).sum(), x.sum()
-        return _at_most_once(run, body, (c0, jnp.float32(0)), x)
-
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)
-    compiled = jax.jit(program).lower(jnp.bool_(True), x, jnp.float32(1)).compile()
-    index = HloIndex(compiled.as_text())
-    work = [name for name, op in index.op_name.items() if "branch_work" in op]
-    assert work, "the program lost the branch's op names"
-    hoisted = [name for name in work if index.place[name][0] == index.entry]
-    assert not hoisted, f"the branch's work runs outside its loop: {hoisted}"
-    expect = 1 + np.tanh(np.asarray(x, np.float64) @ np.asarray(x, np.float64)).sum()
-    np.testing.assert_allclose(float(compiled(jnp.bool_(True), x, jnp.float32(1))[0]), expect, rtol=1e-4)
-    assert float(compiled(jnp.bool_(False), x, jnp.float32(1))[0]) == 1.0
-
-
 # The compiled loop ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair_f32():
@@ -152,16 +130,50 @@ def prompts(pair_f32):
     return [tokenizer.encode(d.text)[40:40 + 24 + 5 * i] for i, d in enumerate(docs)]
 
 
-def _loop_run(target, drafter, prompts, spec, force=None, costs=None):
+def _loop_run(target, drafter, prompts, spec, force=None, costs=None, chunk_steps=8):
+    """The decode of `prompts` with `spec` (an adaptive one forced to menu entry `force`, or with `costs`)."""
+    req = validation.validate(target, drafter, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
+                              topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, loop_drafter, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
+                                          num_moe=0, slots=0, chunk_steps=chunk_steps)
+    if not spec.menu:
+        return engine.decode_loop(target, loop_drafter, state, spec=spec)
+    state = engine.with_costs(state, spec, costs or {"cost_ar": 1.0})
+    if force is not None:
+        state = state._replace(policy=state.policy._replace(force=jnp.int32(force)))
+    return engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps).run(state)[0]
+
+
+def _chunk_program_text(target, drafter, prompts, spec, entry=None) -> str:
     req = validation.validate(target, drafter, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
                               topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
     state, loop_drafter, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None,
                                           num_moe=0, slots=0)
-    if spec.menu:
-        state = engine.with_costs(state, spec, costs or {"cost_ar": 1.0})
-        if force is not None:
-            state = state._replace(policy=state.policy._replace(force=jnp.int32(force)))
-    return engine.decode_loop(target, loop_drafter, state, spec=spec)
+    return engine.ChunkedLoop(target, loop_drafter, spec, 8).lower(state, entry).compile().as_text()
+
+
+@needs_default
+def test_an_entrys_chunk_program_has_the_fixed_programs_control_flow(pair_f32, prompts):
+    """The choice of a budget adds no control flow to a step (on a GPU each loop or conditional in a step is a graph
+    node with its own launches): an adaptive entry's chunk program, speculative or autoregressive, has as many loops
+    and conditionals as the fixed budget's."""
+    import re
+
+    target, drafter, _ = pair_f32
+
+    def control_flow(text):  # the program's loops and conditionals (not those XLA:CPU emits for a scatter or sort)
+        ops = re.findall(r"\s(while|conditional)\(.*op_name=\"[^\"]*/(while|cond|switch)\"", text)
+        return sorted(ops)
+
+    spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=24, menu=MENU)
+    # A speculative entry drafts the menu's largest tree (it predicts every entry) and verifies its own prefix.
+    largest = control_flow(_chunk_program_text(target, drafter, prompts, engine.SpecConfig(budget=max(MENU),
+                                                                                           max_new_tokens=24)))
+    assert ("while", "while") in largest  # (the chunk's loop of steps)
+    for entry in (1, 2):
+        assert control_flow(_chunk_program_text(target, drafter, prompts, spec, entry)) == largest, entry
+    ar = control_flow(_chunk_program_text(target, drafter, prompts, engine.SpecConfig(budget=0, max_new_tokens=24)))
+    assert control_flow(_chunk_program_text(target, drafter, prompts, spec, len(MENU))) == ar
 
 
 @needs_default
@@ -177,7 +189,7 @@ def test_each_menu_entry_verifies_what_the_fixed_budget_verifies(pair_f32, promp
         if budget:  # (budget 0 decodes without a drafter: its histogram has one column)
             np.testing.assert_array_equal(np.asarray(auto.accepted_hist), np.asarray(fixed.accepted_hist))
         assert int(auto.step) == int(fixed.step)
-        assert np.asarray(auto.policy.chosen).tolist()[i] == int(auto.step)
+        assert np.asarray(auto.policy.chosen).tolist()[i if budget else len(MENU)] == int(auto.step)
 
 
 @needs_default
@@ -186,12 +198,11 @@ def test_lazy_drafter_context_is_the_eager_one(pair_f32, prompts):
     the whole committed sequence gives (each position's keys and values depend on its own features only)."""
     target, drafter, _ = pair_f32
     spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=24, menu=MENU)
-    # Forced autoregressive for the whole run: every committed token's features go through the pending ring (with
-    # its flushes when full).
-    final = _loop_run(target, drafter, prompts, spec, force=len(MENU))
-    width = drafter.cfg.depth + 1
-    assert int(final.policy.chosen[-1]) == int(final.step) > pending_capacity(drafter.cfg.depth) - width  # a flush ran
-    dcache, _ = jax.jit(lambda d, p: _flush(drafter, d, p))(final.dcache, final.pending)
+    # Forced autoregressive for the whole run: every committed token's features go through the pending ring (flushed
+    # at the start of every chunk).
+    final = _loop_run(target, drafter, prompts, spec, force=len(MENU), chunk_steps=4)
+    assert int(final.policy.chosen[-1]) == int(final.step) > 4  # a chunk started with a flush
+    dcache = jax.jit(lambda s: flush_pending(drafter, s))(final).dcache
     out, num_out, lens = np.asarray(final.out), np.asarray(final.num_out), np.asarray(final.cache.seq_lens)
     for b, p in enumerate(prompts):
         committed = list(p) + out[b, :lens[b] - len(p)].tolist()
@@ -296,7 +307,7 @@ def test_cost_model_points_interpolate_and_cache(tmp_path, monkeypatch):
     assert model.points == [] and model.lookup(4, 100) is None
     short = cm.make_point(4, 100, MENU, {"ar": 1.0, 0: 1.5, 1: 2.0, 2: 3.0})
     long = cm.make_point(4, 1100, MENU, {"ar": 2.0, 0: 2.5, 1: 4.0, 2: 8.0})
-    assert short["cost_draft"] == 0.5 and short["cost_verify"] == [1.0, 1.5, 2.5]
+    assert short["cost_draft"] == 0.0 and short["cost_verify"] == [1.0, 2.0, 3.0]  # whole steps; budget 0: AR
     model.add(short)
     model.add(long)
     model.save()
@@ -304,11 +315,11 @@ def test_cost_model_points_interpolate_and_cache(tmp_path, monkeypatch):
     assert again.lookup(4, 150)["context"] == 100 and again.lookup(4, 900)["context"] == 1100
     assert again.lookup(4, 2300) is None and again.lookup(8, 100) is None
     mid = again.costs(4, 600)
-    np.testing.assert_allclose(mid["cost_verify"], [1.5, 2.5, 5.0])
+    np.testing.assert_allclose(mid["cost_verify"], [1.5, 3.0, 5.5])
     np.testing.assert_allclose(mid["cost_ar"], 1.5)
     np.testing.assert_allclose(mid["cost_slope"], [1e-3, 2e-3, 5e-3, 1e-3])
     # Beyond the measured contexts: the nearest point's costs, the slope still prices the growth.
-    np.testing.assert_allclose(again.costs(4, 5000)["cost_verify"], [2.0, 3.5, 7.5])
+    np.testing.assert_allclose(again.costs(4, 5000)["cost_verify"], [2.0, 4.0, 8.0])
     # A pruned entry (not measured: it could not beat AR) is never chosen.
     assert cm.make_point(1, 10, MENU, {"ar": 1.0, 0: 1.5, 1: 9.0})["cost_verify"][2] >= 1e29
     # Another key (another device, model or menu) does not read these points.

@@ -210,21 +210,3 @@ def test_k2_cost_table_estimates_missing_contexts():
     assert "missing" in table[1000000]
     assert k2_budget_picks.step_cost({1: 1.0, 9: 2.0, 33: 5.0}, 65) == (pytest.approx(9.0), True)
     assert k2_budget_picks.profile_from_acceptance([0.8, 0.4, 0.0], 4) == pytest.approx([0.8, 0.5, 1e-4, 1e-4])
-
-
-def test_adaptive_command_buffers_smoke(tmp_path, monkeypatch):
-    """benchmarks/adaptive_command_buffers.py --smoke: every setting and menu entry gets a row, and the adaptive loop
-    forced to an entry emits the fixed program's tokens (on a CPU the settings do not apply: all rows must agree)."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, KDTREE_JAX_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "adaptive_command_buffers.py"), "--smoke",
-                           "--settings", "kernels", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.load(open(next(tmp_path.glob("adaptive_command_buffers_smoke_*.json"))))["rows"]
-    assert [r["entry"] for r in rows] == ["0", "2", "4", "auto"]
-    assert all(r["identical_rows"] == r["rows"] and not r["overflow"] for r in rows)

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
-from kdtree_jax.speculative import admission, budget_policy, cost_model, engine, validation
+from kdtree_jax.speculative import budget_policy, cost_model, engine, validation
 from kdtree_jax.speculative.sampling import SamplingParams
 
 # --- compile counting ---------------------------------------------------------------------------------------------
@@ -166,7 +166,8 @@ class Bucket:
         dcache = self.drafter.init_cache(self.batch, self.max_len) if self.drafter is not None else None
         moe = [layer.mlp for layer in target.layers if layer.is_moe]
         # The adaptive budget's policy and lazy drafter context: placeholder costs until _prepare_costs (same shapes).
-        adaptive = engine.adaptive_parts(target, self.drafter, self.spec, self.batch) if self.spec.menu else None
+        adaptive = (engine.adaptive_parts(target, self.drafter, self.spec, self.batch, chunk_steps=s.chunk_steps)
+                    if self.spec.menu else None)
         self.state = engine.initial_state(
             cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
             width=depth + 1, stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
@@ -243,11 +244,11 @@ class Bucket:
         try:
             for row in range(self.batch):
                 self.state, _ = self.loop.admit(self.state, prompt, row, seed=0)
-            return engine.calibrate(self.loop, self.state, self.spec, chunk_steps=self.loop.steps,
-                                    depth=self.drafter.cfg.depth, on_progress=progress)
+            return engine.calibrate(self.loop, self.state, self.spec, depth=self.drafter.cfg.depth,
+                                    on_progress=progress)
         finally:
             for row in range(self.batch):
-                self.state = admission.reset_row(self.state, jnp.int32(row))
+                self.state = self.loop.reset_row(self.state, row)
 
     def _publish_policy(self, policy) -> None:
         """A chunk's copy of the policy state (numpy) into the metrics: what changed since the last chunk."""
@@ -300,7 +301,7 @@ class Bucket:
         """The row's request is over: tell it, free its KV slots (after the chunk in flight), free the row."""
         req = self.owner[row]
         self.owner[row] = None
-        self.state = admission.reset_row(self.state, jnp.int32(row))
+        self.state = self.loop.reset_row(self.state, row)
         if not req.finished:
             req.finished = True
             self.sched.metrics.add("requests_cancelled" if reason == "cancelled" else "requests_ok")

@@ -11,22 +11,27 @@ tokens per sequence (the 1 is the bonus token every step emits). A step costs c_
 cost_model.py, measured on the device), except an autoregressive step, which runs no drafter and costs c_ar. The
 policy picks, once per step for the whole batch, the menu entry with the most expected tokens per second.
 
-Two decisions a step, both on the device (no host round trip, no recompilation: every menu entry is compiled into
-the one loop, one loop of zero or one trip per entry, step.py):
+The choice is made once per chunk of the chunked loop (engine.ChunkedLoop: k steps a call), for the whole batch, and
+each menu entry is its own compiled program: a chunk's step has no control flow at all, so each entry's step costs
+what the fixed budget's step costs. (With every entry in one program, one loop of zero or one trip
+per entry inside the step, the speculative entries ran 1.5x their fixed programs on the H200 at batch 16, ~0.23 ms a
+step of graph control flow: benchmarks/results/history/adaptive_overhead_h200_9922c3c.md.) At the end of each chunk
+the program computes the next chunk's entry (`next_entry`) from its policy state; the host reads that small integer
+for the chunk after the one in flight (it reads each chunk's tokens anyway), so no step waits for the host.
 
-1. Draft or not (before the drafter runs, so that a step that does not speculate does not pay for it). The policy
-   keeps, per menu entry, a running mean of each step's predicted tokens per sequence (`expected`, updated on every
-   drafted step). It drafts when the best predicted rate with the drafter, max_b n E(b) / (c_draft + c_verify(b)),
-   reaches the autoregressive rate n / c_ar; otherwise the step is autoregressive and the drafter is skipped. A
-   closed gate still probes: every `probe_every` steps it drafts once to refresh the prediction (a probe that finds
-   speculation still loses doubles the interval; one that finds it pays reopens the gate). The first interval is
-   what keeps the probes' drafter cost at PROBE_SHARE of the autoregressive time.
-2. Which budget (after the drafter ran): argmax over the menu of E(b) / (c_draft + c_verify(b)), where budget 0 (a
-   root-only verify) is scored 1 / (c_draft + c_ar). Since budget 0 is in the menu, a drafted step never takes
-   more time per expected token than an autoregressive step plus the drafter's cost on that step: its choice
-   satisfies E(b) / (c_draft + c_verify(b)) >= 1 / (c_draft + c_ar). With the gate's probes bounded as above, the
-   policy cannot be slower than autoregressive decoding by more than the drafter's cost on the steps it drafts
-   (and only when its predictions are wrong, which the calibration corrects).
+1. Draft or not. The policy keeps, per menu entry, a running mean of each drafted step's predicted tokens per
+   sequence (`expected`, from the drafter's probabilities of that step's tree of the menu's largest budget, so every
+   entry's prediction moves on every drafted step). The next chunk drafts when the best predicted rate with the
+   drafter, max_b E(b) / (c_draft + c_verify(b)), reaches the autoregressive rate 1 / c_ar; otherwise it is
+   autoregressive and runs no drafter (the target's features of its tokens wait in a ring, PendingContext, and enter
+   the drafter's cache at the start of the next chunk). A closed gate still probes: after `probe_every` chunks'
+   worth of steps without the drafter, one chunk drafts to refresh the prediction (a probe that finds speculation
+   still loses doubles the interval; one that finds it pays reopens the gate). The first interval keeps the probes'
+   extra cost at PROBE_SHARE of the autoregressive time.
+2. Which budget: the argmax over the menu's budgets of E(b) / (c_draft + c_verify(b)).
+   The policy cannot be slower than autoregressive decoding by more than its probes (PROBE_SHARE) plus what wrong
+   predictions cost for a chunk: a chunk speculates only when its predicted rate beats an autoregressive step's, and
+   the calibration corrects the predictions after every drafted step.
 
 Calibration: exp(score) is the drafter's (tree-temperature sharpened) belief, not the verify pass's acceptance
 rate. The policy keeps, in bins of predicted probability, the decayed sums of predicted and observed acceptances
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -59,24 +63,26 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior ratio in each bin
 # the steps where every fixed budget ran 1.8-1.9x autoregressive (auto 4,426 tok/s against DDTree 8's 6,727).
 EXPECTED_DECAY = 0.125
 PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
-PROBE_MIN, PROBE_MAX = 4, 1024
-FORCE_POLICY = -1  # PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i; len(menu): AR
+PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes
+# PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i (a budget 0 entry: autoregressive); len(menu):
+# autoregressive
+FORCE_POLICY = -1
 
 
 class PolicyState(NamedTuple):
     """The policy's part of the loop's carry (all on device, tiny). Costs are per step of the whole batch, ms."""
 
     cost_ar: jnp.ndarray  # [] f32 an autoregressive step (no drafter)
-    cost_draft: jnp.ndarray  # [] f32 the drafter and the tree
-    cost_verify: jnp.ndarray  # [M] f32 the rest of a drafted step per menu entry (entry 0: a root-only verify)
+    cost_draft: jnp.ndarray  # [] f32 the drafter and the tree (0 where cost_verify holds whole steps)
+    cost_verify: jnp.ndarray  # [M] f32 the rest of a drafted step per menu entry (a budget 0 entry: cost_ar)
     cost_slope: jnp.ndarray  # [M + 1] f32 ms per context token of the mean active row (entries, then AR)
     context0: jnp.ndarray  # [] f32 the mean context the costs were measured at
     bin_pred: jnp.ndarray  # [NUM_BINS] f32 decayed sums of predicted acceptance probabilities
     bin_acc: jnp.ndarray  # [NUM_BINS] f32 decayed counts of accepted nodes
     expected: jnp.ndarray  # [M] f32 running mean of predicted tokens per sequence per menu entry
     since_draft: jnp.ndarray  # [] int32 steps since the last drafted step
-    probe_every: jnp.ndarray  # [] int32 a closed gate's probe interval
-    force: jnp.ndarray  # [] int32 FORCE_POLICY, or the menu entry (or len(menu): AR) every step takes (calibration)
+    probe_every: jnp.ndarray  # [] int32 a closed gate's probe interval, in chunks
+    force: jnp.ndarray  # [] int32 FORCE_POLICY, or the menu entry (or len(menu): AR) every chunk takes (calibration)
     chosen: jnp.ndarray  # [M + 1] int32 steps per menu entry drafted, then steps without the drafter
     predicted_tokens: jnp.ndarray  # [] f32 sum over drafted steps and active rows of E(chosen budget)
     observed_tokens: jnp.ndarray  # [] int32 the tokens those rows emitted (counts: exact on a long-running server)
@@ -101,16 +107,19 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         cost_slope=jnp.asarray(cost_slope), context0=jnp.float32(context0),
         bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
         expected=jnp.asarray(expected), since_draft=jnp.int32(0),
-        probe_every=jnp.int32(probe_interval(cost_draft, cost_ar)), force=jnp.int32(force),
+        probe_every=jnp.int32(probe_interval(cost_ar, cost_draft, cost_verify, menu)), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0))
 
 
-def probe_interval(cost_draft: float, cost_ar: float) -> int:
-    """Steps between a closed gate's probes so that their drafter cost is PROBE_SHARE of the AR time."""
-    if not cost_ar > 0:
+def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> int:
+    """Chunks between a closed gate's probes so that their extra cost (the cheapest speculative entry's step over an
+    autoregressive one, for one chunk) is PROBE_SHARE of the autoregressive time."""
+    speculative = [float(cost_draft) + float(c) for c, b in zip(np.asarray(cost_verify), menu) if b > 0]
+    if not float(cost_ar) > 0 or not speculative:
         return PROBE_MIN
-    return int(np.clip(np.ceil(cost_draft / (PROBE_SHARE * cost_ar)), PROBE_MIN, PROBE_MAX))
+    extra = max(min(speculative) - float(cost_ar), 0.0)
+    return int(np.clip(np.ceil(extra / (PROBE_SHARE * float(cost_ar))), PROBE_MIN, PROBE_MAX))
 
 
 def _costs(policy: PolicyState, context):
@@ -135,12 +144,31 @@ def speculative_rate(policy: PolicyState, menu: Sequence[int], context) -> jnp.n
     return rates.max() * c_ar
 
 
-def should_draft(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
-    """The gate, before the drafter: [] bool."""
-    gate = speculative_rate(policy, menu, context) >= 1.0
-    probe = policy.since_draft + 1 >= policy.probe_every
-    forced = jnp.where(policy.force >= len(menu), False, True)
-    return jnp.where(policy.force == FORCE_POLICY, gate | probe, forced)
+def speculative_entries(menu: Sequence[int]) -> np.ndarray:
+    return np.asarray(menu) > 0
+
+
+def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int) -> jnp.ndarray:
+    """The menu entry the next chunk of `steps` steps runs ([] int32; len(menu): autoregressive, no drafter): the
+    forced one, else the best predicted rate's budget when it beats an autoregressive step (or a probe is due),
+    else autoregressive."""
+    m = len(menu)
+    if not speculative_entries(menu).any():
+        return jnp.int32(m)
+    c_ar, c_draft, c_verify = _costs(policy, context)
+    rates = jnp.where(jnp.asarray(speculative_entries(menu)), policy.expected / (c_draft + c_verify), -1.0)
+    best = jnp.argmax(rates).astype(jnp.int32)
+    gate = rates[best] * c_ar >= 1.0
+    probe = policy.since_draft + steps > policy.probe_every * steps
+    chosen = jnp.where(gate | probe, best, m)
+    forced = jnp.where((policy.force < m) & jnp.asarray(np.append(speculative_entries(menu), False))[
+        jnp.clip(policy.force, 0, m)], policy.force, m)
+    return jnp.where(policy.force == FORCE_POLICY, chosen, forced).astype(jnp.int32)
+
+
+def is_speculative(menu: Sequence[int], entry: int) -> bool:
+    """Whether a (static) entry drafts: a menu budget above 0 (a budget 0 entry and len(menu) are autoregressive)."""
+    return 0 <= entry < len(menu) and menu[entry] > 0
 
 
 def _bins(log_p):
@@ -163,58 +191,56 @@ def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
     return 1.0 + jnp.stack([total[:, b] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
 
 
-def choose(policy: PolicyState, menu: Sequence[int], q, active, context) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """After the drafter: (the menu entry [] int32, E [M] summed over active rows)."""
+def step_expected(q, menu: Sequence[int], active) -> jnp.ndarray:
+    """A drafted step's E [M] summed over active rows (the prediction of every menu entry from one tree)."""
+    return jnp.where(active[:, None], expected_tokens(q, menu), 0.0).sum(0)
+
+
+def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, expected, path, num_accepted,
+            active) -> PolicyState:
+    """A drafted step's observations (entry: the static menu entry it verified): the calibration bins (every verified
+    node: its raw drafter probability exp(score) and whether the walk accepted it), the running prediction, the
+    counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
+    expected [M] the step's E summed over active rows (`step_expected`)."""
+    budget = menu[entry]
+    n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
+    node = jnp.arange(scores.shape[1])[None, :]
+    verified = (node >= 1) & (node <= budget) & valid & active[:, None]
+    on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
+        path > 0)
+    bins = _bins(scores)
+    raw = jnp.exp(jnp.minimum(scores, 0.0))
+    add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
+    add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
+    emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
+    return policy._replace(
+        bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
+        bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
+        expected=(1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
+        since_draft=jnp.zeros_like(policy.since_draft),
+        chosen=policy.chosen.at[entry].add(1),
+        predicted_tokens=policy.predicted_tokens + expected[entry],
+        observed_tokens=policy.observed_tokens + emitted,
+        sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32))
+
+
+def count_undrafted(policy: PolicyState, menu: Sequence[int]) -> PolicyState:
+    """An autoregressive step: counted, and the gate's probe clock runs."""
+    return policy._replace(since_draft=policy.since_draft + 1, chosen=policy.chosen.at[len(menu)].add(1))
+
+
+def end_of_chunk(policy: PolicyState, menu: Sequence[int], entry: int, context) -> PolicyState:
+    """After a drafted chunk: a probe (or any drafted chunk) that found speculation still loses doubles the gate's
+    probe interval; one that found it pays resets it to the base interval (`probe_interval`)."""
+    if not is_speculative(menu, entry):
+        return policy
     c_ar, c_draft, c_verify = _costs(policy, context)
-    expected = jnp.where(active[:, None], expected_tokens(q, menu), 0.0).sum(0)  # [M]
-    cost = c_draft + jnp.where(jnp.asarray(np.asarray(menu) > 0), c_verify, c_ar)
-    best = jnp.argmax(expected / cost).astype(jnp.int32)
-    forced = jnp.clip(policy.force, 0, len(menu) - 1)
-    return jnp.where(policy.force == FORCE_POLICY, best, forced), expected
-
-
-def update(policy: PolicyState, menu: Sequence[int], *, drafted, choice, scores, valid, expected, path,
-           num_accepted, active, context) -> PolicyState:
-    """The step's observations: the calibration bins (every verified node of a drafted step: its raw drafter
-    probability exp(score) and whether the walk accepted it), the gate's running prediction and probe interval, and
-    the counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
-    expected [M] the step's E summed over active rows (`choose`). A step without the drafter only counts itself:
-    its observations are computed under a `lax.cond`, so that an autoregressive step does not pay for them."""
-    menu_arr = np.asarray(menu, np.int32)
-
-    def observe(policy):
-        c_ar, c_draft, c_verify = _costs(policy, context)
-        budget = jnp.asarray(menu_arr)[choice]
-        n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
-        node = jnp.arange(scores.shape[1])[None, :]
-        verified = (node >= 1) & (node <= budget) & valid & active[:, None]
-        on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
-            path > 0)
-        bins = _bins(scores)
-        raw = jnp.exp(jnp.minimum(scores, 0.0))
-        add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
-        add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
-        # A drafted step that beat autoregressive decoding (by its prediction, drafter included) keeps the gate's
-        # probes at their base interval; one that did not doubles it.
-        cost = c_draft + jnp.where(choice > 0, c_verify[choice], c_ar)
-        paid = (choice > 0) & (expected[choice] / cost >= n / c_ar)
-        base = jnp.clip(jnp.ceil(c_draft / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
-        emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
-        return policy._replace(
-            bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
-            bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
-            expected=(1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
-            since_draft=jnp.zeros_like(policy.since_draft),
-            probe_every=jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)),
-            chosen=policy.chosen.at[choice].add(1),
-            predicted_tokens=policy.predicted_tokens + expected[choice],
-            observed_tokens=policy.observed_tokens + emitted,
-            sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32))
-
-    def count(policy):
-        return policy._replace(since_draft=policy.since_draft + 1, chosen=policy.chosen.at[len(menu_arr)].add(1))
-
-    return jax.lax.cond(drafted, observe, count, policy)
+    speculative = jnp.asarray(speculative_entries(menu))
+    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), -1.0)
+    paid = rates.max() * c_ar >= 1.0
+    extra = jnp.maximum(jnp.where(speculative, c_draft + c_verify, jnp.inf).min() - c_ar, 0.0)
+    base = jnp.clip(jnp.ceil(extra / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
+    return policy._replace(probe_every=jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)))
 
 
 def bin_ratio(policy: PolicyState) -> np.ndarray:
@@ -223,8 +249,9 @@ def bin_ratio(policy: PolicyState) -> np.ndarray:
 
 
 def summary(policy: PolicyState, menu: Sequence[int]) -> dict:
-    """What a run's policy did, for GenerateResult.stats and /metrics: steps per budget (a histogram; "ar" counts
-    the steps that skipped the drafter), and the predicted vs observed tokens per sequence-step of drafted steps."""
+    """What a run's policy did, for GenerateResult.stats and /metrics: steps per budget (a histogram;
+    "steps_without_drafter" counts the autoregressive steps), and the predicted vs observed tokens per sequence-step
+    of drafted steps."""
     chosen = np.asarray(policy.chosen).tolist()
     seq_steps = float(policy.sequence_steps)
     return {

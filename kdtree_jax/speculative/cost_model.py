@@ -1,9 +1,9 @@
 """The adaptive budget's cost model: what a decode step costs on this device, measured, cached, interpolated.
 
 A point is one calibration of a compiled adaptive loop (engine.calibrate): at a batch size B and a mean context L,
-the time of an autoregressive step (no drafter), of the drafter and tree, and of each menu budget's verify-and-commit,
-each timed over a few steps of the very loop that will decode (every menu entry is in it; `PolicyState.force`
-selects one, so calibrating compiles nothing). With a point it also keeps the calibration run's acceptance (the
+the time of an autoregressive step (no drafter) and of each drafting menu budget's whole step, each timed over a few
+chunks of the very programs that will decode (one per menu entry; `PolicyState.force` selects one, so calibrating
+compiles nothing). With a point it also keeps the calibration run's acceptance (the
 policy's bins and predicted tokens per budget), the prior of later runs.
 
 Points are cached per model pair, device, and loop settings in one JSON file under the user's cache directory
@@ -160,21 +160,21 @@ def _close(a: float, b: float, factor: float) -> bool:
 
 def make_point(batch: int, context: float, menu, step_ms: dict, *, bin_ratio=None, expected=None,
                steps: int = 0) -> dict:
-    """A calibration point from measured step times: step_ms["ar"] (no drafter) and step_ms[i] for menu entry i
-    (the drafter included; entry 0 = the drafter and a root-only verify). Entries not measured (None: pruned as
-    unable to beat autoregressive decoding even if every drafted token were accepted) cost +inf."""
+    """A calibration point from measured step times: step_ms["ar"] (an autoregressive step, no drafter) and
+    step_ms[i] for each drafting menu entry i (its whole step, the drafter included: cost_draft is 0 and a budget 0
+    entry costs the autoregressive step). Entries not measured (None: pruned as unable to beat autoregressive
+    decoding even if every drafted token were accepted) cost +inf."""
     ar = float(step_ms["ar"])
-    probe = step_ms.get(0)
-    draft = max(float(probe) - ar, 0.0) if probe is not None else 0.0
+    draft = 0.0
     verify = []
     for i, b in enumerate(menu):
         t = step_ms.get(i)
-        if i == 0:
+        if b == 0:
             verify.append(ar)
         elif t is None:
             verify.append(1e30)
         else:
-            verify.append(max(float(t) - draft, 1e-6))
+            verify.append(max(float(t), 1e-6))
     return {"batch": int(batch), "context": float(context), "cost_ar": ar, "cost_draft": draft,
             "cost_verify": verify, "measured_ms": {str(k): v for k, v in step_ms.items()},
             "bin_ratio": None if bin_ratio is None else [float(x) for x in bin_ratio],

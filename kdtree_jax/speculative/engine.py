@@ -20,8 +20,10 @@ needs), admission.py (a new prompt in a batch row between chunks), stats.py (wha
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from typing import NamedTuple, Optional, Sequence, Union
@@ -42,7 +44,7 @@ from kdtree_jax.speculative import cost_model as cost_models
 from kdtree_jax.speculative import sampling as sampling_ops
 from kdtree_jax.speculative.stats import generate_stats
 from kdtree_jax.speculative.step import (ExpertLoad, LoopState, PendingContext, SpecConfig, TreeShape,
-                                         pending_capacity, speculative_step)
+                                         flush_pending, pending_capacity, speculative_step)
 
 @dataclasses.dataclass
 class GenerateResult:
@@ -53,7 +55,11 @@ class GenerateResult:
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig) -> LoopState:
-    """Speculative steps until every sequence is done; one compiled program, no host round trip."""
+    """Speculative steps until every sequence is done; one compiled program, no host round trip. (The adaptive budget
+    runs in ChunkedLoop, which picks each chunk's menu entry.)"""
+    if spec.menu:
+        raise ValueError("the adaptive budget (a menu) decodes in ChunkedLoop (chunk_steps > 0), which picks each "
+                         "chunk's budget")
     max_steps = spec.max_new_tokens  # each step emits >= 1 token per active sequence
 
     def cond(s: LoopState):
@@ -97,6 +103,7 @@ class ChunkOutput(NamedTuple):
     num_out: jnp.ndarray  # [B] state.num_out after it
     any_active: jnp.ndarray  # [] bool: some sequence is still decoding
     active: jnp.ndarray  # [B] bool: which are (a row that is not is done: free for the next prompt, ChunkedLoop.admit)
+    next_entry: Optional[jnp.ndarray] = None  # [] int32 an adaptive loop's menu entry for the next chunk (else None)
 
 
 def _compile(lowered, spec: SpecConfig):
@@ -111,23 +118,37 @@ def _loop_weights(target: Transformer):
     return target.loop_weights()
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "spec", "steps"), donate_argnames=("state",))
-def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: SpecConfig, steps: int) -> ChunkOutput:
+@functools.partial(jax.jit, static_argnames=("structure", "spec", "steps", "entry"), donate_argnames=("state",))
+def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: SpecConfig, steps: int,
+                  entry: Optional[int] = None) -> ChunkOutput:
     # The models come in as their leaves (flattened once by ChunkedLoop): flattening two NNX modules costs ~1 ms
     # of host time a call, unflattening them here costs nothing at run time (it happens while tracing).
     _TRACES["decode_chunk"] = _TRACES.get("decode_chunk", 0) + 1
     target, drafter = jax.tree.unflatten(structure, leaves)
     start, stop_step = state.num_out, state.step + steps
+    if spec.menu:  # the features the last chunk's autoregressive steps left in the ring, once a chunk
+        state = flush_pending(drafter, state)
 
     def cond(s: LoopState):
         return (s.step < stop_step) & s.active.any()
 
-    state = jax.lax.while_loop(cond, lambda s: speculative_step(target, drafter, s, spec, loop_weights), state)
+    state = jax.lax.while_loop(cond, lambda s: speculative_step(target, drafter, s, spec, loop_weights, entry), state)
     width = state.accepted_hist.shape[0]
     index = start[:, None] + jnp.arange(steps * width, dtype=jnp.int32)[None, :]
     tokens = jnp.take_along_axis(state.out, jnp.minimum(index, state.out.shape[1] - 1), axis=1)
     tokens = jnp.where(index < state.num_out[:, None], tokens, -1)
-    return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active)
+    following = None
+    if spec.menu:
+        with jax.named_scope("policy"):
+            context = budget_policy.mean_context(state.cache.seq_lens, state.active)
+            state = state._replace(policy=budget_policy.end_of_chunk(state.policy, spec.menu, entry, context))
+            following = budget_policy.next_entry(state.policy, spec.menu, context, steps)
+    return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active, following)
+
+
+@functools.partial(jax.jit, static_argnames=("menu", "steps"))
+def _entry_of_state(policy, seq_lens, active, *, menu, steps):
+    return budget_policy.next_entry(policy, menu, budget_policy.mean_context(seq_lens, active), steps)
 
 
 class ChunkedLoop:
@@ -139,6 +160,12 @@ class ChunkedLoop:
         final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
 
     drafter: None for autoregressive decoding (a root-only tree).
+
+    The adaptive budget (spec.menu) is one program per menu entry (budget_policy.py): each chunk ends with the entry
+    its policy picks for the next one (ChunkOutput.next_entry), and a call runs the entry of the newest such pick the
+    host can read without waiting: its input's own when that chunk is done, else the one before it in the same chain
+    of calls (the chunk in flight's input's). A state that comes from no call of this loop (a new batch, a
+    calibration's forced copy) picks its entry from its own policy.
     """
 
     def __init__(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig,
@@ -149,25 +176,46 @@ class ChunkedLoop:
         self.leaves, self.structure = jax.tree.flatten((target, drafter))
         self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
         self.compiled = None
-        self._programs = {}  # the state's shapes -> Compiled
+        self._programs = {}  # (the state's shapes, entry) -> Compiled
+        self._recent = []  # an adaptive loop's last calls: (their ChunkOutput, its chain, the entry it ran)
         # What admit's program needs besides the leaves; its static plan per prefill chunk size.
         self.vocab_size, self.mesh = target.cfg.vocab_size, getattr(target, "mesh", None)
         self.hidden_layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self._plans = {}
 
-    def _kwargs(self):
-        return dict(structure=self.structure, spec=self.spec, steps=self.steps)
+    def _kwargs(self, entry=None):
+        return dict(structure=self.structure, spec=self.spec, steps=self.steps, entry=entry)
 
-    def lower(self, state: LoopState):
-        return _decode_chunk.lower(self.leaves, self.loop_weights, state, **self._kwargs())
+    def entries(self) -> tuple:
+        """The programs' static entries: every menu entry that drafts, then len(menu) (autoregressive); (None,) for a
+        fixed budget."""
+        if not self.spec.menu:
+            return (None,)
+        menu = self.spec.menu
+        return tuple(i for i in range(len(menu)) if budget_policy.is_speculative(menu, i)) + (len(menu),)
+
+    def lower(self, state: LoopState, entry=None):
+        return _decode_chunk.lower(self.leaves, self.loop_weights, state, **self._kwargs(entry))
 
     def compile(self, state: LoopState):
-        """Compile the chunk program ahead; later calls run it (jax's own cache would compile again on the first
-        jitted call: an ahead-of-time compile does not fill it): -> the jax Compiled."""
-        key = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
-        if key not in self._programs:
-            self._programs[key] = _compile(self.lower(state), self.spec)
-        self.compiled = self._programs[key]
+        """Compile the chunk program(s) ahead (an adaptive loop: one per entry, in threads); later calls run them (jax's
+        own cache would compile again on the first jitted call: an ahead-of-time compile does not fill it): -> the jax
+        Compiled of the entry this state starts with."""
+        if self.spec.menu:
+            capacity = state.pending.hidden.shape[2]
+            if capacity < self.steps:
+                raise ValueError(f"the adaptive loop's pending ring holds {capacity} rows, fewer than a chunk's "
+                                 f"{self.steps} steps (engine.adaptive_parts(chunk_steps=...))")
+        shapes = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+        missing = [e for e in self.entries() if (shapes, e) not in self._programs]
+        if len(missing) > 1:  # XLA compiles outside the GIL
+            with concurrent.futures.ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
+                for e, program in zip(missing, pool.map(lambda e: _compile(self.lower(state, e), self.spec), missing)):
+                    self._programs[(shapes, e)] = program
+        for e in missing[:1] if len(missing) == 1 else ():
+            self._programs[(shapes, e)] = _compile(self.lower(state, e), self.spec)
+        entry = self._entry_for(state)[0] if self.spec.menu else None
+        self.compiled = self._programs[(shapes, entry)]
         return self.compiled
 
     def uses(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> bool:
@@ -176,12 +224,43 @@ class ChunkedLoop:
         return (structure == self.structure and spec == self.spec and steps == self.steps
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
+    def _record(self, state: LoopState):
+        """This loop's record of the call whose output `state` is (or that admit / reset_row made it from), or None."""
+        return next((r for r in reversed(self._recent) if r[0] is state.policy.force), None)
+
+    def _entry_for(self, state: LoopState) -> tuple:
+        """(the entry a call on `state` runs, the chain of calls it continues) (class docstring)."""
+        known = self._record(state)
+        if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
+            return int(_entry_of_state(state.policy, state.cache.seq_lens, state.active, menu=self.spec.menu,
+                                       steps=self.steps)), object()
+        for _, chain, _, following in reversed(self._recent):
+            if chain is known[1] and following is not None and following.is_ready():
+                return int(following), chain
+        return known[2], known[1]  # nothing of the chain done yet: the entry the chunk in flight runs
+
+    def _carried(self, old: LoopState, new: LoopState) -> LoopState:
+        """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
+        if self.spec.menu and (known := self._record(old)) is not None:
+            self._recent = self._recent[-7:] + [(new.policy.force, known[1], known[2], None)]
+        return new
+
     def __call__(self, state: LoopState) -> ChunkOutput:
-        if self.compiled is None and self.spec.menu:  # the adaptive loop is compiled ahead (calibration times it)
+        if not self.spec.menu:
+            if self.compiled is not None:
+                return self.compiled(self.leaves, self.loop_weights, state)
+            return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
+        shapes = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+        if (shapes, len(self.spec.menu)) not in self._programs:
             self.compile(state)
-        if self.compiled is not None:
-            return self.compiled(self.leaves, self.loop_weights, state)
-        return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
+        entry, chain = self._entry_for(state)
+        out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
+        self._recent = self._recent[-7:] + [(out.state.policy.force, chain, entry, out.next_entry)]
+        return out
+
+    def reset_row(self, state: LoopState, row: int) -> LoopState:
+        """`admission.reset_row` (the row's slots back to the pool, the row free), keeping an adaptive loop's chain."""
+        return self._carried(state, admission.reset_row(state, jnp.int32(row)))
 
     def admit(self, state: LoopState, prompt_ids, row: int, *, max_tokens: Optional[int] = None, seed: int = 0,
               sampling: Optional[sampling_ops.SamplingParams] = None,
@@ -192,8 +271,9 @@ class ChunkedLoop:
         if plan is None:
             plan = self._plans[chunk_size] = admission.AdmitPlan(self.structure, self.hidden_layers, self.spec,
                                                                  chunk_size, self.mesh)
-        return admission.admit_with_plan(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec,
-                                         self.vocab_size, sampling)
+        new, first = admission.admit_with_plan(self.leaves, plan, state, prompt_ids, row, max_tokens, seed, self.spec,
+                                               self.vocab_size, sampling)
+        return self._carried(state, new), first
 
     def run(self, state: LoopState, on_chunk=None, max_chunks: Optional[int] = None):
         """Chunks until no sequence is active: -> (final state, chunks the host read).
@@ -274,12 +354,14 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
 
 
 def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batch: int,
-                   costs: Optional[dict] = None) -> tuple:
+                   costs: Optional[dict] = None, chunk_steps: int = DEFAULT_CHUNK_STEPS) -> tuple:
     """The adaptive loop's extra state for `initial_state(adaptive=...)`: (the policy's state with these costs, from
-    `CostModel.costs`, or placeholders until `calibrate` measures them; the drafter's pending context)."""
+    `CostModel.costs`, or placeholders until `calibrate` measures them; the drafter's pending context, room for a
+    chunk of `chunk_steps` autoregressive steps)."""
     policy = budget_policy.init_state(spec.menu, **(costs or {}))
-    pending = PendingContext.zeros(len(drafter.target_layer_ids), batch, pending_capacity(drafter.cfg.depth),
-                                   target.cfg.hidden_size, target.dtype)
+    pending = PendingContext.zeros(len(drafter.target_layer_ids), batch,
+                                   pending_capacity(drafter.cfg.depth, chunk_steps), target.cfg.hidden_size,
+                                   target.dtype)
     return policy, pending
 
 
@@ -345,54 +427,41 @@ def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
     return ms / max(steps, 1), steps, following.state
 
 
-CALIBRATION_STEPS = (2, 10)  # a timing's short and long run, in steps, where one call runs the whole decode
 # Chunks timed per entry of the chunked loop (decode_ms). Chained calls timed without the host's reads of each chunk
 # (the short / long difference) came out at 0.55-0.84x what the decode paid on the H200 (4af3d85,
 # benchmarks/results/history/calibration_check_h200_4af3d85.md): the policy then drafted where AR was faster.
 CALIBRATION_CHUNKS = 3
 
 
-def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, depth: int, on_progress=None) -> dict:
-    """Time every menu budget in the compiled adaptive loop `call` (ChunkedLoop or decode_loop's compiled program),
-    each on a copy of `state` with the policy forced to it: -> a cost_model point (make_point) with the run's
-    acceptance as the prior. The state itself is not touched. A step's cost is what the decode pays for it: in the
-    chunked loop, chunks run as ChunkedLoop.run runs them (`decode_ms`); in one whole-decode call, the difference of
-    a long and a short run over the difference of their steps (a call's launch and result read drop out). An entry that cannot beat autoregressive decoding even if every drafted
-    token were accepted ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least
-    as much; so does one whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step
-    and no more than the entry before it. Entries not timed cost +inf (never chosen)."""
+def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth: int, on_progress=None,
+              chunk_steps: Optional[int] = None) -> dict:
+    """Time every menu entry's program of the adaptive ChunkedLoop `loop`, each on a copy of `state` with the policy
+    forced to it: -> a cost_model point (make_point) with the run's acceptance as the prior. The state itself is not
+    touched. A step's cost is what the decode pays for it: chunks run as ChunkedLoop.run runs them (`decode_ms`).
+    An entry that cannot beat autoregressive decoding even if every drafted token were accepted
+    ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least as much; so does one
+    whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step and no more than the
+    entry before it. Entries not timed cost +inf (never chosen). (chunk_steps: ignored, the loop's own.)"""
     menu = spec.menu
     base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
                           num_out=jnp.ones_like(state.num_out))
 
-    def timed(force: int, long: bool):
-        forced = base._replace(policy=base.policy._replace(force=jnp.int32(force)))
-        # decode_loop runs until max_new_tokens steps: start it that many steps before
-        start = jnp.full_like(base.step, max(spec.max_new_tokens - CALIBRATION_STEPS[long], 0))
-        return time_calls(call, forced._replace(step=start))
+    def forced(entry: int) -> LoopState:
+        return base._replace(policy=base.policy._replace(force=jnp.int32(entry)))
 
-    def step_ms(force: int):
-        if chunk_steps:
-            forced = base._replace(policy=base.policy._replace(force=jnp.int32(force)))
-            ms_step, _, final = min((decode_ms(call, forced, CALIBRATION_CHUNKS) for _ in range(2)),
-                                    key=lambda r: r[0])
-            return ms_step, final
-        short = min((timed(force, False) for _ in range(2)), key=lambda r: r[0])
-        long = min((timed(force, True) for _ in range(2)), key=lambda r: r[0])
-        return step_ms_between(short, long), long[2]
+    def step_ms(entry: int):
+        ms_step, _, final = min((decode_ms(loop, forced(entry), CALIBRATION_CHUNKS) for _ in range(2)),
+                                key=lambda r: r[0])
+        return ms_step, final
 
-    modes = ["ar"] + list(range(len(menu)))
+    modes = ["ar"] + [i for i in range(len(menu)) if menu[i] > 0]
     ms, prior, last_rate = {}, None, float("inf")
-    # warm-up (on a GPU, the first call of a program runs its command buffer's warm-up)
-    if chunk_steps:
-        decode_ms(call, base._replace(policy=base.policy._replace(force=jnp.int32(len(menu)))), 1)
-    else:
-        timed(len(menu), False)
+    decode_ms(loop, forced(len(menu)), 1)  # warm-up (on a GPU, a program's first call warms its command buffer)
     for n, mode in enumerate(modes):
         if on_progress is not None:
             on_progress("calibrate", n, len(modes))
         ms[mode], final = step_ms(len(menu) if mode == "ar" else mode)
-        if mode != "ar" and menu[mode] > 0:
+        if mode != "ar":
             prior = final.policy
             # Tokens per ms this entry earned in its own run (the run's acceptance): once an entry earns less than
             # an autoregressive step and no more than the entry before it, larger trees (dearer, each extra node
@@ -403,20 +472,21 @@ def calibrate(call, state: LoopState, spec: SpecConfig, *, chunk_steps: int, dep
                                                                             and rate <= last_rate):
                 break
             last_rate = rate
-    steps = CALIBRATION_CHUNKS * chunk_steps if chunk_steps else CALIBRATION_STEPS[1]
     if on_progress is not None:
         on_progress("calibrate", len(modes), len(modes))
     batch = state.bonus.shape[0]
     context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
-    return cost_models.make_point(batch, context, menu, ms, steps=steps,
+    return cost_models.make_point(batch, context, menu, ms, steps=CALIBRATION_CHUNKS * loop.steps,
                                   bin_ratio=None if prior is None else budget_policy.bin_ratio(prior),
                                   expected=None if prior is None else np.asarray(prior.expected))
 
 
 def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed,
-           chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None, sampling=None):
+           chunk_size: int, kv_dtype, num_moe: int, slots: int, on_progress=None, sampling=None,
+           chunk_steps: int = DEFAULT_CHUNK_STEPS):
     """Prefill the prompts and the drafter's context, pick the first tokens: -> (the loop's starting state, the
-    drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds)."""
+    drafter the loop runs (None when autoregressive; replicated on a sharded target's mesh), prefill seconds).
+    chunk_steps: the chunked loop's steps a call (an adaptive loop's ring holds a chunk's autoregressive steps)."""
     cfg = target.cfg
     batch = len(req.prompts)
     lens = np.array([p.size for p in req.prompts], np.int32)
@@ -460,7 +530,7 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
     active = ~np.isin(first_np, req.stop) & (spec.max_new_tokens > 1)
     adaptive = None
     if spec.menu and req.use_drafter:
-        adaptive = adaptive_parts(target, drafter, spec, batch)
+        adaptive = adaptive_parts(target, drafter, spec, batch, chunk_steps=chunk_steps)
         if mesh is not None:
             adaptive = replicate(adaptive, mesh)
     state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,
@@ -501,8 +571,8 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         on_progress("compile", 1, 1)
     host_loops = _host_driven_loops(loop, (jax.tree.structure((target, drafter)), spec, chunk_steps,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
-    if prepare is not None:  # the adaptive budget's costs, measured with this very program (no compile)
-        state = prepare(lambda s: loop(*args, s), state)
+    if prepare is not None:  # the adaptive budget's costs, measured with these very programs (no compile)
+        state = prepare(runner, state)
     # The profiled call comes after the timed decode: a trace taken of a replayed CUDA graph left the graph's later
     # replays slower (the timed decode at 2x its step after one, spec_decode at 0ec9d93, H200). Its state is a copy
     # taken now (the loop donates its state).
@@ -606,8 +676,7 @@ def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call
     t0 = time.perf_counter()
     measured = point is None
     if measured:
-        point = calibrate(call, state, spec, chunk_steps=chunk_steps, depth=drafter.cfg.depth,
-                          on_progress=on_progress)
+        point = calibrate(call, state, spec, depth=drafter.cfg.depth, on_progress=on_progress)
         model.add(point)
         model.save()
     info.update(calibrated=measured, calibration_seconds=time.perf_counter() - t0, cost_model=str(model.path))
@@ -733,14 +802,16 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       "verify pass's row count", RuntimeWarning, stacklevel=2)
 
     if chunk_steps is None:
-        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None or _loop_on_device() else 0
+        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None or _loop_on_device() or spec.menu else 0
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 0:
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
+    if spec.menu and not chunk_steps:
+        raise ValueError("budget 'auto' decodes in chunks (its budget is chosen per chunk): chunk_steps must be > 0")
     chunk_steps = min(int(chunk_steps), max_new_tokens)  # a step emits >= 1 token: more steps never run
 
     state, loop_drafter, t_prefill = setup(target, drafter, req, spec, seed=seed, sampling=rows, chunk_size=chunk_size,
                                             kv_dtype=kv_dtype, num_moe=len(moe_layers), slots=slots,
-                                            on_progress=on_progress)
+                                            on_progress=on_progress, chunk_steps=chunk_steps)
     on_chunk = None
     if on_tokens is not None:
         streamed = [1] * len(req.prompts)  # output positions handed to on_tokens, per row

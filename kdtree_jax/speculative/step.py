@@ -3,16 +3,17 @@
 Two kinds of step share the verify-and-commit half (`verify_and_commit`):
 - `speculative_step`, a fixed tree (SpecConfig.menu empty): the DDTree of SpecConfig.budget (0: autoregressive, no
   drafter), the chain or a static shape, every step;
-- `adaptive_step` (SpecConfig.menu set, budget "auto"): each step the policy (budget_policy.py) decides whether to
-  run the drafter at all and which budget of the menu to verify. The DDTree of the menu's largest budget is built
-  once; a budget b verifies its first b + 1 nodes (a best-first tree's prefix is the tree of the smaller budget), one
-  loop of zero or one trip per menu entry (`_at_most_once`), all in the one compiled loop.
+- `adaptive_step` (SpecConfig.menu set, budget "auto"): one entry of the menu, static (each entry is its own compiled
+  chunk program; budget_policy.py picks the entry of each chunk). A speculative entry builds the DDTree of the menu's
+  largest budget, so that the step predicts every entry's tokens (the policy's running prediction), and verifies its
+  first b + 1 nodes (a best-first tree's prefix is the tree of the smaller budget b); an autoregressive entry runs no
+  drafter.
 
-The drafter's context in an adaptive loop is extended lazily: a step appends the target features of the tokens it
-committed to `PendingContext`, and the features are projected into the drafter's cache only before the drafter runs
-(or when the ring is full). An autoregressive step then costs what a fixed autoregressive step costs (plus the
-append), not a drafter pass; the drafter sees the same context either way (each position's keys and values depend
-on its own features and position only).
+The drafter's context in an adaptive loop is extended lazily across autoregressive steps: such a step appends the
+target features of its token to `PendingContext`, and every adaptive chunk starts by projecting the ring into the
+drafter's cache (`flush_pending`, once a chunk). An autoregressive step then costs what a fixed autoregressive step
+costs plus the append, not a drafter pass; the drafter sees the same context either way (each position's keys and
+values depend on its own features and position only).
 """
 
 from __future__ import annotations
@@ -215,10 +216,13 @@ def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: Lo
 
 
 def speculative_step(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig,
-                     loop_weights=None) -> LoopState:
-    """One step of a fixed tree: draft, verify, commit, extend the drafter's context (module docstring)."""
+                     loop_weights=None, entry: Optional[int] = None) -> LoopState:
+    """One step of a fixed tree: draft, verify, commit, extend the drafter's context (module docstring). An adaptive
+    loop's (SpecConfig.menu) steps take their static menu `entry` (len(menu): autoregressive)."""
     if spec.menu:
-        return adaptive_step(target, drafter, state, spec, loop_weights)
+        if entry is None:
+            raise ValueError("an adaptive loop's step takes its menu entry (engine.ChunkedLoop picks one per chunk)")
+        return adaptive_step(target, drafter, state, spec, loop_weights, entry)
     tree = draft_tree(drafter, target, state, spec)
     state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
     if drafter is not None:
@@ -231,129 +235,49 @@ def speculative_step(target: Transformer, drafter: Optional[Drafter], state: Loo
 # The adaptive budget -------------------------------------------------------------------------------------------------
 
 
-def pending_capacity(depth: int) -> int:
-    """Rows of an adaptive loop's PendingContext: two steps' worth of committed tokens (D + 1 each), so that the ring
-    is flushed at most once every D + 1 autoregressive steps."""
-    return 2 * (depth + 1)
+def pending_capacity(depth: int, chunk_steps: int = 0) -> int:
+    """Rows of an adaptive loop's PendingContext: what one chunk of autoregressive steps appends (a row a step), at
+    least two steps' worth of committed tokens (D + 1 each)."""
+    return max(2 * (depth + 1), int(chunk_steps))
 
 
-def _flush(drafter: Drafter, dcache: DrafterCache, pending: PendingContext):
+def flush_pending(drafter: Drafter, state: LoopState) -> LoopState:
+    """The state with the pending features appended to the drafter's cache and the ring emptied."""
     with jax.named_scope("drafter"):
-        dcache = drafter.extend_context(dcache, pending.hidden, pending.count)
-    return dcache, pending._replace(count=jnp.zeros_like(pending.count))
+        dcache = drafter.extend_context(state.dcache, state.pending.hidden, state.pending.count)
+    return state._replace(dcache=dcache, pending=state.pending._replace(count=jnp.zeros_like(state.pending.count)))
 
 
-def _root_tree(bonus, start, num_nodes: int, depth: int) -> trees.Tree:
-    """A tree of `num_nodes` nodes whose first node is the root (what an autoregressive step verifies) and whose others
-    are padding; the padding's mask rows are left empty (only the root is ever verified from it)."""
-    batch = bonus.shape[0]
-    node = jnp.arange(num_nodes, dtype=jnp.int32)[None, :]
-    words = -(-num_nodes // 32)
-    mask = jnp.zeros((batch, num_nodes, words), jnp.uint32).at[:, 0, 0].set(1)
-    return trees.Tree(tokens=jnp.where(node == 0, bonus[:, None], trees.PAD_TOKEN).astype(jnp.int32),
-                      parents=jnp.broadcast_to(jnp.where(node == 0, -1, 0), (batch, num_nodes)).astype(jnp.int32),
-                      depths=jnp.broadcast_to(jnp.minimum(node, 1), (batch, num_nodes)).astype(jnp.int32),
-                      positions=(start[:, None] + jnp.minimum(node, 1)).astype(jnp.int32), mask=mask,
-                      valid=jnp.broadcast_to(node == 0, (batch, num_nodes)),
-                      scores=jnp.broadcast_to(jnp.where(node == 0, 0.0, -jnp.inf), (batch, num_nodes)).astype(
-                          jnp.float32), max_depth=depth)
-
-
-def _at_most_once(run, body, carry, inputs=()):
-    """body(carry, inputs) if `run` (a traced bool) else carry, as a loop of zero or one trip.
-
-    Not a `lax.cond`: XLA copies a buffer that a conditional's branch updates in place (measured: the whole KV pool,
-    every step, in each branch of a `lax.switch` inside the decode loop), while a loop's carry is updated in place. A
-    menu of branches is one such loop per entry, at most one of which runs. The trip count is a counter against a
-    computed bound (a `fori_loop`), not a flag that the body sets to a constant False: inside a CUDA graph (XLA's
-    WHILE command buffer, jaxlib 0.11.2, H200) the flag form ran its body again and again (wrong tokens, pool
-    overflow, and a hang with only loops captured; benchmarks/adaptive_command_buffers.py).
-
-    The body reads the carry and `inputs` (the step's values it needs besides the carry) only through an optimization
-    barrier with the trip counter. Without it XLA's loop-invariant code motion hoists whatever the body computes from
-    values the loop does not change (the drafter's whole pass, a flush's projections, each verify entry's embedding
-    and first projections) out of the loop, where it runs on every step, taken or not: the adaptive program forced to
-    autoregressive steps ran its drafter on each (CPU, batch 4: 28.5 ms a step against the fixed program's 8.5)."""
-    def trip(i, c):
-        c, ins, _ = jax.lax.optimization_barrier((c, inputs, i))
-        return body(c, ins)
-    return jax.lax.fori_loop(0, jnp.asarray(run, jnp.int32), trip, carry)
-
-
-def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig,
-                  loop_weights=None) -> LoopState:
-    """One step of the adaptive budget (module docstring; budget_policy.py for the policy)."""
+def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec: SpecConfig, loop_weights,
+                  entry: int) -> LoopState:
+    """One step of the adaptive budget at a static menu entry (module docstring; budget_policy.py for the policy)."""
     menu, policy, pending = spec.menu, state.policy, state.pending
     depth = drafter.cfg.depth
     width = depth + 1
-    num_nodes = max(menu) + 1
-    context = policy_ops.mean_context(state.cache.seq_lens, state.active)
-    with jax.named_scope("policy"):
-        drafted = policy_ops.should_draft(policy, menu, context)
-    # The drafter's context is brought up to date only when the drafter runs (or the ring would overflow).
-    flush = drafted | (pending.count.max() + width > pending.hidden.shape[2])
-    dcache, pending = _at_most_once(flush, lambda c, _: _flush(drafter, *c), (state.dcache, pending))
-    state = state._replace(dcache=dcache)
-
-    # The drafter's branch gets only what it reads, and returns only new arrays (the tree).
-    def with_drafter(operands):
-        dcache, bonus, seq_lens, active = operands
-        draft_state = LoopState(cache=state.cache._replace(seq_lens=seq_lens), dcache=dcache, bonus=bonus, out=None,
-                                num_out=None, active=active, step=None, key=None, accepted_hist=None, stop_ids=None,
-                                expert_load=None)
-        tree = draft_tree(drafter, target, draft_state, dataclasses.replace(spec, budget=num_nodes - 1))
+    if not policy_ops.is_speculative(menu, entry):
+        # Autoregressive: the root alone, no drafter; its token's target features wait in the ring.
+        tree = trees.root_only_tree(state.bonus, state.cache.seq_lens, max_depth=depth)
+        state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
+        with jax.named_scope("drafter"):
+            rows = jnp.arange(verified.num_keep.shape[0])[:, None]
+            j = jnp.arange(width)[None, :]
+            dest = jnp.where(j < verified.num_keep[:, None], pending.count[:, None] + j, pending.hidden.shape[2])
+            pending = PendingContext(pending.hidden.at[:, rows, dest].set(
+                verified.path_hidden.astype(pending.hidden.dtype), mode="drop"), pending.count + verified.num_keep)
         with jax.named_scope("policy"):
-            q = policy_ops.calibrated(policy, tree.scores, tree.valid)
-            choice, expected = policy_ops.choose(policy, menu, q, active, context)
-        return tree, choice, expected
-
-    def without_drafter(operands):
-        _, bonus, seq_lens, _ = operands
-        tree = _root_tree(bonus, seq_lens, num_nodes, depth)
-        return tree, jnp.int32(0), jnp.zeros((len(menu),), jnp.float32)
-
-    # Only loops in the step's control flow (no conditional): the root-only tree is the cheap default, replaced by the
-    # drafter's tree on a drafted step.
-    operands = (state.dcache, state.bonus, state.cache.seq_lens, state.active)
-    tree, choice, expected = _at_most_once(drafted, lambda _, ops: with_drafter(ops), without_drafter(operands),
-                                           operands)
-
-    # One verify branch per menu entry; each takes and returns the fields a verify step changes, and what the policy
-    # and the drafter's context need of the walk.
-    verify_fields = ("cache", "bonus", "out", "num_out", "active", "step", "accepted_hist", "expert_load", "counts")
-
-    def verify_budget(budget: int):
-        def run(carry, tree):
-            sub = state._replace(**dict(zip(verify_fields, carry[0])))
-            prefix = trees.tree_prefix(tree, budget + 1)
-            sub, verified = verify_and_commit(target, drafter, sub, spec, prefix, loop_weights)
-            return (tuple(getattr(sub, f) for f in verify_fields), verified.acc.path, verified.acc.num_accepted,
-                    verified.path_hidden.astype(pending.hidden.dtype), verified.num_keep)
-        return run
+            policy = policy_ops.count_undrafted(policy, menu)
+        return state._replace(policy=policy, pending=pending)
 
     active = state.active
-    batch = active.shape[0]
-    none = (tuple(getattr(state, f) for f in verify_fields), jnp.full((batch, width), -1, jnp.int32),
-            jnp.zeros((batch,), jnp.int32), jnp.zeros(pending.hidden.shape[:2] + (width,) + pending.hidden.shape[3:],
-                                                      pending.hidden.dtype), jnp.zeros((batch,), jnp.int32))
-    # Entry 0 (a root-only verify: every autoregressive step) is tested first and alone, so that a cheap step
-    # evaluates two loop conditions rather than one per entry; the speculative entries sit inside the second loop.
-    def speculative(carry, tree):
-        for i, budget in enumerate(menu[1:], start=1):
-            carry = _at_most_once(choice == i, verify_budget(budget), carry, tree)
-        return carry
-
-    carry = _at_most_once(choice == 0, verify_budget(menu[0]), none, tree)
-    fields, path, num_accepted, path_hidden, num_keep = _at_most_once(choice > 0, speculative, carry, tree)
-    state = state._replace(**dict(zip(verify_fields, fields)))
-    with jax.named_scope("drafter"):
-        rows = jnp.arange(num_keep.shape[0])[:, None]
-        j = jnp.arange(width)[None, :]
-        dest = jnp.where(j < num_keep[:, None], pending.count[:, None] + j, pending.hidden.shape[2])
-        pending = PendingContext(pending.hidden.at[:, rows, dest].set(path_hidden, mode="drop"),
-                                 pending.count + num_keep)
+    # The tree of the menu's largest budget predicts every entry; this entry verifies its prefix.
+    tree = draft_tree(drafter, target, state, dataclasses.replace(spec, budget=max(menu)))
     with jax.named_scope("policy"):
-        policy = policy_ops.update(policy, menu, drafted=drafted, choice=choice, scores=tree.scores, valid=tree.valid,
-                                   expected=expected, path=path, num_accepted=num_accepted, active=active,
-                                   context=context)
-    return state._replace(policy=policy, pending=pending)
+        expected = policy_ops.step_expected(policy_ops.calibrated(policy, tree.scores, tree.valid), menu, active)
+    state, verified = verify_and_commit(target, drafter, state, spec, trees.tree_prefix(tree, menu[entry] + 1),
+                                        loop_weights)
+    with jax.named_scope("drafter"):
+        state = state._replace(dcache=drafter.extend_context(state.dcache, verified.path_hidden, verified.num_keep))
+    with jax.named_scope("policy"):
+        policy = policy_ops.observe(policy, menu, entry, scores=tree.scores, valid=tree.valid, expected=expected,
+                                    path=verified.acc.path, num_accepted=verified.acc.num_accepted, active=active)
+    return state._replace(policy=policy)
