@@ -204,7 +204,7 @@ def verify_and_commit(target: Transformer, drafter: Optional[Drafter], state: Lo
     dest = jnp.where(j < n_emit[:, None], state.num_out[:, None] + j, state.out.shape[1])
     out = state.out.at[rows, dest].set(emitted, mode="drop")
     num_out = state.num_out + n_emit
-    max_new = state.out.shape[1] - width
+    max_new = state.out.shape[1] - state.accepted_hist.shape[0]  # the loop's width (an adaptive AR step emits 1)
     still = active & ~is_stop.any(1) & (num_out < max_new)
 
     hist = state.accepted_hist + jnp.zeros_like(state.accepted_hist).at[acc.num_accepted].add(active.astype(jnp.int32))
@@ -252,15 +252,14 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
                   entry: int) -> LoopState:
     """One step of the adaptive budget at a static menu entry (module docstring; budget_policy.py for the policy)."""
     menu, policy, pending = spec.menu, state.policy, state.pending
-    depth = drafter.cfg.depth
-    width = depth + 1
     if not policy_ops.is_speculative(menu, entry):
-        # Autoregressive: the root alone, no drafter; its token's target features wait in the ring.
-        tree = trees.root_only_tree(state.bonus, state.cache.seq_lens, max_depth=depth)
+        # Autoregressive: the root alone (a walk of depth 0, as the fixed autoregressive step's), no drafter; its
+        # token's target features wait in the ring.
+        tree = trees.root_only_tree(state.bonus, state.cache.seq_lens, max_depth=0)
         state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
         with jax.named_scope("drafter"):
             rows = jnp.arange(verified.num_keep.shape[0])[:, None]
-            j = jnp.arange(width)[None, :]
+            j = jnp.arange(1)[None, :]
             dest = jnp.where(j < verified.num_keep[:, None], pending.count[:, None] + j, pending.hidden.shape[2])
             pending = PendingContext(pending.hidden.at[:, rows, dest].set(
                 verified.path_hidden.astype(pending.hidden.dtype), mode="drop"), pending.count + verified.num_keep)
