@@ -47,11 +47,20 @@ def _policy(cost_ar=1.0, cost_draft=0.0, cost_verify=(1.0, 1.5, 2.5), **kw):
     return bp.init_state(MENU, cost_ar=cost_ar, cost_draft=cost_draft, cost_verify=cost_verify, **kw)
 
 
-def test_step_expected_sums_each_entrys_prefix_over_active_rows():
-    q = np.zeros((3, 17), np.float32)
-    q[:, 1:5] = 0.9  # four confident nodes, then nothing
-    e = bp.step_expected(jnp.asarray(q), MENU, jnp.asarray([True, True, False]))
-    np.testing.assert_allclose(np.asarray(e), [2.0, 9.2, 9.2], rtol=1e-6)
+def test_a_static_batch_waits_for_its_slowest_row():
+    """Rows that start together end with the slowest: a batch whose one row the drafter cannot predict stays
+    autoregressive though the batch's mean prediction pays; without that row (done) it speculates; continuous
+    batching (a finished row takes the next request) goes by the mean."""
+    rows = jnp.asarray([[1.0, 4.0, 4.0], [1.0, 1.05, 1.1]], jnp.float32)
+    remaining, both = jnp.asarray([90, 90]), jnp.asarray([True, True])
+
+    def entry(makespan, active=both):
+        policy = _policy(expected=(1.0, 4.0, 4.0), batch=2, makespan=makespan)._replace(row_expected=rows)
+        return int(bp.next_entry(policy, MENU, 0.0, 8, remaining, active))
+
+    assert entry(True) == len(MENU)  # 90 / 1.05 steps at 1.5 against 90 at 1
+    assert entry(True, jnp.asarray([True, False])) == 1
+    assert entry(False) == 1
 
 
 def test_next_entry_maximises_expected_tokens_per_cost_and_probes():
@@ -83,9 +92,10 @@ def test_observe_counts_verified_and_accepted_nodes():
     scores = jnp.asarray([[0.0, -0.01, -0.02, -3.0, -3.0] + [-9.0] * 12], jnp.float32)
     valid = jnp.ones((1, 17), bool)
     path = jnp.asarray([[0, 1, 2, -1]], jnp.int32)  # nodes 1 and 2 accepted, 3 and 4 verified and refused
-    expected = jnp.asarray([1.0, 3.0, 3.0], jnp.float32)
+    row_expected = jnp.asarray([[1.0, 3.0, 3.0]], jnp.float32)
     new = bp.observe(policy._replace(since_draft=jnp.int32(5)), MENU, 1, scores=scores, valid=valid,
-                     expected=expected, path=path, num_accepted=jnp.asarray([2]), active=jnp.ones((1,), bool))
+                     row_expected=row_expected, path=path, num_accepted=jnp.asarray([2]),
+                     active=jnp.ones((1,), bool))
     d = bp.CALIBRATION_DECAY
     acc, pred = np.asarray(new.bin_acc), np.asarray(new.bin_pred)
     np.testing.assert_allclose(acc[0], bp.PRIOR_WEIGHT * d + 2, rtol=1e-6)  # two accepted in the top bin
@@ -94,6 +104,9 @@ def test_observe_counts_verified_and_accepted_nodes():
     np.testing.assert_allclose(pred[7], bp.PRIOR_WEIGHT * d + 2 * np.exp(-3.0), rtol=1e-6)
     assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0] and int(new.since_draft) == 0
     assert float(new.observed_tokens) == 3.0 and float(new.predicted_tokens) == 3.0
+    d = bp.EXPECTED_DECAY  # the running predictions, the batch's and the row's, move by the step's E
+    np.testing.assert_allclose(np.asarray(new.expected), (1 - d) * np.array([1.0, 5.0, 17.0]) + d * np.array([1, 3, 3]))
+    np.testing.assert_allclose(np.asarray(new.row_expected), np.asarray(new.expected)[None, :], rtol=1e-6)
     # An autoregressive step counts as such and leaves the bins alone.
     ar = bp.count_undrafted(new, MENU)
     assert np.asarray(ar.chosen).tolist() == [0, 1, 0, 1]

@@ -87,13 +87,20 @@ class PolicyState(NamedTuple):
     predicted_tokens: jnp.ndarray  # [] f32 sum over drafted steps and active rows of E(chosen budget)
     observed_tokens: jnp.ndarray  # [] int32 the tokens those rows emitted (counts: exact on a long-running server)
     sequence_steps: jnp.ndarray  # [] int32 active rows summed over drafted steps
+    # A static batch ends with its slowest row: `next_entry` then minimises the predicted time to finish every row
+    # (from each row's own running prediction) instead of maximising the batch's tokens per ms (continuous batching,
+    # where a finished row takes the next request).
+    makespan: jnp.ndarray = None  # [] bool
+    row_expected: jnp.ndarray = None  # [B, M] f32 running mean of each row's predicted tokens per menu entry
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
-               context0=0.0, bin_ratio=None, expected=None, force: int = FORCE_POLICY) -> PolicyState:
+               context0=0.0, bin_ratio=None, expected=None, force: int = FORCE_POLICY, batch: int = 1,
+               makespan: bool = False) -> PolicyState:
     """A fresh policy state. Costs in ms (any consistent unit); cost_verify [M] defaults to cost_ar for every entry
     (so that only the predictions decide); bin_ratio [NUM_BINS] the calibration prior (default 1: trust the
-    drafter); expected [M] the gate's prior (default: optimistic, 1 + b, so that the first step drafts)."""
+    drafter); expected [M] the gate's prior (default: optimistic, 1 + b, so that the first step drafts), also every
+    row's; makespan: a static batch (PolicyState.makespan)."""
     m = len(menu)
     menu_arr = np.asarray(menu, np.float32)
     cost_verify = np.full((m,), cost_ar, np.float32) if cost_verify is None else np.asarray(cost_verify, np.float32)
@@ -109,7 +116,8 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         expected=jnp.asarray(expected), since_draft=jnp.int32(0),
         probe_every=jnp.int32(probe_interval(cost_ar, cost_draft, cost_verify, menu)), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
-        sequence_steps=jnp.int32(0))
+        sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
+        row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32))
 
 
 def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> int:
@@ -148,15 +156,26 @@ def speculative_entries(menu: Sequence[int]) -> np.ndarray:
     return np.asarray(menu) > 0
 
 
-def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int) -> jnp.ndarray:
+def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, remaining=None,
+               active=None) -> jnp.ndarray:
     """The menu entry the next chunk of `steps` steps runs ([] int32; len(menu): autoregressive, no drafter): the
-    forced one, else the best predicted rate's budget when it beats an autoregressive step (or a probe is due),
-    else autoregressive."""
+    forced one, else the best predicted budget when it beats an autoregressive step (or a probe is due), else
+    autoregressive. The best: in a static batch (policy.makespan, `remaining` [B] tokens each row has left, `active`
+    [B]), the least predicted time to finish every active row, max over rows of remaining / E_row(b) steps at
+    c_draft + c_verify(b) each, against max remaining steps at c_ar; otherwise the most predicted tokens per ms."""
     m = len(menu)
     if not speculative_entries(menu).any():
         return jnp.int32(m)
     c_ar, c_draft, c_verify = _costs(policy, context)
-    rates = jnp.where(jnp.asarray(speculative_entries(menu)), policy.expected / (c_draft + c_verify), -1.0)
+    speculative = jnp.asarray(speculative_entries(menu))
+    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), -1.0)
+    if remaining is not None and policy.row_expected is not None:
+        left = jnp.where(active, remaining, 0).astype(jnp.float32)  # [B]
+        steps_left = (left[:, None] / jnp.maximum(policy.row_expected, 1.0)).max(0)  # [M]
+        finish = steps_left * (c_draft + c_verify)
+        # The same comparison as tokens per ms: the batch's remaining work over its predicted finish time.
+        work = jnp.maximum(left.max(), 1.0)
+        rates = jnp.where(policy.makespan, jnp.where(speculative, work / jnp.maximum(finish, 1e-9), -1.0), rates)
     best = jnp.argmax(rates).astype(jnp.int32)
     gate = rates[best] * c_ar >= 1.0
     probe = policy.since_draft + steps > policy.probe_every * steps
@@ -191,28 +210,27 @@ def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
     return 1.0 + jnp.stack([total[:, b] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
 
 
-def step_expected(q, menu: Sequence[int], active) -> jnp.ndarray:
-    """A drafted step's E [M] summed over active rows (the prediction of every menu entry from one tree)."""
-    return jnp.where(active[:, None], expected_tokens(q, menu), 0.0).sum(0)
-
-
-def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, expected, path, num_accepted,
-            active) -> PolicyState:
+def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, row_expected, path,
+            num_accepted, active) -> PolicyState:
     """A drafted step's observations (entry: the static menu entry it verified): the calibration bins (every verified
-    node: its raw drafter probability exp(score) and whether the walk accepted it), the running prediction, the
+    node: its raw drafter probability exp(score) and whether the walk accepted it), the running predictions, the
     counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
-    expected [M] the step's E summed over active rows (`step_expected`)."""
+    row_expected [B, M] each row's E of this step (`expected_tokens` of the calibrated tree). Sums by comparison
+    rather than scatter (a step's few fused kernels, not one per scatter)."""
     budget = menu[entry]
     n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
-    node = jnp.arange(scores.shape[1])[None, :]
-    verified = (node >= 1) & (node <= budget) & valid & active[:, None]
-    on_path = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], jnp.maximum(path, 0)].set(
-        path > 0)
-    bins = _bins(scores)
+    expected = jnp.where(active[:, None], row_expected, 0.0).sum(0)  # [M]
+    node = jnp.arange(scores.shape[1])
+    verified = (node[None, :] >= 1) & (node[None, :] <= budget) & valid & active[:, None]
+    on_path = ((path[:, :, None] == node[None, None, :]) & (path[:, :, None] > 0)).any(1)  # [B, T]
+    in_bin = _bins(scores)[..., None] == jnp.arange(NUM_BINS)  # [B, T, bins]
     raw = jnp.exp(jnp.minimum(scores, 0.0))
-    add_pred = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add(jnp.where(verified, raw, 0.0))
-    add_acc = jnp.zeros((NUM_BINS,), jnp.float32).at[bins].add((verified & on_path).astype(jnp.float32))
+    add_pred = jnp.where(in_bin & verified[..., None], raw[..., None], 0.0).sum((0, 1))
+    add_acc = (in_bin & (verified & on_path)[..., None]).sum((0, 1)).astype(jnp.float32)
     emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
+    rows = policy.row_expected
+    if rows is not None:
+        rows = jnp.where(active[:, None], (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, rows)
     return policy._replace(
         bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
         bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
@@ -221,7 +239,8 @@ def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, val
         chosen=policy.chosen.at[entry].add(1),
         predicted_tokens=policy.predicted_tokens + expected[entry],
         observed_tokens=policy.observed_tokens + emitted,
-        sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32))
+        sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32),
+        row_expected=rows)
 
 
 def count_undrafted(policy: PolicyState, menu: Sequence[int]) -> PolicyState:

@@ -142,13 +142,20 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
         with jax.named_scope("policy"):
             context = budget_policy.mean_context(state.cache.seq_lens, state.active)
             state = state._replace(policy=budget_policy.end_of_chunk(state.policy, spec.menu, entry, context))
-            following = budget_policy.next_entry(state.policy, spec.menu, context, steps)
+            following = budget_policy.next_entry(state.policy, spec.menu, context, steps, _remaining(state),
+                                                 state.active)
     return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active, following)
 
 
+def _remaining(state: LoopState):
+    """[B] tokens each row may still emit (a row stops at out's width less the loop's)."""
+    return state.out.shape[1] - state.accepted_hist.shape[0] - state.num_out
+
+
 @functools.partial(jax.jit, static_argnames=("menu", "steps"))
-def _entry_of_state(policy, seq_lens, active, *, menu, steps):
-    return budget_policy.next_entry(policy, menu, budget_policy.mean_context(seq_lens, active), steps)
+def _entry_of_state(state: LoopState, *, menu, steps):
+    return budget_policy.next_entry(state.policy, menu, budget_policy.mean_context(state.cache.seq_lens, state.active),
+                                    steps, _remaining(state), state.active)
 
 
 class ChunkedLoop:
@@ -232,8 +239,7 @@ class ChunkedLoop:
         """(the entry a call on `state` runs, the chain of calls it continues) (class docstring)."""
         known = self._record(state)
         if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
-            return int(_entry_of_state(state.policy, state.cache.seq_lens, state.active, menu=self.spec.menu,
-                                       steps=self.steps)), object()
+            return int(_entry_of_state(state, menu=self.spec.menu, steps=self.steps)), object()
         for _, chain, _, following in reversed(self._recent):
             if chain is known[1] and following is not None and following.is_ready():
                 return int(following), chain
@@ -354,11 +360,14 @@ def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, 
 
 
 def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batch: int,
-                   costs: Optional[dict] = None, chunk_steps: int = DEFAULT_CHUNK_STEPS) -> tuple:
+                   costs: Optional[dict] = None, chunk_steps: int = DEFAULT_CHUNK_STEPS,
+                   static_batch: bool = False) -> tuple:
     """The adaptive loop's extra state for `initial_state(adaptive=...)`: (the policy's state with these costs, from
     `CostModel.costs`, or placeholders until `calibrate` measures them; the drafter's pending context, room for a
-    chunk of `chunk_steps` autoregressive steps)."""
-    policy = budget_policy.init_state(spec.menu, **(costs or {}))
+    chunk of `chunk_steps` autoregressive steps). static_batch: the rows start together and the batch ends with the
+    last of them (generate), not rows refilled as they finish (the server): the policy then minimises the time to
+    finish them all (budget_policy.next_entry)."""
+    policy = budget_policy.init_state(spec.menu, batch=batch, makespan=static_batch, **(costs or {}))
     pending = PendingContext.zeros(len(drafter.target_layer_ids), batch,
                                    pending_capacity(drafter.cfg.depth, chunk_steps), target.cfg.hidden_size,
                                    target.dtype)
@@ -368,7 +377,8 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
 def with_costs(state: LoopState, spec: SpecConfig, costs: dict) -> LoopState:
     """The state with the policy's costs (and acceptance prior) replaced: same shapes, so no compile."""
     counters = state.policy
-    fresh = budget_policy.init_state(spec.menu, **costs)
+    fresh = budget_policy.init_state(spec.menu, batch=state.bonus.shape[0], makespan=bool(counters.makespan),
+                                     **costs)
     return state._replace(policy=fresh._replace(chosen=counters.chosen, predicted_tokens=counters.predicted_tokens,
                                                 observed_tokens=counters.observed_tokens,
                                                 sequence_steps=counters.sequence_steps))
@@ -530,7 +540,7 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
     active = ~np.isin(first_np, req.stop) & (spec.max_new_tokens > 1)
     adaptive = None
     if spec.menu and req.use_drafter:
-        adaptive = adaptive_parts(target, drafter, spec, batch, chunk_steps=chunk_steps)
+        adaptive = adaptive_parts(target, drafter, spec, batch, chunk_steps=chunk_steps, static_batch=True)
         if mesh is not None:
             adaptive = replicate(adaptive, mesh)
     state = initial_state(cache, dcache, first, max_new_tokens=spec.max_new_tokens,

@@ -271,12 +271,13 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
     # The tree of the menu's largest budget predicts every entry; this entry verifies its prefix.
     tree = draft_tree(drafter, target, state, dataclasses.replace(spec, budget=max(menu)))
     with jax.named_scope("policy"):
-        expected = policy_ops.step_expected(policy_ops.calibrated(policy, tree.scores, tree.valid), menu, active)
+        row_expected = policy_ops.expected_tokens(policy_ops.calibrated(policy, tree.scores, tree.valid), menu)
     state, verified = verify_and_commit(target, drafter, state, spec, trees.tree_prefix(tree, menu[entry] + 1),
                                         loop_weights)
     with jax.named_scope("drafter"):
         state = state._replace(dcache=drafter.extend_context(state.dcache, verified.path_hidden, verified.num_keep))
     with jax.named_scope("policy"):
-        policy = policy_ops.observe(policy, menu, entry, scores=tree.scores, valid=tree.valid, expected=expected,
-                                    path=verified.acc.path, num_accepted=verified.acc.num_accepted, active=active)
+        policy = policy_ops.observe(policy, menu, entry, scores=tree.scores, valid=tree.valid,
+                                    row_expected=row_expected, path=verified.acc.path,
+                                    num_accepted=verified.acc.num_accepted, active=active)
     return state._replace(policy=policy)
