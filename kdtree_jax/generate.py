@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens to generate; prompt + these must fit the model's context (max_position_embeddings)")
     p.add_argument("--budget", type=budget_argument, default=None,
-                   help="DDTree nodes per step besides the root. 'auto' (default): each step picks its budget from "
-                        "{0, 4, 8, 16, 32, 64} by the drafter's own probabilities and a cost model of this device "
-                        "(0: an autoregressive step that skips the drafter), measured once per model, device and batch "
+                   help="DDTree nodes per step besides the root. 'auto' (default): each chunk of steps picks its budget "
+                        "from {0, 4, 8, 16, 32, 64} by the drafter's own probabilities and a cost model of this device "
+                        "(0: autoregressive steps that skip the drafter), measured once per model, device and batch "
                         "size in a few seconds and cached (see --calibrate); a number: that budget every step (0: plain "
                         f"autoregressive decoding; at most {validation.MAX_TREE_NODES - 1}); --tree ddtree only: a chain or "
                         "static tree has its own size")

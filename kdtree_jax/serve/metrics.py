@@ -29,7 +29,7 @@ _DOC = {
     "compiles_total": ("counter", "XLA compiles in this process (constant under a steady load)"),
 }
 # The adaptive tree budget's (--budget auto): on the page only when the server runs it. A batch step is one step of
-# one bucket's whole batch (the policy chooses once per step for every row); a sequence step one row's share of it.
+# one bucket's whole batch (the policy chooses once per chunk for every row); a sequence step one row's share of it.
 _ADAPTIVE_DOC = {
     "budget_steps_total": ("counter", "Batch steps that verified each DDTree budget of the adaptive menu, by budget "
                                       "(0: the drafter ran but only the root was verified)"),

@@ -31,8 +31,8 @@ output count reaches the bucket's out width, so a row whose count starts at (wid
 max_tokens tokens (admission.admit_row), with no extra steps and no per-request compile.
 
 The adaptive tree budget (Settings.budget "auto", the default): the bucket's loop has the menu of DDTree budgets
-(validation.adaptive_menu) compiled in, and every step its policy (speculative/budget_policy.py) picks one, or skips the
-drafter for an autoregressive step. The policy needs what a step costs on this device: when the bucket is made (after
+(validation.adaptive_menu) compiled in, one chunk program per entry, and every chunk its policy
+(speculative/budget_policy.py) picks one, or autoregressive steps that skip the drafter. The policy needs what a step costs on this device: when the bucket is made (after
 its chunk program compiles; that is the warm-up, before the server says it is serving) the bucket takes the costs
 from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model pair, device, batch size
 and program (or Settings.calibrate asks for a fresh measurement once per process),
@@ -350,7 +350,7 @@ class Settings:
 
     max_batch: int = 8  # batch rows
     max_len: int = 1024  # pool positions per row: prompt + max_tokens + one verify tree must fit
-    # "auto": the adaptive budget (each step picks from validation.adaptive_menu's menu, 0: an autoregressive step without
+    # "auto": the adaptive budget (each chunk picks from validation.adaptive_menu's menu, 0: autoregressive steps without
     # the drafter); a number: DDTree nodes per step besides the root, every step; 0: autoregressive.
     budget: Union[int, str] = "auto"
     calibrate: bool = False  # "auto": measure the cost model again (once per process and model) instead of the cache's

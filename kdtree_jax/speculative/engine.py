@@ -722,11 +722,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
              menu: Optional[Sequence[int]] = None, costs: Optional[dict] = None) -> GenerateResult:
     """Speculative decoding of one prompt or a batch of (ragged) prompts.
 
-    budget "auto" (the default): each step chooses its DDTree budget from `menu` (default
-    budget_policy.DEFAULT_MENU, 0 = an autoregressive step that skips the drafter) by the drafter's own probabilities
-    and a cost model of this device (budget_policy.py, cost_model.py). The cost model is measured once per model
-    pair, device, batch size and context (a few seconds, with this call's compiled loop: nothing extra compiles)
-    and cached under the user's cache directory; calibrate=True measures again. stats["budget_policy"] reports the
+    budget "auto" (the default): each chunk of `chunk_steps` steps chooses its DDTree budget from `menu` (default
+    budget_policy.DEFAULT_MENU, 0 = autoregressive steps that skip the drafter) by the drafter's own probabilities
+    and a cost model of this device (budget_policy.py, cost_model.py); the batch is static, so the policy minimises
+    the predicted time to finish every row. It decodes in chunks (chunk_steps 0 is refused). The cost model is
+    measured once per model pair, device, batch size and context (a few seconds, with this call's compiled programs:
+    nothing extra compiles) and cached under the user's cache directory; calibrate=True measures again. stats["budget_policy"] reports the
     steps each budget got and the predicted vs observed tokens per step. A number keeps that budget every step.
     costs: the policy's costs as `CostModel.costs` gives them (cost_ar, cost_draft, cost_verify [one per menu entry],
     optionally cost_slope, context0, bin_ratio, expected), used instead of the cache and calibration: research on the
@@ -749,7 +750,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     idle time of the timed run (its step time less the union of the profiled step's kernels).
     chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
     at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): DEFAULT_CHUNK_STEPS when
-    on_tokens streams or on a GPU whose XLA_FLAGS capture while loops in command buffers (kdtree_jax.runtime: H200,
+    the budget is "auto", when on_tokens streams or on a GPU whose XLA_FLAGS capture while loops in command buffers (kdtree_jax.runtime: H200,
     bfloat16, greedy, 108a241, results/history/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
     call, B = 1: autoregressive 4,191 vs 3,796 tok/s, DDTree 16 10,503 vs 7,985; B = 16: 59,691 vs 54,265 and
     54,756 vs 46,702; without command buffers the chunks cost more than they save: B = 1 autoregressive 2,302 vs
