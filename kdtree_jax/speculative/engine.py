@@ -369,7 +369,7 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
     finish them all (budget_policy.next_entry)."""
     policy = budget_policy.init_state(spec.menu, batch=batch, makespan=static_batch, **(costs or {}))
     pending = PendingContext.zeros(len(drafter.target_layer_ids), batch,
-                                   pending_capacity(drafter.cfg.depth, chunk_steps), target.cfg.hidden_size,
+                                   pending_capacity(chunk_steps), target.cfg.hidden_size,
                                    target.dtype)
     return policy, pending
 

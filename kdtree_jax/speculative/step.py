@@ -235,10 +235,10 @@ def speculative_step(target: Transformer, drafter: Optional[Drafter], state: Loo
 # The adaptive budget -------------------------------------------------------------------------------------------------
 
 
-def pending_capacity(depth: int, chunk_steps: int = 0) -> int:
-    """Rows of an adaptive loop's PendingContext: what one chunk of autoregressive steps appends (a row a step), at
-    least two steps' worth of committed tokens (D + 1 each)."""
-    return max(2 * (depth + 1), int(chunk_steps))
+def pending_capacity(chunk_steps: int) -> int:
+    """Rows of an adaptive loop's PendingContext: what one chunk of autoregressive steps appends (a row a step; a
+    drafting step extends the drafter's cache itself, and every chunk starts with the ring flushed)."""
+    return max(int(chunk_steps), 1)
 
 
 def flush_pending(drafter: Drafter, state: LoopState) -> LoopState:
