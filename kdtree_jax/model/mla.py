@@ -122,7 +122,7 @@ class MLA(nnx.Module):
         op = functools.partial(verify_attention, softmax_scale=self.cfg.softmax_scale,
                                rope_dim=self.cfg.qk_rope_head_dim, impl=impl, split_policy=split_policy)
         args = (q_rows, kv_pages, jnp.asarray(layer, jnp.int32), batch.kv_slots, batch.kv_lens, batch.tree_mask)
-        with jax.named_scope("attention_op"):  # profiles attribute by this scope (see engine._speculative_step)
+        with jax.named_scope("attention_op"):  # profiles attribute by this scope (kdtree_jax/profiling.py)
             if self.placement is None:
                 return op(*args)[0]
             spec, whole = self.placement.spec, self.placement.spec()

@@ -50,7 +50,7 @@ class DecoderLayer(nnx.Module):
                                      absorbed=None if lw is None else lw.absorbed, rows=rows, residual=x)
         if self.is_moe:
             normed = rows.map(self.post_attention_layernorm, x)
-            with jax.named_scope("moe"):  # profiles attribute by these scopes (see engine._speculative_step)
+            with jax.named_scope("moe"):  # profiles attribute by these scopes (kdtree_jax/profiling.py)
                 x, slots = self.mlp(normed, None if lw is None else lw.experts, rows=rows, residual=x)
             return x, kv_pages, slots
         return rows.map(lambda h: h + self.mlp(self.post_attention_layernorm(h)), x), kv_pages, None
