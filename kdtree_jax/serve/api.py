@@ -44,15 +44,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The /v1/completions body. Parameters OpenAI defines but this server does not implement are accepted only at
-    their neutral values (so a client that sends its defaults works) and are a 400 otherwise."""
+class _GenerationRequest(BaseModel):
+    """What the completions and chat completions bodies share: the model, sampling and streaming."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    prompt: Union[str, list[int], list[str]]
-    max_tokens: int = Field(16, ge=1)  # OpenAI's default
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default (0: greedy)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     # OpenAI's penalties, from the counts of the prompt's and the answer's tokens (speculative/sampling.py)
@@ -63,13 +60,21 @@ class CompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    echo: bool = False
     user: Optional[str] = None
+    logit_bias: Optional[dict] = None  # not implemented: only its neutral values (NEUTRAL)
+
+
+class CompletionRequest(_GenerationRequest):
+    """The /v1/completions body. Parameters OpenAI defines but this server does not implement are accepted only at
+    their neutral values (so a client that sends its defaults works) and are a 400 otherwise."""
+
+    prompt: Union[str, list[int], list[str]]
+    max_tokens: int = Field(16, ge=1)  # OpenAI's default
+    echo: bool = False
     # not implemented: only their neutral values
     logprobs: Optional[int] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    logit_bias: Optional[dict] = None
 
     NEUTRAL: ClassVar[dict] = {"logprobs": (None, 0), "best_of": (None, 1), "suffix": (None,),
                "logit_bias": (None, {})}
@@ -92,32 +97,17 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(_GenerationRequest):
     """The /v1/chat/completions body; like CompletionRequest, the parameters this server does not implement are
     accepted at their neutral values only. Without max_tokens / max_completion_tokens an answer may take all the room
     its prompt leaves (the model's context and this server's --max-len)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's older name of max_completion_tokens
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    # OpenAI's penalties, from the counts of the prompt's and the answer's tokens (speculative/sampling.py)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
-    n: int = 1
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
     # not implemented: only their neutral values
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
-    logit_bias: Optional[dict] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
