@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                                                 "cost_verify": [1.0 + 0.02 * b for b in menu]})
         loop = engine.ChunkedLoop(target, loop_drafter, spec, args.chunk_steps)
         loop.compile(state)
-        point = engine.calibrate(loop, state, spec, chunk_steps=args.chunk_steps, depth=drafter.cfg.depth)
+        point = engine.calibrate(loop, state, spec, depth=drafter.cfg.depth)
         measured = point["measured_ms"]
         for name, force in [("ar", len(menu))] + [(str(b), i) for i, b in enumerate(menu)]:
             forced = state._replace(policy=state.policy._replace(force=jnp.int32(force)))

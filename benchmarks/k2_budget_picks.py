@@ -36,9 +36,8 @@ No decoding here: the policy's own rule (kdtree_jax/speculative/budget_policy.py
    H200). With these probabilities as the calibrated ones (a calibration ratio of 1), E(b) = 1 + the probabilities
    of the first b nodes.
 
-The pick at each context and profile: the gate (should_draft, with its running prediction at these E(b)) against
-an autoregressive step, then `choose`: argmax over the menu of E(b) / (c_draft + c_verify(b)) (budget 0: a
-root-only verify after the drafter, 1 / (c_draft + c_AR)). Printed as a markdown table (and the rates of every
+The pick at each context and profile: the drafting budget with the most E(b) / (c_draft + c_verify(b)), when that
+beats an autoregressive step's 1 / c_AR (budget_policy.next_entry's rule with its running prediction at these E(b)). Printed as a markdown table (and the rates of every
 budget), written to --out when given (with a .json beside it).
 """
 

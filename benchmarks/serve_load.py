@@ -528,8 +528,8 @@ def write_markdown(path: str, data: dict) -> None:
     lines.append("")
     adaptive = [r for mode in data["modes"] for r in mode["rows"] if r.get("budget_policy")]
     if adaptive:
-        lines += ["Adaptive budget (--budget auto), per level from the server's /metrics: batch steps per budget (0: "
-                  "the drafter ran, only the root was verified), batch steps without the drafter, and tokens per "
+        lines += ["Adaptive budget (--budget auto), per level from the server's /metrics: batch steps per budget, batch "
+                  "steps without the drafter, and tokens per "
                   "sequence step of the drafted steps, predicted for the chosen budgets vs observed:", ""]
         lines += [f"- {r['mode']}, concurrency {r['concurrency']}: {policy_text(r['budget_policy'])}"
                   for r in adaptive]

@@ -491,7 +491,7 @@ def refill_costs(loop: engine.ChunkedLoop, state, spec, prompts: list, admit, *,
     if point is None:
         for row, prompt in enumerate(prompts):
             state, _ = admit(state, row, prompt, row)
-        model.add(engine.calibrate(loop, state, spec, chunk_steps=loop.steps, depth=drafter.cfg.depth))
+        model.add(engine.calibrate(loop, state, spec, depth=drafter.cfg.depth))
         model.save()
     return {"costs": model.costs(batch, context), "calibrated": point is None,
             "calibration_seconds": time.perf_counter() - t0, "cost_model": str(model.path)}
@@ -965,14 +965,14 @@ def render_refill(m: dict, rows: list, chunk_list: list) -> list:
 
 
 def policy_lines(rows: list) -> list:
-    """What the adaptive budget's rows did, one line each (nothing for fixed budgets): batch steps per budget (0: the
-    drafter ran, only the root was verified), batch steps without the drafter, and the tokens per sequence step of the
+    """What the adaptive budget's rows did, one line each (nothing for fixed budgets): batch steps per budget, batch
+    steps without the drafter, and the tokens per sequence step of the
     drafted steps that the policy predicted for the budgets it chose against those it got; the cost model's costs."""
     adaptive = [r for r in rows if r.get("budget_policy")]
     if not adaptive:
         return []
-    lines = ["Adaptive budget (`auto`): batch steps per budget (0: the drafter ran, only the root was verified), batch "
-             "steps without the drafter, and tokens per sequence step of the drafted steps, predicted for the chosen "
+    lines = ["Adaptive budget (`auto`): batch steps per budget, batch steps without the drafter, "
+             "and tokens per sequence step of the drafted steps, predicted for the chosen "
              "budgets vs observed; the cost model's step costs (ms):", ""]
     for r in adaptive:
         p = r["budget_policy"]

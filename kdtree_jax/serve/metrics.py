@@ -32,7 +32,7 @@ _DOC = {
 # one bucket's whole batch (the policy chooses once per chunk for every row); a sequence step one row's share of it.
 _ADAPTIVE_DOC = {
     "budget_steps_total": ("counter", "Batch steps that verified each DDTree budget of the adaptive menu, by budget "
-                                      "(0: the drafter ran but only the root was verified)"),
+                                      "(a budget 0 entry runs as autoregressive steps, counted apart)"),
     "steps_without_drafter_total": ("counter", "Batch steps the adaptive policy ran autoregressively, without the "
                                                "drafter"),
     "drafted_sequence_steps_total": ("counter", "Sequence steps of the batch steps that ran the drafter"),

@@ -32,8 +32,8 @@ max_tokens tokens (admission.admit_row), with no extra steps and no per-request 
 
 The adaptive tree budget (Settings.budget "auto", the default): the bucket's loop has the menu of DDTree budgets
 (validation.adaptive_menu) compiled in, one chunk program per entry, and every chunk its policy
-(speculative/budget_policy.py) picks one, or autoregressive steps that skip the drafter. The policy needs what a step costs on this device: when the bucket is made (after
-its chunk program compiles; that is the warm-up, before the server says it is serving) the bucket takes the costs
+(speculative/budget_policy.py) picks one, or autoregressive steps that skip the drafter. The policy needs what a step
+costs on this device: when the bucket is made (after its chunk programs compile; that is the warm-up, before the server says it is serving) the bucket takes the costs
 from the cost-model cache (speculative/cost_model.py) or, when none is cached for this model pair, device, batch size
 and program (or Settings.calibrate asks for a fresh measurement once per process),
 measures them: a short fixed prompt (CALIBRATION_TEXT) is admitted into every row, engine.calibrate times each menu

@@ -1,4 +1,4 @@
-"""The goodput-adaptive tree budget: which DDTree budget a step verifies, chosen on the device each step.
+"""The goodput-adaptive tree budget: which DDTree budget a chunk of steps verifies, chosen on the device.
 
 A DDTree of budget b is the b most probable prefixes of the drafter's candidates, so the tree of budget b is the
 first b + 1 nodes of the tree of any larger budget (tree.py's node order). A node's score is the sum of the
@@ -9,7 +9,7 @@ path, and a step that verifies the first b nodes is expected to emit
 
 tokens per sequence (the 1 is the bonus token every step emits). A step costs c_draft + c_verify(b) (the cost model,
 cost_model.py, measured on the device), except an autoregressive step, which runs no drafter and costs c_ar. The
-policy picks, once per step for the whole batch, the menu entry with the most expected tokens per second.
+policy picks the menu entry with the most expected tokens per second.
 
 The choice is made once per chunk of the chunked loop (engine.ChunkedLoop: k steps a call), for the whole batch, and
 each menu entry is its own compiled program: a chunk's step has no control flow at all, so each entry's step costs
@@ -90,8 +90,8 @@ class PolicyState(NamedTuple):
     # A static batch ends with its slowest row: `next_entry` then minimises the predicted time to finish every row
     # (from each row's own running prediction) instead of maximising the batch's tokens per ms (continuous batching,
     # where a finished row takes the next request).
-    makespan: jnp.ndarray = None  # [] bool
-    row_expected: jnp.ndarray = None  # [B, M] f32 running mean of each row's predicted tokens per menu entry
+    makespan: jnp.ndarray  # [] bool
+    row_expected: jnp.ndarray  # [B, M] f32 running mean of each row's predicted tokens per menu entry
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
@@ -114,20 +114,21 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         cost_slope=jnp.asarray(cost_slope), context0=jnp.float32(context0),
         bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
         expected=jnp.asarray(expected), since_draft=jnp.int32(0),
-        probe_every=jnp.int32(probe_interval(cost_ar, cost_draft, cost_verify, menu)), force=jnp.int32(force),
+        probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
         row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32))
 
 
-def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> int:
-    """Chunks between a closed gate's probes so that their extra cost (the cheapest speculative entry's step over an
-    autoregressive one, for one chunk) is PROBE_SHARE of the autoregressive time."""
-    speculative = [float(cost_draft) + float(c) for c, b in zip(np.asarray(cost_verify), menu) if b > 0]
-    if not float(cost_ar) > 0 or not speculative:
-        return PROBE_MIN
-    extra = max(min(speculative) - float(cost_ar), 0.0)
-    return int(np.clip(np.ceil(extra / (PROBE_SHARE * float(cost_ar))), PROBE_MIN, PROBE_MAX))
+def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> jnp.ndarray:
+    """Chunks between a closed gate's probes ([] int32) so that their extra cost (the cheapest drafting entry's step
+    over an autoregressive one, for one chunk) is PROBE_SHARE of the autoregressive time."""
+    cost_ar = jnp.asarray(cost_ar, jnp.float32)
+    step = jnp.where(jnp.asarray(speculative_entries(menu)), cost_draft + jnp.asarray(cost_verify, jnp.float32),
+                     jnp.inf)
+    extra = jnp.maximum(step.min() - cost_ar, 0.0)
+    interval = jnp.clip(jnp.ceil(extra / (PROBE_SHARE * jnp.maximum(cost_ar, 1e-9))), PROBE_MIN, PROBE_MAX)
+    return jnp.where(cost_ar > 0, interval, PROBE_MIN).astype(jnp.int32)
 
 
 def _costs(policy: PolicyState, context):
@@ -143,17 +144,24 @@ def mean_context(seq_lens, active):
     return (jnp.where(active, seq_lens, 0).sum() / n).astype(jnp.float32)
 
 
+def speculative_entries(menu: Sequence[int]) -> np.ndarray:
+    """[M] bool: the entries that draft (a budget above 0)."""
+    return np.asarray(menu) > 0
+
+
+def _rates(policy: PolicyState, menu: Sequence[int], context):
+    """(c_ar, the step cost c_draft + c_verify [M], the predicted tokens per ms of a drafted step per entry [M] by the
+    running prediction `expected`, -1 where the entry does not draft) at the batch's mean context."""
+    c_ar, c_draft, c_verify = _costs(policy, context)
+    step = c_draft + c_verify
+    return c_ar, step, jnp.where(jnp.asarray(speculative_entries(menu)), policy.expected / step, -1.0)
+
+
 def speculative_rate(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
     """The best predicted tokens per ms of a drafted step (by the running prediction `expected`), over an
     autoregressive step's: [] f32; >= 1 when the gate predicts that drafting pays."""
-    c_ar, c_draft, c_verify = _costs(policy, context)
-    speculative = jnp.asarray(np.asarray(menu) > 0)
-    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), 0.0)
+    c_ar, _, rates = _rates(policy, menu, context)
     return rates.max() * c_ar
-
-
-def speculative_entries(menu: Sequence[int]) -> np.ndarray:
-    return np.asarray(menu) > 0
 
 
 def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, remaining=None,
@@ -166,13 +174,12 @@ def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, re
     m = len(menu)
     if not speculative_entries(menu).any():
         return jnp.int32(m)
-    c_ar, c_draft, c_verify = _costs(policy, context)
-    speculative = jnp.asarray(speculative_entries(menu))
-    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), -1.0)
-    if remaining is not None and policy.row_expected is not None:
+    c_ar, step, rates = _rates(policy, menu, context)
+    if remaining is not None:
+        speculative = jnp.asarray(speculative_entries(menu))
         left = jnp.where(active, remaining, 0).astype(jnp.float32)  # [B]
         steps_left = (left[:, None] / jnp.maximum(policy.row_expected, 1.0)).max(0)  # [M]
-        finish = steps_left * (c_draft + c_verify)
+        finish = steps_left * step
         # The same comparison as tokens per ms: the batch's remaining work over its predicted finish time.
         work = jnp.maximum(left.max(), 1.0)
         rates = jnp.where(policy.makespan, jnp.where(speculative, work / jnp.maximum(finish, 1e-9), -1.0), rates)
@@ -229,8 +236,7 @@ def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, val
     add_acc = (in_bin & (verified & on_path)[..., None]).sum((0, 1)).astype(jnp.float32)
     emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
     rows = policy.row_expected
-    if rows is not None:
-        rows = jnp.where(active[:, None], (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, rows)
+    rows = jnp.where(active[:, None], (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, rows)
     return policy._replace(
         bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
         bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
@@ -254,11 +260,8 @@ def end_of_chunk(policy: PolicyState, menu: Sequence[int], entry: int, context) 
     if not is_speculative(menu, entry):
         return policy
     c_ar, c_draft, c_verify = _costs(policy, context)
-    speculative = jnp.asarray(speculative_entries(menu))
-    rates = jnp.where(speculative, policy.expected / (c_draft + c_verify), -1.0)
-    paid = rates.max() * c_ar >= 1.0
-    extra = jnp.maximum(jnp.where(speculative, c_draft + c_verify, jnp.inf).min() - c_ar, 0.0)
-    base = jnp.clip(jnp.ceil(extra / (PROBE_SHARE * c_ar)), PROBE_MIN, PROBE_MAX).astype(jnp.int32)
+    paid = speculative_rate(policy, menu, context) >= 1.0
+    base = probe_interval(c_ar, c_draft, c_verify, menu)
     return policy._replace(probe_every=jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)))
 
 

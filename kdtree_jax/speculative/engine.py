@@ -106,13 +106,6 @@ class ChunkOutput(NamedTuple):
     next_entry: Optional[jnp.ndarray] = None  # [] int32 an adaptive loop's menu entry for the next chunk (else None)
 
 
-def _compile(lowered, spec: SpecConfig):
-    """Compile a decode loop ahead of its first call. The adaptive loop takes the process's command-buffer setting
-    like every other program: its loops of zero or one trip run correctly inside a CUDA graph since 0061bda
-    (benchmarks/adaptive_command_buffers.py)."""
-    return lowered.compile()
-
-
 @jax.jit
 def _loop_weights(target: Transformer):
     return target.loop_weights()
@@ -158,6 +151,19 @@ def _entry_of_state(state: LoopState, *, menu, steps):
                                     steps, _remaining(state), state.active)
 
 
+class _Call(NamedTuple):
+    """An adaptive ChunkedLoop's record of a call (or of admit / reset_row between calls)."""
+
+    force: jnp.ndarray  # the output state's policy.force: the array object that identifies that state
+    chain: object  # the chain of calls it continues (one decode, one server bucket)
+    entry: int  # the entry it ran (admit / reset_row: the entry of the call before)
+    next_entry: Optional[jnp.ndarray]  # ChunkOutput.next_entry (admit / reset_row: None)
+
+
+def _shapes(state: LoopState) -> str:
+    return str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+
+
 class ChunkedLoop:
     """The decode loop as chunks of at most `steps` steps, one compiled program for every chunk.
 
@@ -184,7 +190,7 @@ class ChunkedLoop:
         self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
         self.compiled = None
         self._programs = {}  # (the state's shapes, entry) -> Compiled
-        self._recent = []  # an adaptive loop's last calls: (their ChunkOutput, its chain, the entry it ran)
+        self._recent = []  # an adaptive loop's last calls (_Call), newest last
         # What admit's program needs besides the leaves; its static plan per prefill chunk size.
         self.vocab_size, self.mesh = target.cfg.vocab_size, getattr(target, "mesh", None)
         self.hidden_layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
@@ -213,14 +219,18 @@ class ChunkedLoop:
             if capacity < self.steps:
                 raise ValueError(f"the adaptive loop's pending ring holds {capacity} rows, fewer than a chunk's "
                                  f"{self.steps} steps (engine.adaptive_parts(chunk_steps=...))")
-        shapes = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+        shapes = _shapes(state)
         missing = [e for e in self.entries() if (shapes, e) not in self._programs]
+
+        def build(entry):
+            return self.lower(state, entry).compile()
+
         if len(missing) > 1:  # XLA compiles outside the GIL
             with concurrent.futures.ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
-                for e, program in zip(missing, pool.map(lambda e: _compile(self.lower(state, e), self.spec), missing)):
-                    self._programs[(shapes, e)] = program
-        for e in missing[:1] if len(missing) == 1 else ():
-            self._programs[(shapes, e)] = _compile(self.lower(state, e), self.spec)
+                programs = list(pool.map(build, missing))
+        else:
+            programs = [build(e) for e in missing]
+        self._programs.update({(shapes, e): program for e, program in zip(missing, programs)})
         entry = self._entry_for(state)[0] if self.spec.menu else None
         self.compiled = self._programs[(shapes, entry)]
         return self.compiled
@@ -231,24 +241,27 @@ class ChunkedLoop:
         return (structure == self.structure and spec == self.spec and steps == self.steps
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
-    def _record(self, state: LoopState):
+    def _record(self, state: LoopState) -> Optional[_Call]:
         """This loop's record of the call whose output `state` is (or that admit / reset_row made it from), or None."""
-        return next((r for r in reversed(self._recent) if r[0] is state.policy.force), None)
+        return next((r for r in reversed(self._recent) if r.force is state.policy.force), None)
+
+    def _remember(self, call: _Call):
+        self._recent = self._recent[-7:] + [call]
 
     def _entry_for(self, state: LoopState) -> tuple:
         """(the entry a call on `state` runs, the chain of calls it continues) (class docstring)."""
         known = self._record(state)
         if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
             return int(_entry_of_state(state, menu=self.spec.menu, steps=self.steps)), object()
-        for _, chain, _, following in reversed(self._recent):
-            if chain is known[1] and following is not None and following.is_ready():
-                return int(following), chain
-        return known[2], known[1]  # nothing of the chain done yet: the entry the chunk in flight runs
+        for r in reversed(self._recent):
+            if r.chain is known.chain and r.next_entry is not None and r.next_entry.is_ready():
+                return int(r.next_entry), known.chain
+        return known.entry, known.chain  # nothing of the chain done yet: the entry the chunk in flight runs
 
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
         if self.spec.menu and (known := self._record(old)) is not None:
-            self._recent = self._recent[-7:] + [(new.policy.force, known[1], known[2], None)]
+            self._remember(_Call(new.policy.force, known.chain, known.entry, None))
         return new
 
     def __call__(self, state: LoopState) -> ChunkOutput:
@@ -256,12 +269,12 @@ class ChunkedLoop:
             if self.compiled is not None:
                 return self.compiled(self.leaves, self.loop_weights, state)
             return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
-        shapes = str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+        shapes = _shapes(state)
         if (shapes, len(self.spec.menu)) not in self._programs:
             self.compile(state)
         entry, chain = self._entry_for(state)
         out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
-        self._recent = self._recent[-7:] + [(out.state.policy.force, chain, entry, out.next_entry)]
+        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry))
         return out
 
     def reset_row(self, state: LoopState, row: int) -> LoopState:
@@ -443,15 +456,14 @@ def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
 CALIBRATION_CHUNKS = 3
 
 
-def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth: int, on_progress=None,
-              chunk_steps: Optional[int] = None) -> dict:
+def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth: int, on_progress=None) -> dict:
     """Time every menu entry's program of the adaptive ChunkedLoop `loop`, each on a copy of `state` with the policy
     forced to it: -> a cost_model point (make_point) with the run's acceptance as the prior. The state itself is not
     touched. A step's cost is what the decode pays for it: chunks run as ChunkedLoop.run runs them (`decode_ms`).
     An entry that cannot beat autoregressive decoding even if every drafted token were accepted
     ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least as much; so does one
     whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step and no more than the
-    entry before it. Entries not timed cost +inf (never chosen). (chunk_steps: ignored, the loop's own.)"""
+    entry before it. Entries not timed cost +inf (never chosen)."""
     menu = spec.menu
     base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
                           num_out=jnp.ones_like(state.num_out))
@@ -464,7 +476,7 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
                                 key=lambda r: r[0])
         return ms_step, final
 
-    modes = ["ar"] + [i for i in range(len(menu)) if menu[i] > 0]
+    modes = ["ar"] + [i for i in range(len(menu)) if budget_policy.is_speculative(menu, i)]
     ms, prior, last_rate = {}, None, float("inf")
     decode_ms(loop, forced(len(menu)), 1)  # warm-up (on a GPU, a program's first call warms its command buffer)
     for n, mode in enumerate(modes):
@@ -574,7 +586,7 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
         loop, args = runner.compile(state), (runner.leaves, runner.loop_weights)
         steps_of = lambda out: out.state.step  # noqa: E731 - the profiled call is one chunk
     else:
-        loop, args = _compile(decode_loop.lower(target, drafter, state, spec=spec), spec), (target, drafter)
+        loop, args = decode_loop.lower(target, drafter, state, spec=spec).compile(), (target, drafter)
         steps_of = lambda out: out.step  # noqa: E731
     t_compile = time.perf_counter() - t1
     if on_progress is not None:

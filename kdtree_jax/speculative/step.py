@@ -258,11 +258,12 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
         tree = trees.root_only_tree(state.bonus, state.cache.seq_lens, max_depth=0)
         state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
         with jax.named_scope("drafter"):
-            rows = jnp.arange(verified.num_keep.shape[0])[:, None]
-            j = jnp.arange(1)[None, :]
-            dest = jnp.where(j < verified.num_keep[:, None], pending.count[:, None] + j, pending.hidden.shape[2])
+            # One row a step (an inactive row keeps none: past the ring's end, where the scatter drops it).
+            dest = jnp.where(verified.num_keep > 0, pending.count, pending.hidden.shape[2])
+            rows = jnp.arange(dest.shape[0])
             pending = PendingContext(pending.hidden.at[:, rows, dest].set(
-                verified.path_hidden.astype(pending.hidden.dtype), mode="drop"), pending.count + verified.num_keep)
+                verified.path_hidden[:, :, 0].astype(pending.hidden.dtype), mode="drop"),
+                pending.count + verified.num_keep)
         with jax.named_scope("policy"):
             policy = policy_ops.count_undrafted(policy, menu)
         return state._replace(policy=policy, pending=pending)
