@@ -13,8 +13,9 @@ from kdtree_jax.decode import validate_tokens
 from kdtree_jax.model.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.speculative import budget_policy
+from kdtree_jax.speculative import cost_model as cost_models
 from kdtree_jax.speculative import tree as trees
-from kdtree_jax.speculative.step import TreeShape
+from kdtree_jax.speculative.step import SpecConfig, TreeShape
 
 
 def _as_batch(prompt_ids) -> tuple[list[np.ndarray], bool]:
@@ -227,3 +228,106 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
         raise ValueError(f"menu needs a budget in [1, {limit}] (the prefixes the drafter's depth and topk make); "
                          f"got {list(chosen)}")
     return tuple(entries)
+
+
+# A step keeps at most 1 + min(budget, D) tokens (the accepted path and the bonus token), so a fixed budget whose
+# step costs more than that many autoregressive steps loses to autoregressive decoding whatever the acceptance: the
+# bound engine.calibrate prunes menu entries by. Without a measurement the warning falls back to the tree's size.
+def budget_warning(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, budget, topk: int,
+                   tree: TreeShape = "ddtree", sampled: bool = False, penalties: bool = False, impl: str = "auto",
+                   row_invariant: bool = False) -> Optional[str]:
+    """A one-line warning when a fixed DDTree `budget` is more than this device can run at a useful speed, else None.
+
+    With a cost model of this pair and device cached (cost_model.py: any earlier budget='auto' run at this batch
+    size measured one), the step's cost is the measured menu entry's, or interpolated / extrapolated linearly in
+    nodes from the measured entries (on a CPU a verify pass costs about in proportion to its nodes); the warning
+    says it when that step cannot beat an autoregressive step even if every drafted token were accepted, and names
+    the largest budget that could, and the best at the measured acceptance. Without one: when the tree has more
+    nodes than both the drafter's depth x topk candidates and the adaptive menu's largest budget.
+    Call it after `validate` (it assumes valid arguments); it does no device work."""
+    if drafter is None or tree != "ddtree" or isinstance(budget, str) or budget <= 0:
+        return None
+    depth = drafter.cfg.depth
+    prompts, _ = _as_batch(prompt_ids)
+    batch, context = len(prompts), float(np.mean([p.size for p in prompts]))
+    limit = min(trees.max_ddtree_budget(depth, topk), MAX_TREE_NODES - 1)
+    menu = adaptive_menu("auto", None, drafter, tree, topk)
+    most = 1 + min(budget, depth)
+    cached = _cached_costs(target, drafter, menu, topk=topk, sampled=sampled, penalties=penalties, impl=impl,
+                           row_invariant=row_invariant, batch=batch, context=context)
+    measured = []  # (budget, ms) of the drafting entries the calibration timed (it times at least the first)
+    if cached is not None:
+        cached_menu, costs = cached
+        c_ar = costs["cost_ar"]
+        measured = [(b, c) for b, c in zip(cached_menu, costs["cost_verify"]) if b > 0 and c < 1e29]
+    if not measured:
+        candidates = depth * topk
+        if budget <= max(candidates, max(menu)):
+            return None
+        return (f"budget {budget} verifies {budget + 1} nodes a step, {(budget + 1) / candidates:.0f}x the drafter's "
+                f"{depth} positions x topk {topk} = {candidates} candidates and past the adaptive budget's largest "
+                f"({max(menu)}), to keep at most {most} tokens a step; no cost model of this device is cached to say "
+                "what it costs (budget 'auto' measures one)")
+    estimate = _step_cost_estimate(measured, c_ar)
+    cost = float(estimate(np.asarray([budget]))[0])
+    if cost <= most * c_ar:
+        return None
+    candidates = np.arange(1, limit + 1)
+    pays = candidates[estimate(candidates) <= (1 + np.minimum(candidates, depth)) * c_ar]
+    largest = int(pays.max()) if pays.size else 0
+    expected = costs.get("expected")
+    best = 0  # the entry the adaptive budget would pick by the calibration run's acceptance (E(b) per entry)
+    if expected is not None:
+        rate, b = max(((e / c, b) for b, c, e in zip(cached_menu, costs["cost_verify"], expected)
+                       if b > 0 and c < 1e29), default=(0.0, 0))
+        best = b if rate * c_ar >= 1.0 else 0
+    how = ("measured" if any(b == budget for b, _ in measured) else
+           "linear in nodes from the measured budget" + ("s " if len(measured) > 1 else " ")
+           + " / ".join(str(b) for b, _ in measured))
+    return (f"budget {budget} verifies {budget + 1} nodes a step: about {cost:,.1f} ms on this device ({how}; an "
+            f"autoregressive step {c_ar:.3g} ms), slower than autoregressive decoding even if all {most} tokens a step "
+            f"can keep were accepted; the largest budget that can pay here is {largest}, and at the measured "
+            + (f"acceptance the best is {best}" if best else "acceptance none does (budget 0 or 'auto')"))
+
+
+def _step_cost_estimate(measured: list, c_ar: float):
+    """cost(budgets) [ms] from the measured drafting entries [(budget, ms)] and the autoregressive step (as budget 0):
+    interpolated between them, past the largest along the line through the last two; never falling."""
+    b = np.asarray([0] + [m[0] for m in measured], np.float64)
+    c = np.maximum.accumulate(np.asarray([c_ar] + [m[1] for m in measured], np.float64))
+    slope = (c[-1] - c[-2]) / (b[-1] - b[-2])
+
+    def estimate(budgets):
+        budgets = np.asarray(budgets, np.float64)
+        return np.where(budgets > b[-1], c[-1] + slope * (budgets - b[-1]), np.interp(budgets, b, c))
+
+    return estimate
+
+
+def _cached_costs(target: Transformer, drafter: Drafter, menu: tuple, *, topk: int, sampled: bool, penalties: bool,
+                  impl: str, row_invariant: bool, batch: int, context: float) -> Optional[tuple]:
+    """(menu, CostModel.costs) of the cached cost model of these settings with a point at this batch size; else of
+    any cached model of the same pair, device and topk (the loop's other settings change a step's cost far less than
+    its tree does); None when there is none."""
+    import json
+
+    spec = SpecConfig(budget=max(menu), topk=topk, sampled=sampled, penalties=penalties, impl=impl,
+                      row_invariant=row_invariant, menu=menu)
+    key = cost_models.fingerprint(target, drafter, spec)
+    models = [cost_models.CostModel.load(key)]
+    same = ("format", "backend", "device", "devices", "jax", "target", "target_dtype", "drafter", "drafter_dtype",
+            "topk")
+    wanted = json.loads(json.dumps({k: key[k] for k in same}, default=str))
+    folder = cost_models.CostModel.file_for(key).parent
+    for path in sorted(folder.glob(f"{key['backend']}_*.json")) if folder.is_dir() else ():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        other = data.get("key", {})
+        if path != models[0].path and all(other.get(k) == v for k, v in wanted.items()):
+            models.append(cost_models.CostModel(other, data.get("points", []), path))
+    for model in models:
+        if any(p["batch"] == batch for p in model.points):
+            return tuple(model.key["menu"]), model.costs(batch, context)
+    return None
