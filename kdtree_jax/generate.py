@@ -150,12 +150,14 @@ def checkpoint_dir(checkpoint: str | None) -> str:
         _fail(str(e))
 
 
-def load_models(checkpoint: str | None, dtype: str = "auto"):
+def load_models(checkpoint: str | None, dtype: str = "auto", mesh=None, layout: str = "tp"):
     """(target, drafter or None, tokenizer, description, the checkpoint's recommended tree temperature).
 
-    A checkpoint without tokenizer files is read and written as UTF-8 bytes (token ids 0-255): a notice says so."""
+    mesh: a jax Mesh (sharding.make_mesh) to split the target over by `layout` ("tp" or "ep"), the drafter replicated
+    on it; None: one device. A checkpoint without tokenizer files is read and written as UTF-8 bytes (token ids 0-255):
+    a notice says so."""
     import kdtree_jax
-    from kdtree_jax.checkpoint import recommended_tree_temperature
+    from kdtree_jax.checkpoint import load_sharded, recommended_tree_temperature
     from kdtree_jax.tokenizer import load_tokenizer
 
     checkpoint = checkpoint_dir(checkpoint)
@@ -166,10 +168,15 @@ def load_models(checkpoint: str | None, dtype: str = "auto"):
     try:  # checked_load: a damaged file is one CorruptCheckpoint line, with none of the readers' tracebacks
         if os.path.exists(os.path.join(checkpoint, "config.json")):
             cfg, target = checked_load(kdtree_jax.load_hf, checkpoint, dtype=jnp.bfloat16)
+            if mesh is not None:  # load_hf builds the model on one device; kdtree checkpoints load straight onto the mesh
+                target = kdtree_jax.shard_model(target, mesh, layout)
             tokenizer = load_tokenizer(checkpoint)
             _byte_notice(checkpoint, tokenizer, target)
             return (target, None, tokenizer, f"HF checkpoint {checkpoint} (no drafter: autoregressive)", 1.0)
-        target, drafter, tokenizer = checked_load(kdtree_jax.load_checkpoint, checkpoint, dtype=dtype)
+        if mesh is None:
+            target, drafter, tokenizer = checked_load(kdtree_jax.load_checkpoint, checkpoint, dtype=dtype)
+        else:
+            target, drafter, tokenizer = checked_load(load_sharded, checkpoint, mesh, layout, dtype=dtype)
         _byte_notice(checkpoint, tokenizer, target)
     except CorruptCheckpoint as e:  # the data is bad, not the command: status 1
         print(f"error: {_one_line(e, 1000)}", file=sys.stderr, flush=True)

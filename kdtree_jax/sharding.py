@@ -102,10 +102,8 @@ def parameter_shardings(model: nnx.Module, mesh: Mesh, layout: str = "tp"):
                         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def check_divisible(model: "Transformer", mesh: Mesh, layout: str) -> None:
-    """Every split dimension must divide evenly; say which one does not, before placing anything."""
-    n = mesh.shape[MESH_AXIS]
-    cfg = model.cfg
+def divisibility_problems(cfg, n: int, layout: str) -> list[str]:
+    """The dimensions of a model config that `layout` splits over n devices and n does not divide (empty: it fits)."""
     problems = []
     if cfg.num_attention_heads % n:
         problems.append(f"num_attention_heads ({cfg.num_attention_heads})")
@@ -118,6 +116,19 @@ def check_divisible(model: "Transformer", mesh: Mesh, layout: str) -> None:
             problems.append(f"moe_intermediate_size ({cfg.moe_intermediate_size})")
         if layout == "ep" and cfg.n_routed_experts % n:
             problems.append(f"n_routed_experts ({cfg.n_routed_experts})")
+    return problems
+
+
+def mesh_sizes(cfg, layout: str, max_devices: int) -> list[int]:
+    """The mesh sizes up to max_devices that `layout` can split this model config over."""
+    check_layout(layout)
+    return [n for n in range(1, max_devices + 1) if not divisibility_problems(cfg, n, layout)]
+
+
+def check_divisible(model: "Transformer", mesh: Mesh, layout: str) -> None:
+    """Every split dimension must divide evenly; say which one does not, before placing anything."""
+    n = mesh.shape[MESH_AXIS]
+    problems = divisibility_problems(model.cfg, n, layout)
     if problems:
         raise ValueError(f"layout {layout!r} over {n} devices needs these divisible by {n}: " + ", ".join(problems))
 

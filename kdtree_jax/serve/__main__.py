@@ -4,6 +4,7 @@
     python -m kdtree_jax.serve --checkpoint DIR --port 8080 --max-batch 16 --budget 32
     python -m kdtree_jax.serve --calibrate                       # --budget auto, its cost model measured afresh
     python -m kdtree_jax.serve --no-speculative                  # autoregressive, for comparison
+    python -m kdtree_jax.serve --checkpoint DIR --mesh 8 --layout ep   # the target split over 8 devices
 
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "default", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
@@ -84,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(smaller: sooner; larger: less host work per token)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond those the free batch rows will take; more get 429")
+    p.add_argument("--mesh", type=mesh_argument, nargs="?", const="all", default=1, metavar="N|all",
+                   help="split the target over N devices (a 1-D mesh, sharding.py); 'all' (or --mesh alone): every "
+                        "visible device; 1: one device, unsharded. The drafter, the KV pool and the decode loop's state "
+                        "are replicated on every device. N must divide what --layout splits (attention heads, and the "
+                        "MLP widths or the routed experts); a start-up error names the sizes that do. On a CPU, "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N host devices")
+    p.add_argument("--layout", default="tp", choices=["tp", "ep"],
+                   help="with --mesh: tp splits attention heads and every MLP's and expert's intermediate dimension "
+                        "(partial sums meet in an all-reduce); ep splits the heads likewise but places routed experts "
+                        "whole, n_routed_experts / N on each device")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: float32 on a CPU, as saved on a GPU)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -97,9 +108,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def mesh_argument(text: str):
+    """--mesh: a device count >= 1, or 'all'."""
+    if text == "all":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a device count >= 1 or 'all'; got {text!r}")
+    return n
+
+
 def _fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _target_config(checkpoint: str):
+    """The target's ModelConfig, read from the checkpoint's metadata alone (no weights), or None when it cannot be read
+    (the load then says what is wrong with the checkpoint)."""
+    from kdtree_jax.checkpoint import read_metadata
+    from kdtree_jax.config import ModelConfig
+
+    try:
+        if os.path.exists(os.path.join(checkpoint, "config.json")):
+            return ModelConfig.from_hf_config(checkpoint)
+        return ModelConfig.from_dict(read_metadata(checkpoint)["target"]["config"])
+    except Exception:  # noqa: BLE001 - reported by load_models, with the checkpoint's own wording
+        return None
+
+
+def serving_mesh(mesh, layout: str, checkpoint: str):
+    """The jax Mesh --mesh asks for (None: one device, unsharded), or a one-line error, before any weight is read: more
+    devices than are visible, or a size that does not divide what the layout splits (the sizes that do are named)."""
+    import jax
+
+    from kdtree_jax.sharding import divisibility_problems, make_mesh, mesh_sizes
+
+    devices = jax.devices()
+    visible = len(devices)
+    n = visible if mesh == "all" else mesh
+    asked = f"--mesh {mesh}" + (f" ({n} devices)" if mesh == "all" else "")
+    if n > visible:
+        hint = (f" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes {n} host devices)"
+                if jax.default_backend() == "cpu" else "")
+        _fail(f"{asked}: only {visible} {devices[0].platform} device{'s' if visible > 1 else ''} visible; pick N in "
+              f"[1, {visible}] or 'all'{hint}")
+    cfg = _target_config(checkpoint)
+    if cfg is not None:
+        problems = divisibility_problems(cfg, n, layout)
+        if problems:
+            allowed = mesh_sizes(cfg, layout, visible)
+            other = "ep" if layout == "tp" else "tp"
+            also = [m for m in mesh_sizes(cfg, other, visible) if m not in allowed]
+            _fail(f"{asked} with --layout {layout}: {n} does not divide " + ", ".join(problems)
+                  + f"; with {visible} visible devices --mesh may be {', '.join(map(str, allowed))}"
+                  + (f" (--layout {other} also takes {', '.join(map(str, also))})" if also else ""))
+    return None if n == 1 else make_mesh(n)
 
 
 def check_flags(args) -> None:
@@ -222,7 +289,7 @@ def main(argv=None) -> int:
     signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
 
     from kdtree_jax import runtime
-    from kdtree_jax.generate import load_models, notice
+    from kdtree_jax.generate import checkpoint_dir, load_models, notice
 
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
     from kdtree_jax.serve import chat_template
@@ -233,8 +300,11 @@ def main(argv=None) -> int:
     from kdtree_jax.speculative import validation
 
     t0 = time.perf_counter()
+    mesh = serving_mesh(args.mesh, args.layout, checkpoint_dir(args.checkpoint))
     print("[loading the model ...]", file=sys.stderr, flush=True)
-    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype)
+    target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype, mesh, args.layout)
+    if mesh is not None:
+        description += f", {args.layout} over {mesh.size} {mesh.devices.flat[0].platform} devices"
     if signals.received is not None:
         print(f"[{signals.name} while loading the model: stopped]", file=sys.stderr, flush=True)
         return 0
@@ -259,7 +329,9 @@ def main(argv=None) -> int:
     info = {"decoding": "speculative" if scheduler.speculative else "autoregressive",
             "budget": ("auto" if scheduler.menu else scheduler.budget) if scheduler.speculative else 0,
             "topk": args.topk, "tree_temperature": settings.tree_temperature, "max_batch": args.max_batch,
-            "max_len": args.max_len}
+            "max_len": args.max_len, "mesh": 1 if mesh is None else mesh.size}
+    if mesh is not None:
+        info["layout"] = args.layout
     if scheduler.menu:
         info["budget_menu"] = list(scheduler.menu)
     if not args.no_warmup:
@@ -295,8 +367,9 @@ def main(argv=None) -> int:
         print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
               + (f", {shape}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
                  if scheduler.speculative else "")
-              + f"; max batch {args.max_batch}, {args.max_len} positions a row; ready in "
-                f"{time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
+              + f"; max batch {args.max_batch}, {args.max_len} positions a row"
+              + ("" if mesh is None else f"; {args.layout} over {mesh.size} devices")
+              + f"; ready in {time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
         server = signals.server = _server_class(signals, args.drain_timeout)(config)

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
+from kdtree_jax.sharding import replicate
 from kdtree_jax.speculative import budget_policy, cost_model, engine, validation
 from kdtree_jax.speculative.sampling import SamplingParams
 
@@ -176,7 +177,7 @@ class Bucket:
             counts=np.zeros((self.batch, cfg.vocab_size), np.int32) if self.spec.penalties else None)
         # Committed to the device like every state a jitted call returns: a program's cache key includes that, so an
         # uncommitted first state would compile row admission and the chunk a second time on the next request.
-        self.state = jax.device_put(self.state, jax.devices()[0])
+        self.state = sched.place(self.state)
         self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
         # Compiled ahead of time, as engine.generate does: the bucket owns its program.
         self.loop.compile(self.state)
@@ -219,7 +220,7 @@ class Bucket:
             info = {"cost_model": path, "calibrated": measured, "context": context}
         info["seconds"] = time.perf_counter() - t0
         # A new policy state with these costs, the counters kept (zero here); committed like the rest of the state.
-        self.state = jax.device_put(engine.with_costs(self.state, self.spec, costs), jax.devices()[0])
+        self.state = sched.place(engine.with_costs(self.state, self.spec, costs))
         info["costs_ms"] = budget_policy.summary(jax.device_get(self.state.policy), self.spec.menu)["costs_ms"]
         self.cost_info = info
         sched.metrics.set_cost_info(self.KEY, info)
@@ -375,6 +376,11 @@ class Scheduler:
     say: a callable for the start-up's progress lines (the command line prints them on stderr); None: silent."""
 
     def __init__(self, target, drafter, settings: Settings, metrics, say: Optional[Callable[[str], None]] = None):
+        # A sharded target (sharding.shard_model, checkpoint.load_sharded) brings its mesh: the drafter and the whole
+        # loop state (pool, rows, policy) live whole on every device of it, as engine.setup places them for generate.
+        self.mesh = getattr(target, "mesh", None)
+        if self.mesh is not None and drafter is not None:
+            drafter = replicate(drafter, self.mesh)
         self.target, self.drafter, self.settings, self.metrics = target, drafter, settings, metrics
         self._say = say
         budget = settings.budget
@@ -410,6 +416,11 @@ class Scheduler:
     def say(self, line: str) -> None:
         if self._say is not None:
             self._say(line)
+
+    def place(self, tree):
+        """A pytree of the loop state committed where the chunk program expects it: the default device, or replicated
+        over a sharded target's mesh."""
+        return jax.device_put(tree, jax.devices()[0]) if self.mesh is None else replicate(tree, self.mesh)
 
     def spec(self) -> engine.SpecConfig:
         """The bucket's SpecConfig: one program for any sampling settings (they are each row's data)."""

@@ -185,7 +185,12 @@ def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
         first = argmax_last(last_logits if counts is None else sampling_ops.penalize(last_logits, counts, settings))
     if counts is not None:
         counts = sampling_ops.add_tokens(counts, first[:, None])
-    return _adopt_row_state(state, fresh, dcache, row, first, max_tokens, settings, key, counts), first
+    state = _adopt_row_state(state, fresh, dcache, row, first, max_tokens, settings, key, counts)
+    if plan.mesh is not None:
+        # XLA would otherwise pick the outputs' shardings itself (the token counts come out split along the vocabulary,
+        # as the lm head is): the chunk program, compiled for a state replicated on the mesh, would refuse them.
+        state = jax.lax.with_sharding_constraint(state, NamedSharding(plan.mesh, PartitionSpec()))
+    return state, first
 
 
 def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],

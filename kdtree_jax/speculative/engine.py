@@ -137,6 +137,10 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
             state = state._replace(policy=budget_policy.end_of_chunk(state.policy, spec.menu, entry, context))
             following = budget_policy.next_entry(state.policy, spec.menu, context, steps, _remaining(state),
                                                  state.active)
+    if getattr(target, "mesh", None) is not None:  # replicated, as setup and admission place it: left to XLA,
+        # the penalties' token counts come out split by vocabulary, and this program's next call would refuse them
+        state = jax.lax.with_sharding_constraint(state, jax.sharding.NamedSharding(target.mesh,
+                                                                                   jax.sharding.PartitionSpec()))
     return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active, following)
 
 
