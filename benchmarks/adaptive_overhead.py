@@ -18,11 +18,13 @@ Writes <out>/adaptive_overhead_<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
 import sys
 import tempfile
+import time
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -50,6 +52,22 @@ def step_ms(loop: engine.ChunkedLoop, state, repeats: int) -> float:
                for _ in range(repeats))
 
 
+def decode_and_host_ms(loop: engine.ChunkedLoop, state, chunks: int = 6) -> tuple:
+    """(a step's ms as ChunkedLoop.run decodes, one chunk in flight while the host reads the one before: what the
+    calibration stores, engine.decode_ms; the host's ms to dispatch one call, its Python work, the device idle when
+    a chunk's device time is shorter)."""
+    decode = min(engine.decode_ms(loop, state, chunks)[0] for _ in range(2))
+    times = []
+    for _ in range(5):
+        copy = jax.tree.map(jnp.copy, state)
+        jax.block_until_ready(copy)
+        t0 = time.perf_counter()
+        out = loop(copy)
+        times.append((time.perf_counter() - t0) * 1e3)
+        jax.block_until_ready(out.state)
+    return decode, sorted(times)[len(times) // 2]
+
+
 def kernel_profile(loop: engine.ChunkedLoop, state, chunk_steps: int) -> dict:
     """One chunk of `loop` from a copy of `state` under the profiler: kernel time per part of the step, the union of
     the kernel intervals (busy), kernels per step, and the largest kernels of the parts a step adds to the verify
@@ -65,20 +83,26 @@ def kernel_profile(loop: engine.ChunkedLoop, state, chunk_steps: int) -> dict:
 def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps: int, repeats: int,
             profile: bool = False, hlo_dir=None) -> list:
     rows = []
-    fixed, fixed_profiles = {}, {}
+    fixed, fixed_profiles, fixed_run = {}, {}, {}
+    loops = {}
     for budget in menu:
         spec = engine.SpecConfig(budget=budget, max_new_tokens=max_new_tokens)
         state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
-        loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
-        loop.compile(state)
+        loops[budget] = (engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps), state)
+    adaptive_spec = engine.SpecConfig(budget=max(menu), max_new_tokens=max_new_tokens, menu=tuple(menu))
+    adaptive_state, adaptive_drafter = greedy_loop_state(target, drafter, prompts, adaptive_spec)
+    adaptive_state = engine.with_costs(adaptive_state, adaptive_spec, {"cost_ar": 1.0})
+    adaptive = engine.ChunkedLoop(target, adaptive_drafter, adaptive_spec, chunk_steps)
+    # Every program compiled at once (XLA compiles outside the GIL): on a GPU a program takes ~20-40 s.
+    with concurrent.futures.ThreadPoolExecutor(len(loops) + 1) as pool:
+        list(pool.map(lambda ls: ls[0].compile(ls[1]), list(loops.values()) + [(adaptive, adaptive_state)]))
+    for budget in menu:
+        loop, state = loops[budget]
         fixed[budget] = step_ms(loop, state, repeats)
+        fixed_run[budget] = decode_and_host_ms(loop, state)
         if profile:
             fixed_profiles[budget] = kernel_profile(loop, state, chunk_steps)
-    spec = engine.SpecConfig(budget=max(menu), max_new_tokens=max_new_tokens, menu=tuple(menu))
-    state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
-    state = engine.with_costs(state, spec, {"cost_ar": 1.0})
-    loop = engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps)
-    loop.compile(state)
+    loop, state = adaptive, adaptive_state
     if hlo_dir:
         with open(os.path.join(hlo_dir, f"adaptive_b{len(prompts)}.hlo.txt"), "w") as f:
             f.write(loop.compiled.as_text() or "")
@@ -88,6 +112,8 @@ def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps:
 
     def row(name, budget, entry, fixed_ms, fixed_profile=None):
         r = {"step": name, "budget": budget, "fixed_ms": fixed_ms, "adaptive_ms": step_ms(loop, forced(entry), repeats)}
+        r["fixed_decode_ms"], r["fixed_host_ms"] = fixed_run[budget]
+        r["adaptive_decode_ms"], r["adaptive_host_ms"] = decode_and_host_ms(loop, forced(entry))
         if profile:
             r["adaptive_profile"] = kernel_profile(loop, forced(entry), chunk_steps)
             r["fixed_profile"] = fixed_profile
@@ -107,13 +133,17 @@ def render(meta: dict, results: dict) -> str:
              "(3 chained chunks - 1 chunk) / their steps, best of "
              f"{meta['repeats']}", ""]
     for batch, rows in results.items():
-        lines += [f"## Batch {batch}", "", "| step | fixed program (ms) | adaptive program, forced (ms) | overhead |",
-                  "|---|---|---|---|"]
+        lines += [f"## Batch {batch}", "", "| step | fixed program (ms) | adaptive program, forced (ms) | overhead | "
+                  "decoding as run() does: fixed / adaptive (ms a step) | host ms a call: fixed / adaptive |",
+                  "|---|---|---|---|---|---|"]
         for r in rows:
             fixed = r["fixed_ms"]
             over = f"{(r['adaptive_ms'] / fixed - 1) * 100:+.1f}%" if fixed else "-"
             lines.append(f"| {r['step']} | {fixed:.4f} |" if fixed else f"| {r['step']} | - |")
             lines[-1] += f" {r['adaptive_ms']:.4f} | {over} |"
+            if "fixed_decode_ms" in r:
+                lines[-1] += (f" {r['fixed_decode_ms']:.4f} / {r['adaptive_decode_ms']:.4f} |"
+                              f" {r['fixed_host_ms']:.3f} / {r['adaptive_host_ms']:.3f} |")
         lines.append("")
         if any("adaptive_profile" in r for r in rows):
             lines += ["Kernels (one profiled chunk; ms a step): busy = union of the kernel intervals; the parts a step "

@@ -87,7 +87,7 @@ from kdtree_jax.checkpoint import add_dtype_argument  # noqa: E402
 from kdtree_jax.speculative import budget_policy  # noqa: E402
 from kdtree_jax.speculative import cost_model  # noqa: E402
 from kdtree_jax.speculative import tree as trees  # noqa: E402
-from kdtree_jax.speculative.engine import DEFAULT_CHUNK_STEPS, generate  # noqa: E402
+from kdtree_jax.speculative.engine import default_chunk_steps, generate  # noqa: E402
 
 DEFAULT_OUT = common.DEFAULT_OUT
 AUTO = "auto"
@@ -518,9 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_tree_temperature_argument(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (batch i of a pass uses seed + i)")
     p.add_argument("--impl", default="auto", help="verify-attention implementation (default auto)")
-    p.add_argument("--chunk-steps", type=int, default=DEFAULT_CHUNK_STEPS,
-                   help=f"decode steps per host iteration (engine.ChunkedLoop; 0: the whole decode in one call); "
-                        f"default {DEFAULT_CHUNK_STEPS}, as spec_decode.py")
+    p.add_argument("--chunk-steps", type=int, default=None,
+                   help="decode steps per host iteration (engine.ChunkedLoop; 0: the whole decode in one call); "
+                        "default: engine.default_chunk_steps(), what generate takes (32 on a GPU whose loop runs on "
+                        "the device, 8 elsewhere)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure auto's cost model again in this run (generate(calibrate=True) on auto's warm-up "
                         "call of each cell), instead of the cached points of an earlier run (default: the normal "
@@ -550,6 +551,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.chunk_steps is None:
+        args.chunk_steps = default_chunk_steps()
     given = {a.split("=")[0] for a in argv}
     if args.smoke:
         for flag, value in (("--batch", "1"), ("--temperatures", "0"), ("--contexts", "24"), ("--budgets", "0,4"),

@@ -600,9 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row-invariant decoding (every decoder): each verify row computed bit for bit as the one-token "
                         "step computes it (rows padded to 64-multiples, T-independent attention splits, the XLA flags "
                         "of kdtree_jax.runtime.configure(row_invariant=True)); slower, for checking greedy equality")
-    p.add_argument("--chunk-steps", default=str(DEFAULT_CHUNK_STEPS),
+    p.add_argument("--chunk-steps", default=None,
                    help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
-                        "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep")
+                        "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep "
+                        "(default: engine.default_chunk_steps(), what generate takes: 32 on a GPU whose loop runs on "
+                        "the device, 8 elsewhere; with --refill, half of it, what the server takes)")
     p.add_argument("--refill", type=int, default=0, metavar="N",
                    help="also measure continuous batching: N held-out prompts (N larger than every --batch size; "
                         "the first --prompts of them are the static run's) stream through each batch size's rows, "
@@ -648,6 +650,8 @@ def main(argv=None) -> int:
     enable_compilation_cache(args.cache_dir)
 
     batch_sizes = parse_batch_sizes(args.batch)
+    if args.chunk_steps is None:
+        args.chunk_steps = str(engine.default_chunk_steps(continuous=bool(args.refill)))
     try:
         chunk_list = [int(k) for k in str(args.chunk_steps).split(",") if k.strip()]
     except ValueError:

@@ -104,9 +104,18 @@ def test_observe_counts_verified_and_accepted_nodes():
     np.testing.assert_allclose(pred[7], bp.PRIOR_WEIGHT * d + 2 * np.exp(-3.0), rtol=1e-6)
     assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0] and int(new.since_draft) == 0
     assert float(new.observed_tokens) == 3.0 and float(new.predicted_tokens) == 3.0
-    d = bp.EXPECTED_DECAY  # the running predictions, the batch's and the row's, move by the step's E
-    np.testing.assert_allclose(np.asarray(new.expected), (1 - d) * np.array([1.0, 5.0, 17.0]) + d * np.array([1, 3, 3]))
+    # The running predictions, the batch's and the row's, move by the step's E where the step measured it (budgets
+    # 0 and 4: its tree's nodes); budget 16's gain moves by the factor budget 4's gain moved by.
+    d = bp.EXPECTED_DECAY
+    measured = (1 - d) * np.array([1.0, 5.0]) + d * np.array([1.0, 3.0])
+    factor = (measured[1] - 1 + bp.GAIN_FLOOR) / (4.0 + bp.GAIN_FLOOR)
+    np.testing.assert_allclose(np.asarray(new.expected), [*measured, 1 + 16 * factor], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(new.row_expected), np.asarray(new.expected)[None, :], rtol=1e-6)
+    # A step of the largest entry measures every entry.
+    top = bp.observe(policy, MENU, 2, scores=scores, valid=valid, row_expected=row_expected, path=path,
+                     num_accepted=jnp.asarray([2]), active=jnp.ones((1,), bool))
+    np.testing.assert_allclose(np.asarray(top.expected), (1 - d) * np.array([1.0, 5.0, 17.0]) + d * np.array([1, 3, 3]),
+                               rtol=1e-6)
     # An autoregressive step counts as such and leaves the bins alone.
     ar = bp.count_undrafted(new, MENU)
     assert np.asarray(ar.chosen).tolist() == [0, 1, 0, 1]
@@ -114,7 +123,9 @@ def test_observe_counts_verified_and_accepted_nodes():
     assert int(ar.since_draft) == 1
 
 
-def test_tree_prefix_is_the_smaller_budget():
+def test_a_trees_first_nodes_are_the_smaller_budgets_tree():
+    """What lets a drafted step of budget b measure E for every smaller entry: the budget-b' tree is the first b' + 1
+    nodes of the budget-b tree."""
     rng = np.random.default_rng(1)
     lp = jnp.asarray(np.sort(np.log(rng.dirichlet(np.ones(6), (2, 5))), axis=-1)[..., ::-1][..., :4].copy(),
                      jnp.float32)
@@ -123,9 +134,10 @@ def test_tree_prefix_is_the_smaller_budget():
     big = trees.build_ddtree(lp, tok, root, start, 40)
     for budget in (1, 4, 16, 33):
         small = trees.build_ddtree(lp, tok, root, start, budget)
-        prefix = trees.tree_prefix(big, budget + 1)
-        for name in ("tokens", "parents", "depths", "positions", "mask", "valid", "scores"):
-            np.testing.assert_array_equal(np.asarray(getattr(prefix, name)), np.asarray(getattr(small, name)), name)
+        n, words = budget + 1, -(-(budget + 1) // 32)
+        for name in ("tokens", "parents", "depths", "positions", "valid", "scores"):
+            np.testing.assert_array_equal(np.asarray(getattr(big, name))[:, :n], np.asarray(getattr(small, name)), name)
+        np.testing.assert_array_equal(np.asarray(big.mask)[:, :n, :words], np.asarray(small.mask))
 
 
 # The compiled loop ----------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ the program computes the next chunk's entry (`next_entry`) from its policy state
 for the chunk after the one in flight (it reads each chunk's tokens anyway), so no step waits for the host.
 
 1. Draft or not. The policy keeps, per menu entry, a running mean of each drafted step's predicted tokens per
-   sequence (`expected`, from the drafter's probabilities of that step's tree of the menu's largest budget, so every
-   entry's prediction moves on every drafted step). The next chunk drafts when the best predicted rate with the
+   sequence (`expected`). A drafted step of budget b measures E for b and every smaller entry (its tree's first
+   nodes); a larger entry's predicted gain E - 1 moves by the factor b's gain moved by, keeping the ratio last measured
+   when both were (the calibration times every entry; a chunk of the larger entry measures it again). The next chunk drafts when the best predicted rate with the
    drafter, max_b E(b) / (c_draft + c_verify(b)), reaches the autoregressive rate 1 / c_ar; otherwise it is
    autoregressive and runs no drafter (the target's features of its tokens wait in a ring, PendingContext, and enter
    the drafter's cache at the start of the next chunk). A closed gate still probes: after `probe_every` chunks'
@@ -62,6 +63,9 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior ratio in each bin
 # closed the gate for a probe interval: on the H200 at 0061bda, batch 1 greedy, auto skipped the drafter on 50% of
 # the steps where every fixed budget ran 1.8-1.9x autoregressive (auto 4,426 tok/s against DDTree 8's 6,727).
 EXPECTED_DECAY = 0.125
+# _follow's floor on a gain (E - 1), so that a step whose tree the drafter could not predict (gain ~0) does not zero
+# the larger entries' predictions for good.
+GAIN_FLOOR = 0.05
 PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
 PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes
 # PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i (a budget 0 entry: autoregressive); len(menu):
@@ -212,9 +216,26 @@ def calibrated(policy: PolicyState, scores, valid) -> jnp.ndarray:
 
 
 def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
-    """E(b) per sequence and menu entry [B, M]: 1 + the calibrated probabilities of the first b nodes."""
+    """E(b) per sequence and menu entry [B, M]: 1 + the calibrated probabilities of the first b nodes. An entry whose b
+    exceeds the tree's nodes (T - 1) gets the whole tree's (`observe` scales those entries instead, `known_entries`)."""
     total = jnp.cumsum(q, axis=1)  # [B, T]: total[:, i] = q[1] + ... + q[i]
-    return 1.0 + jnp.stack([total[:, b] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
+    last = q.shape[1] - 1
+    return 1.0 + jnp.stack([total[:, min(b, last)] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
+
+
+def known_entries(menu: Sequence[int], entry: int) -> np.ndarray:
+    """[M] bool: the entries whose E a drafted step of menu entry `entry` measures (its tree is the budget-b tree, and
+    a smaller budget's tree is its first nodes); the larger ones are scaled (`observe`)."""
+    return np.asarray(menu) <= menu[entry]
+
+
+def _follow(old, new_known, known, entry: int):
+    """Running predictions [..., M] after a step that measured the `known` entries (new_known there): each unmeasured
+    (larger) entry's gain E - 1 moves by the factor the measured entry `entry`'s gain moved by, so that the ratio
+    of the two gains stays the one last measured together (by calibration, or a chunk of a larger entry)."""
+    gain_old, gain_new = old[..., entry] - 1.0, new_known[..., entry] - 1.0
+    factor = (gain_new + GAIN_FLOOR) / (gain_old + GAIN_FLOOR)
+    return jnp.where(jnp.asarray(known), new_known, 1.0 + (old - 1.0) * factor[..., None])
 
 
 def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, row_expected, path,
@@ -225,6 +246,7 @@ def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, val
     row_expected [B, M] each row's E of this step (`expected_tokens` of the calibrated tree). Sums by comparison
     rather than scatter (a step's few fused kernels, not one per scatter)."""
     budget = menu[entry]
+    known = known_entries(menu, entry)
     n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
     expected = jnp.where(active[:, None], row_expected, 0.0).sum(0)  # [M]
     node = jnp.arange(scores.shape[1])
@@ -236,11 +258,13 @@ def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, val
     add_acc = (in_bin & (verified & on_path)[..., None]).sum((0, 1)).astype(jnp.float32)
     emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
     rows = policy.row_expected
-    rows = jnp.where(active[:, None], (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, rows)
+    moved = _follow(rows, (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, known, entry)
+    rows = jnp.where(active[:, None], moved, rows)
     return policy._replace(
         bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
         bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
-        expected=(1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
+        expected=_follow(policy.expected, (1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
+                         known, entry),
         since_draft=jnp.zeros_like(policy.since_draft),
         chosen=policy.chosen.at[entry].add(1),
         predicted_tokens=policy.predicted_tokens + expected[entry],

@@ -80,15 +80,29 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 # work (the read, the callbacks, detokenising) overlaps the device's, and what a chunk costs beyond its steps is the
 # program boundary (the loop's exit, the token window's gather, the next launch: tens of microseconds on a GPU).
 #
-# DEFAULT_CHUNK_STEPS = 8: the host's share of the decode is that boundary over k steps. The cheapest step we run
-# is the default pair's autoregressive step on an H200 (~0.28 ms at B = 1), so k = 8 puts a ~30 us boundary at
-# ~1.3% (<= 3% up to ~70 us), and a K2 step (~10 ms) at far less; a larger k only delays the stream (k = 8 DDTree
-# steps are ~50 tokens of the default pair). The host's own work per chunk (~1 ms in Python: dispatch, the read,
-# the callbacks) stays hidden while a chunk takes longer than that, which k = 8 steps do (>= 2 ms at the cheapest).
+# How many steps a chunk: the host's work for a call must stay shorter than the chunk's device time, or the GPU waits.
+# That work is the dispatch of the chunk's program, which on the H200 took 1.5-2.2 ms of host time for a fixed budget's
+# program and 3.1-4.7 ms for an adaptive entry's (97c14ed, benchmarks/results/history/adaptive_overhead_h200_97c14ed.md;
+# XLA's executable launch and its command buffers' updates, not our Python), plus the read of the tokens. The cheapest
+# step we run is the default pair's autoregressive step (~0.2-0.26 ms at B = 1), so 8 steps a chunk left the GPU
+# waiting (a B = 1 decode ran 0.44-0.55 ms a step for fixed budgets, 0.69-0.82 for adaptive entries). A GPU whose loop
+# stays on the device (a command buffer captures it) takes GPU_CHUNK_STEPS: 32 steps are >= 6 ms of device time, and
+# a K2 step (~4-14 ms) is not host-bound at any size. Continuous batching (the server, --refill) takes half as many: a
+# row that finishes waits for its chunk's end before the next request takes it. Elsewhere (a CPU, where a step is
+# ~10 ms and the launch ~0.5 ms) DEFAULT_CHUNK_STEPS. A larger chunk only delays the stream; it never changes tokens.
 # On a GPU the steps inside a chunk stay device-resident only when XLA captures the while loop in a command
 # buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
 # `kdtree_jax.runtime.configure()` sets that up (docs/usage.md, "Device-resident loop").
 DEFAULT_CHUNK_STEPS = 8
+GPU_CHUNK_STEPS = 32
+
+
+def default_chunk_steps(continuous: bool = False) -> int:
+    """Steps a chunk for this process's backend (the comment above): GPU_CHUNK_STEPS on a GPU whose decode loop runs on
+    the device, else DEFAULT_CHUNK_STEPS; half of it for continuous batching (`continuous`: rows refilled between
+    chunks)."""
+    steps = GPU_CHUNK_STEPS if _loop_on_device() else DEFAULT_CHUNK_STEPS
+    return max(steps // 2, 1) if continuous else steps
 
 
 _TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
@@ -164,8 +178,10 @@ class _Call(NamedTuple):
     next_entry: Optional[jnp.ndarray]  # ChunkOutput.next_entry (admit / reset_row: None)
 
 
-def _shapes(state: LoopState) -> str:
-    return str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), state))
+def _shapes(state: LoopState) -> tuple:
+    """What selects a state's compiled programs (read on every call: no string of the whole tree, ~0.15 ms a call)."""
+    leaves, structure = jax.tree.flatten(state)
+    return structure, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
 
 class ChunkedLoop:
@@ -765,7 +781,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     second KV pool), and add stats["profile"]: each step's kernel time by part (kdtree_jax.profiling) and the
     idle time of the timed run (its step time less the union of the profiled step's kernels).
     chunk_steps: decode steps per host iteration (`ChunkedLoop`; the batch stays on device between chunks), capped
-    at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): DEFAULT_CHUNK_STEPS when
+    at max_new_tokens; 0 runs the whole decode in one call (`decode_loop`); None (default): default_chunk_steps() when
     the budget is "auto", when on_tokens streams or on a GPU whose XLA_FLAGS capture while loops in command buffers (kdtree_jax.runtime: H200,
     bfloat16, greedy, 108a241, results/history/spec_decode_greedy_h200.md: 8 steps a chunk against the whole decode in one
     call, B = 1: autoregressive 4,191 vs 3,796 tok/s, DDTree 16 10,503 vs 7,985; B = 16: 59,691 vs 54,265 and
@@ -829,7 +845,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       "verify pass's row count", RuntimeWarning, stacklevel=2)
 
     if chunk_steps is None:
-        chunk_steps = DEFAULT_CHUNK_STEPS if on_tokens is not None or _loop_on_device() or spec.menu else 0
+        chunk_steps = default_chunk_steps() if on_tokens is not None or _loop_on_device() or spec.menu else 0
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, (int, np.integer)) or chunk_steps < 0:
         raise ValueError(f"chunk_steps must be an integer >= 0 (0: the whole decode in one call); got {chunk_steps!r}")
     if spec.menu and not chunk_steps:

@@ -177,22 +177,6 @@ def pad_tree(tree: Tree, num_nodes: int) -> Tree:
                    tree.max_depth)
 
 
-def tree_prefix(tree: Tree, num_nodes: int) -> Tree:
-    """The tree's first `num_nodes` nodes (static). Of a DDTree of budget b this is the DDTree of budget
-    num_nodes - 1 (the node order puts every node behind its ancestors, so a prefix is a tree and its ancestor
-    bits all lie in the prefix): the adaptive budget verifies a prefix of one tree of the menu's largest budget."""
-    num_nodes = _static_int(num_nodes, "num_nodes")
-    if not 1 <= num_nodes <= tree.num_nodes:
-        raise ValueError(f"num_nodes must be in [1, T = {tree.num_nodes}]; got {num_nodes}")
-    if num_nodes == tree.num_nodes:
-        return tree
-    words = -(-num_nodes // 32)
-    return Tree(tokens=tree.tokens[:, :num_nodes], parents=tree.parents[:, :num_nodes],
-                depths=tree.depths[:, :num_nodes], positions=tree.positions[:, :num_nodes],
-                mask=tree.mask[:, :num_nodes, :words], valid=tree.valid[:, :num_nodes],
-                scores=tree.scores[:, :num_nodes], max_depth=tree.max_depth)
-
-
 # ----------------------------------------------------------------------------------------------------
 # DDTree: the `budget` best prefixes
 # ----------------------------------------------------------------------------------------------------
@@ -520,4 +504,4 @@ def build_static(top_logprobs, top_tokens, root_token, start_pos, branching: tup
 
 
 __all__ = ["Tree", "PAD_TOKEN", "build_ddtree", "build_chain", "build_static", "root_only_tree", "pad_tree",
-           "max_ddtree_budget", "static_candidate_count", "static_tree_structure", "tree_prefix"]
+           "max_ddtree_budget", "static_candidate_count", "static_tree_structure"]
