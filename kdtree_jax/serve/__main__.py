@@ -303,6 +303,7 @@ def main(argv=None) -> int:
     mesh = serving_mesh(args.mesh, args.layout, checkpoint_dir(args.checkpoint))
     print("[loading the model ...]", file=sys.stderr, flush=True)
     target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype, mesh, args.layout)
+    mesh = getattr(target, "mesh", None)  # what /health and the start-up lines report: the model as loaded
     if mesh is not None:
         description += f", {args.layout} over {mesh.size} {mesh.devices.flat[0].platform} devices"
     if signals.received is not None:
