@@ -87,10 +87,10 @@ def measure(target, drafter, prompts, *, menu, max_new_tokens: int, chunk_steps:
     loops = {}
     for budget in menu:
         spec = engine.SpecConfig(budget=budget, max_new_tokens=max_new_tokens)
-        state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec)
+        state, loop_drafter = greedy_loop_state(target, drafter, prompts, spec, chunk_steps)
         loops[budget] = (engine.ChunkedLoop(target, loop_drafter, spec, chunk_steps), state)
     adaptive_spec = engine.SpecConfig(budget=max(menu), max_new_tokens=max_new_tokens, menu=tuple(menu))
-    adaptive_state, adaptive_drafter = greedy_loop_state(target, drafter, prompts, adaptive_spec)
+    adaptive_state, adaptive_drafter = greedy_loop_state(target, drafter, prompts, adaptive_spec, chunk_steps)
     adaptive_state = engine.with_costs(adaptive_state, adaptive_spec, {"cost_ar": 1.0})
     adaptive = engine.ChunkedLoop(target, adaptive_drafter, adaptive_spec, chunk_steps)
     # Every program compiled at once (XLA compiles outside the GIL): on a GPU a program takes ~20-40 s.

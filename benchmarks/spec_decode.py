@@ -155,7 +155,8 @@ def heldout_prompts(tokenizer, count: int, length: int, start: int = 0):
     return prompts, where
 
 
-def greedy_loop_state(target, drafter, prompts: list, spec: engine.SpecConfig):
+def greedy_loop_state(target, drafter, prompts: list, spec: engine.SpecConfig,
+                      chunk_steps: int = engine.DEFAULT_CHUNK_STEPS):
     """A greedy decode loop's starting state for `prompts` under `spec`, with no stop ids (no row stops early: every
     timed step is a full batch's), and the drafter the loop runs (None where spec.budget is 0): -> (state, drafter).
     What the adaptive-budget benchmarks time their programs from."""
@@ -163,7 +164,7 @@ def greedy_loop_state(target, drafter, prompts: list, spec: engine.SpecConfig):
     req = validation.validate(target, use, prompts, max_new_tokens=spec.max_new_tokens, budget=spec.budget,
                               topk=spec.topk, tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
     state, loop_drafter, _ = engine.setup(target, use, req, spec, seed=0, chunk_size=64, kv_dtype=None, num_moe=0,
-                                          slots=0)
+                                          slots=0, chunk_steps=chunk_steps)
     return state._replace(stop_ids=jnp.full_like(state.stop_ids, -1)), loop_drafter
 
 

@@ -9,10 +9,10 @@ Two kinds of step share the verify-and-commit half (`verify_and_commit`):
   the tree of budget b' < b); an autoregressive entry runs no drafter.
 
 The drafter's context in an adaptive loop is extended lazily across autoregressive steps: such a step appends the
-target features of its token to `PendingContext`, and every adaptive chunk starts by projecting the ring into the
-drafter's cache (`flush_pending`, once a chunk). An autoregressive step then costs what a fixed autoregressive step
-costs plus the append, not a drafter pass; the drafter sees the same context either way (each position's keys and
-values depend on its own features and position only).
+target features of its token to `PendingContext`, and an autoregressive chunk ends by projecting the ring into the
+drafter's cache (`flush_pending`, once a chunk, after its loop: every chunk starts with the ring empty). An
+autoregressive step then costs what a fixed autoregressive step costs plus the append, not a drafter pass; the drafter
+sees the same context either way (each position's keys and values depend on its own features and position only).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def speculative_step(target: Transformer, drafter: Optional[Drafter], state: Loo
 
 def pending_capacity(chunk_steps: int) -> int:
     """Rows of an adaptive loop's PendingContext: what one chunk of autoregressive steps appends (a row a step; a
-    drafting step extends the drafter's cache itself, and every chunk starts with the ring flushed)."""
+    drafting step extends the drafter's cache itself, and an autoregressive chunk flushes the ring after its loop)."""
     return max(int(chunk_steps), 1)
 
 
