@@ -26,7 +26,7 @@ def test_cli_json_in_process(capsys):
     assert json.loads(capsys.readouterr().out)["stats"]["tree_temperature"] == other
 
 
-def test_cli_runs_in_float32_on_cpu_unless_told(capsys):
+def test_cli_runs_in_float32_on_cpu_unless_told(capsys, tmp_path, monkeypatch):
     """The embedded pair is stored in bfloat16; on a CPU `auto` runs it in float32 (exact upcast), where
     greedy speculative decoding is token-for-token autoregressive decoding."""
     import jax
@@ -34,21 +34,39 @@ def test_cli_runs_in_float32_on_cpu_unless_told(capsys):
 
     from kdtree_jax.checkpoint import compute_dtype_for_backend
     from kdtree_jax.generate import load_models
+    from kdtree_jax.speculative import cost_model as cost_models
+    from kdtree_jax.speculative.step import SpecConfig
+    from kdtree_jax.speculative.validation import adaptive_menu
 
     assert compute_dtype_for_backend("bfloat16", "cpu") == jnp.float32
     assert compute_dtype_for_backend("bfloat16", "gpu") == jnp.bfloat16
+    target, drafter, tokenizer, description, _ = load_models(None)
     if jax.default_backend() == "cpu":
-        target, drafter, _, description, _ = load_models(None)
         assert target.dtype == jnp.float32 and drafter.dtype == jnp.float32 and "float32" in description
-        target, drafter, _, description, _ = load_models(None, "bfloat16")
-        assert target.dtype == jnp.bfloat16 and "bfloat16" in description
-    # The prompt and lengths of test_chunked_loop.py's CLI run: in a full run the autoregressive loop (budget 0, 40
-    # tokens) is read back from the session's compilation cache instead of compiled again.
-    speculative = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--json"]
-    assert cli_main(speculative) == 0
-    spec_tokens = json.loads(capsys.readouterr().out)["tokens"]
-    assert cli_main(speculative + ["--budget", "0"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == spec_tokens
+        told, _, _, description, _ = load_models(None, "bfloat16")
+        assert told.dtype == jnp.bfloat16 and "bfloat16" in description
+    # The prompt and lengths of test_chunked_loop.py's CLI run (budget 0) and of test_cli_more.py's (budget 8): in a
+    # full run their loops are read back from the session's compilation cache instead of compiled again. A fixed tree,
+    # so that speculation runs: on a CPU the default budget ('auto') measures that no tree pays and runs none.
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--json"]
+    assert cli_main(base + ["--budget", "8"]) == 0
+    speculative = json.loads(capsys.readouterr().out)
+    assert speculative["stats"]["tau"] > 1.0
+    assert cli_main(base + ["--budget", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == speculative["tokens"]
+    # The default budget end to end, its cost model cached as a CPU measures it (no budget pays): the call runs the
+    # autoregressive program just compiled instead of measuring and compiling one program per menu budget (~12 s).
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    menu = adaptive_menu("auto", None, drafter, "ddtree", 4)
+    key = cost_models.fingerprint(target, drafter, SpecConfig(budget=max(menu), topk=4, menu=menu))
+    model = cost_models.CostModel.load(key)
+    model.add(cost_models.make_point(1, len(tokenizer.encode("def f(x):")), menu, {"ar": 1.0, 1: 8.0},
+                                     expected=[1.0] + [2.0] * (len(menu) - 1)))
+    model.save()
+    assert cli_main(base) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["tokens"] == speculative["tokens"]
+    assert auto["stats"]["budget"] == "auto" and auto["stats"]["budget_policy"]["decision"] == "autoregressive"
 
 
 def test_cli_as_a_module_prints_text_and_summary():
