@@ -58,11 +58,11 @@ def test_a_cached_cost_model_gives_the_step_cost_and_the_largest_budget_that_pay
     # 16 + 3 (b - 4) <= 8 x 4: up to b = 9.
     cache_point(target, drafter, {"ar": 4.0, 1: 16.0}, expected=[1, 2.5, 3, 3.5, 4, 4.5], sampled=True)
     message = budget_warning(target, drafter, [1, 2, 3], budget=4096, topk=4)  # greedy: the sampled loop's costs
-    assert message == ("budget 4096 verifies 4097 nodes a step: about 12,292.0 ms on this device (linear in nodes from "
-                       "the measured budget 4; an autoregressive step 4 ms), slower than autoregressive decoding even "
-                       "if all 8 tokens a step can keep were accepted; the largest budget that can pay here is 9, and "
-                       "at the measured acceptance none does (budget 0 or 'auto')")
-    assert "about 34.0 ms" in budget_warning(target, drafter, [1, 2, 3], budget=10, topk=4)
+    assert message == ("budget 4096 verifies 4097 nodes a step: 12,292.0 ms a step or more on this device (linear in "
+                       "nodes from the measured budget 4; an autoregressive step 4 ms), slower than autoregressive "
+                       "decoding even if all 8 tokens a step can keep were accepted; the largest budget that can pay "
+                       "here is 9, and at the measured acceptance none does (budget 0 or 'auto')")
+    assert "34.0 ms a step or more" in budget_warning(target, drafter, [1, 2, 3], budget=10, topk=4)
     for budget in (9, 4, 1):
         assert budget_warning(target, drafter, [1, 2, 3], budget=budget, topk=4) is None
     # Another batch size has no point: the tree's size decides (65 > 64 warns, 10 does not).
@@ -76,11 +76,12 @@ def test_measured_entries_interpolate_and_the_best_at_the_measured_acceptance_is
     # at full acceptance (8 tokens, 16 ms) the line 8 + 2 (b - 16) reaches 16 ms at b = 20.
     cache_point(target, drafter, {"ar": 2.0, 1: 5.0, 2: 6.0, 3: 8.0, 4: 40.0}, expected=[1, 3, 4, 4.4, 4.5, 4.5])
     message = budget_warning(target, drafter, [1, 2, 3], budget=32, topk=4)
-    assert message.startswith("budget 32 verifies 33 nodes a step: about 40.0 ms on this device (measured; an "
+    assert message.startswith("budget 32 verifies 33 nodes a step: 40.0 ms a step on this device (measured; an "
                               "autoregressive step 2 ms)")
     assert "the largest budget that can pay here is 20, and at the measured acceptance the best is 8" in message
-    assert "about 24.0 ms" in budget_warning(target, drafter, [1, 2, 3], budget=24, topk=4)  # between 16 and 32
-    assert "about 104.0 ms" in budget_warning(target, drafter, [1, 2, 3], budget=64, topk=4)  # 40 + 2 x 32
+    assert "about 24.0 ms a step on this device (interpolated between the measured budgets 4 / 8 / 16 / 32;" in (
+        budget_warning(target, drafter, [1, 2, 3], budget=24, topk=4))
+    assert "104.0 ms a step or more" in budget_warning(target, drafter, [1, 2, 3], budget=64, topk=4)  # 40 + 2 x 32
     for budget in (20, 1):  # below the smallest entry: on the line from the autoregressive step
         assert budget_warning(target, drafter, [1, 2, 3], budget=budget, topk=4) is None
 

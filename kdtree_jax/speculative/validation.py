@@ -281,12 +281,17 @@ def budget_warning(target: Transformer, drafter: Optional[Drafter], prompt_ids, 
         rate, b = max(((e / c, b) for b, c, e in zip(cached_menu, costs["cost_verify"], expected)
                        if b > 0 and c < 1e29), default=(0.0, 0))
         best = b if rate * c_ar >= 1.0 else 0
-    how = ("measured" if any(b == budget for b, _ in measured) else
-           "linear in nodes from the measured budget" + ("s " if len(measured) > 1 else " ")
-           + " / ".join(str(b) for b, _ in measured))
-    return (f"budget {budget} verifies {budget + 1} nodes a step: about {cost:,.1f} ms on this device ({how}; an "
-            f"autoregressive step {c_ar:.3g} ms), slower than autoregressive decoding even if all {most} tokens a step "
-            f"can keep were accepted; the largest budget that can pay here is {largest}, and at the measured "
+    sizes = " / ".join(str(b) for b, _ in measured)
+    if any(b == budget for b, _ in measured):
+        cost_text = f"{cost:,.1f} ms a step on this device (measured"
+    elif budget < measured[-1][0]:
+        cost_text = f"about {cost:,.1f} ms a step on this device (interpolated between the measured budgets {sizes}"
+    else:  # the measured CPU steps grow faster than their nodes (this module's MAX_TREE_NODES note): a floor
+        cost_text = (f"{cost:,.1f} ms a step or more on this device (linear in nodes from the measured budget"
+                     + ("s " if len(measured) > 1 else " ") + sizes)
+    return (f"budget {budget} verifies {budget + 1} nodes a step: {cost_text}; an autoregressive step {c_ar:.3g} "
+            f"ms), slower than autoregressive decoding even if all {most} tokens a step can keep were accepted; the "
+            f"largest budget that can pay here is {largest}, and at the measured "
             + (f"acceptance the best is {best}" if best else "acceptance none does (budget 0 or 'auto')"))
 
 
