@@ -7,10 +7,12 @@ The adaptive loop (budget "auto") compiles one chunk program per menu entry and 
 (budget_policy.py); `PolicyState.force` makes it take one entry every chunk (what its calibration times). For each
 batch size this times, in the engine's chunked loop, a step of: the fixed autoregressive program (no drafter) beside
 the adaptive loop's autoregressive entry (which keeps the drafter's context: the ring append, a flush a chunk), and,
-per drafting menu budget b, the fixed DDTree-b program beside the adaptive entry b (which drafts the menu's largest
-tree, to predict every entry, and verifies its prefix). A step's time is the difference of a long and a short run
-over the difference of their steps (a call's fixed cost drops out), the best of --repeats. The gap between a fixed
-row and its adaptive twin is the price of choosing. --profile adds each row's kernels from one profiled chunk.
+per drafting menu budget b, the fixed DDTree-b program beside the adaptive entry b (the same tree, plus the policy's
+observations). A step's time is the difference of a long and a short run over the difference of their steps (a call's
+fixed cost drops out), the best of --repeats; beside it, a step as `ChunkedLoop.run` decodes (one chunk in flight while
+the host reads the one before: what the calibration stores) and the host's ms to dispatch one call (when that exceeds
+a chunk's device time the GPU waits). The gap between a fixed row and its adaptive twin is the price of choosing.
+--profile adds each row's kernels from one profiled chunk.
 
 Writes <out>/adaptive_overhead_<device>.{json,md}.
 """

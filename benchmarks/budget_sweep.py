@@ -520,8 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", help="verify-attention implementation (default auto)")
     p.add_argument("--chunk-steps", type=int, default=None,
                    help="decode steps per host iteration (engine.ChunkedLoop; 0: the whole decode in one call); "
-                        "default: engine.default_chunk_steps(), what generate takes (32 on a GPU whose loop runs on "
-                        "the device, 8 elsewhere)")
+                        "default: engine.default_chunk_steps(), what generate takes (8)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure auto's cost model again in this run (generate(calibrate=True) on auto's warm-up "
                         "call of each cell), instead of the cached points of an earlier run (default: the normal "

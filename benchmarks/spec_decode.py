@@ -604,8 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-steps", default=None,
                    help="decode steps per host iteration (the loop hands its tokens to the host after each chunk); "
                         "0: the whole decode in one call; several comma-separated (e.g. 0,1,8,16), each a sweep "
-                        "(default: engine.default_chunk_steps(), what generate takes: 32 on a GPU whose loop runs on "
-                        "the device, 8 elsewhere; with --refill, half of it, what the server takes)")
+                        "(default: engine.default_chunk_steps(), what generate takes: 8; with --refill, half of it, "
+                        "what the server takes)")
     p.add_argument("--refill", type=int, default=0, metavar="N",
                    help="also measure continuous batching: N held-out prompts (N larger than every --batch size; "
                         "the first --prompts of them are the static run's) stream through each batch size's rows, "

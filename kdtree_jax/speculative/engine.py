@@ -81,28 +81,24 @@ def decode_loop(target: Transformer, drafter: Optional[Drafter], state: LoopStat
 # program boundary (the loop's exit, the token window's gather, the next launch: tens of microseconds on a GPU).
 #
 # How many steps a chunk: the host's work for a call must stay shorter than the chunk's device time, or the GPU waits.
-# That work is the dispatch of the chunk's program, which on the H200 took 1.5-2.2 ms of host time for a fixed budget's
-# program and 3.1-4.7 ms for an adaptive entry's (97c14ed, benchmarks/results/history/adaptive_overhead_h200_97c14ed.md;
-# XLA's executable launch and its command buffers' updates, not our Python), plus the read of the tokens. The cheapest
-# step we run is the default pair's autoregressive step (~0.2-0.26 ms at B = 1), so 8 steps a chunk left the GPU
-# waiting (a B = 1 decode ran 0.44-0.55 ms a step for fixed budgets, 0.69-0.82 for adaptive entries). A GPU whose loop
-# stays on the device (a command buffer captures it) takes GPU_CHUNK_STEPS: 32 steps are >= 6 ms of device time, and
-# a K2 step (~4-14 ms) is not host-bound at any size. Continuous batching (the server, --refill) takes half as many: a
-# row that finishes waits for its chunk's end before the next request takes it. Elsewhere (a CPU, where a step is
-# ~10 ms and the launch ~0.5 ms) DEFAULT_CHUNK_STEPS. A larger chunk only delays the stream; it never changes tokens.
-# On a GPU the steps inside a chunk stay device-resident only when XLA captures the while loop in a command
-# buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every iteration:
-# `kdtree_jax.runtime.configure()` sets that up (docs/usage.md, "Device-resident loop").
+# That work is mostly the dispatch of the chunk's program, which on the H200 takes 1.3-2.2 ms of host time for a fixed
+# budget's program and 2.9-3.3 ms for an adaptive entry's (XLA's launch of the executable, not our Python;
+# benchmarks/results/history/adaptive_overhead_h200_9874fc3.md), plus the read of the tokens. The cheapest step we
+# run is the default pair's autoregressive step (~0.24 ms at B = 1), so 8 steps are ~2 ms of device time: about even.
+# 32 steps a chunk were tried on the GPU (4734c0b / 9874fc3, benchmarks/results/history/budget_sweep_h200_9874fc3.md):
+# the fixed programs moved by -1% to +10% (B = 1) and the adaptive budget's static batches lost (greedy B = 16: auto
+# 0.50x AR against 0.89x at 8 steps, 302049e), so 8 stays. Continuous batching (the server, --refill) takes half: a row
+# that finishes waits for its chunk's end before the next request takes it. A larger chunk only delays the stream; it
+# never changes tokens. On a GPU the steps inside a chunk stay device-resident only when XLA captures the while loop in
+# a command buffer (a CUDA graph with conditional nodes); otherwise XLA copies its predicate to the host every
+# iteration: `kdtree_jax.runtime.configure()` sets that up (docs/usage.md, "Device-resident loop").
 DEFAULT_CHUNK_STEPS = 8
-GPU_CHUNK_STEPS = 32
 
 
 def default_chunk_steps(continuous: bool = False) -> int:
-    """Steps a chunk for this process's backend (the comment above): GPU_CHUNK_STEPS on a GPU whose decode loop runs on
-    the device, else DEFAULT_CHUNK_STEPS; half of it for continuous batching (`continuous`: rows refilled between
-    chunks)."""
-    steps = GPU_CHUNK_STEPS if _loop_on_device() else DEFAULT_CHUNK_STEPS
-    return max(steps // 2, 1) if continuous else steps
+    """Steps a chunk (the comment above): DEFAULT_CHUNK_STEPS, half of it for continuous batching (`continuous`: rows
+    refilled between chunks, the server's 4)."""
+    return max(DEFAULT_CHUNK_STEPS // 2, 1) if continuous else DEFAULT_CHUNK_STEPS
 
 
 _TRACES: dict = {}  # name -> times traced (each trace is a compile); tests check a row's replacement adds none
