@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint's recommendation (its kdtree_checkpoint.json; 1.0 for the embedded pair), else 1.0)")
     p.add_argument("--no-speculative", action="store_true",
                    help="decode autoregressively (one target pass a token; the drafter is not run): the baseline")
-    p.add_argument("--chunk-steps", type=int, default=4,
+    p.add_argument("--chunk-steps", type=int, default=None,
                    help="decode steps per chunk: tokens reach clients and new requests join the batch between chunks "
-                        "(smaller: sooner; larger: less host work per token)")
+                        "(smaller: sooner; larger: less host work per token; default 4, "
+                        "engine.default_chunk_steps(continuous=True))")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond those the free batch rows will take; more get 429")
     p.add_argument("--mesh", type=mesh_argument, nargs="?", const="all", default=1, metavar="N|all",
@@ -173,7 +174,7 @@ def check_flags(args) -> None:
     if not 0 < args.port < 65536:
         _fail(f"--port must be in [1, 65535]; got {args.port}")
     for name in ("max_batch", "max_len", "chunk_steps", "max_queue"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.budget != "auto" and args.budget < 0:
         _fail(f"--budget must be 'auto' or >= 0; got {args.budget}")
@@ -318,7 +319,8 @@ def main(argv=None) -> int:
         notice("the checkpoint has no drafter: serving autoregressively")
     settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, calibrate=args.calibrate,
                         calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
-                        tree_temperature=args.tree_temperature or recommended, chunk_steps=args.chunk_steps,
+                        tree_temperature=args.tree_temperature or recommended,
+                        chunk_steps=args.chunk_steps or Settings.chunk_steps,
                         max_queue=args.max_queue)
     metrics = Metrics()
     scheduler = Scheduler(target, drafter, settings, metrics, say=lambda line: print(line, file=sys.stderr, flush=True))

@@ -359,7 +359,8 @@ class Settings:
     calibration_prompt: Optional[tuple] = None  # token ids the calibration decodes (default: CALIBRATION_TEXT's bytes)
     topk: int = 4
     tree_temperature: float = 1.0
-    chunk_steps: int = 4  # decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host
+    # Decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host work.
+    chunk_steps: int = engine.default_chunk_steps(continuous=True)
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
 
 

@@ -22,10 +22,10 @@ for the chunk after the one in flight (it reads each chunk's tokens anyway), so 
 1. Draft or not. The policy keeps, per menu entry, a running mean of each drafted step's predicted tokens per
    sequence (`expected`). A drafted step of budget b measures E for b and every smaller entry (its tree's first
    nodes); a larger entry's predicted gain E - 1 moves by the factor b's gain moved by, keeping the ratio last measured
-   when both were (the calibration times every entry; a chunk of the larger entry measures it again). The next chunk drafts when the best predicted rate with the
-   drafter, max_b E(b) / (c_draft + c_verify(b)), reaches the autoregressive rate 1 / c_ar; otherwise it is
-   autoregressive and runs no drafter (the target's features of its tokens wait in a ring, PendingContext, and enter
-   the drafter's cache at the start of the next chunk). A closed gate still probes: after `probe_every` chunks'
+   when both were (the calibration times every entry; a chunk of the larger entry measures it again). The next
+   chunk drafts when the best predicted rate with the drafter, max_b E(b) / (c_draft + c_verify(b)), reaches the
+   autoregressive rate 1 / c_ar; otherwise it is autoregressive and runs no drafter (the target's features of its
+   tokens wait in a ring, PendingContext, and enter the drafter's cache at the end of that chunk). A closed gate still probes: after `probe_every` chunks'
    worth of steps without the drafter, one chunk drafts to refresh the prediction (a probe that finds speculation
    still loses doubles the interval; one that finds it pays reopens the gate). The first interval keeps the probes'
    extra cost at PROBE_SHARE of the autoregressive time.
