@@ -79,6 +79,29 @@ def test_next_entry_maximises_expected_tokens_per_cost_and_probes():
     assert entry(expected=(1.0, 4.6, 4.6), force=0) == entry(expected=(1.0, 4.6, 4.6), force=len(MENU)) == len(MENU)
 
 
+def test_the_gate_asks_for_a_margin_and_a_chunk_keeps_its_entry_unless_another_is_clearly_faster():
+    def entry(expected, current=None, active=None, **kw):
+        return int(bp.next_entry(_policy(expected=expected, **kw), MENU, 0.0, 8, current=current, active=active))
+
+    # Budget 4 (cost 1.5) at 1.5 * 1.05 tokens: 5% faster than an autoregressive step, under the gate's margin.
+    assert entry((1.0, 1.5 * 1.05, 1.0)) == len(MENU)
+    assert entry((1.0, 1.5 * (1 + bp.GATE_MARGIN) * 1.01, 1.0)) == 1
+    # Budget 16 (cost 2.5) 3% faster than budget 4: a chunk of budget 4 stays at 4, one of 16 at 16; 10% faster: 16.
+    close, far = (1.0, 3.0, 5.0 * 1.03), (1.0, 3.0, 5.0 * 1.10)
+    assert entry(close) == 2 and entry(close, current=1) == 1 and entry(close, current=2) == 2
+    assert entry(far, current=1) == 2
+    # An autoregressive chunk (len(MENU), or the budget 0 entry) leaves for a budget that opens the gate (the gate's
+    # margin is above the switch's), and a probe that is due drafts.
+    opens = (1.0, 1.5 * (1 + bp.GATE_MARGIN) * 1.01, 1.0)
+    assert entry(opens, current=len(MENU)) == entry(opens, current=0) == 1
+    assert entry((1.0, 1.5 * 1.05, 1.0), current=0) == len(MENU)
+    lost = _policy(expected=(1.0, 1.05, 1.1))._replace(since_draft=jnp.int32(25 * 8))
+    assert int(bp.next_entry(lost, MENU, 0.0, 8, current=len(MENU))) == 1
+    # The chunk after the last active row runs the entry that ran (a switch for a chunk of no steps costs a program).
+    assert entry(far, current=1, active=jnp.asarray([False, False])) == 1
+    assert entry(far, current=1, active=jnp.asarray([False, True])) == 2
+
+
 def test_a_probe_that_loses_doubles_the_interval_one_that_pays_resets_it():
     lost = _policy(expected=(1.0, 1.05, 1.1))._replace(probe_every=jnp.int32(40))
     assert int(bp.end_of_chunk(lost, MENU, 1, 0.0).probe_every) == 80

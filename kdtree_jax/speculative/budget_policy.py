@@ -45,7 +45,7 @@ Pure functions on the loop's carry (`PolicyState`); engine.py / step.py call the
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +66,15 @@ EXPECTED_DECAY = 0.125
 # _follow's floor on a gain (E - 1), so that a step whose tree the drafter could not predict (gain ~0) does not zero
 # the larger entries' predictions for good.
 GAIN_FLOOR = 0.05
+# The gate drafts only when the best predicted rate beats an autoregressive step's by this share: the costs are measured
+# to a few percent (the calibration's chunks on the H200 came out 10-60% away from what the decode paid at 8-step
+# chunks, budget_sweep_h200 at d941d29), and a wrong "speculate" costs a whole chunk at a slower step while a wrong
+# "autoregressive" costs at most the margin.
+GATE_MARGIN = 0.1
+# A chunk keeps the entry it runs unless another is predicted this share faster: on the H200 the first call of a
+# program after another one ran costs 2-7 ms of host time more than a repeat (its command buffer's update), several
+# chunks' worth of a few-percent gain (probe at d941d29, batch 16: 8.5 and 3.6 ms against ~1.7).
+SWITCH_MARGIN = 0.05
 PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
 PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes
 # PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i (a budget 0 entry: autoregressive); len(menu):
@@ -163,18 +172,24 @@ def _rates(policy: PolicyState, menu: Sequence[int], context):
 
 def speculative_rate(policy: PolicyState, menu: Sequence[int], context) -> jnp.ndarray:
     """The best predicted tokens per ms of a drafted step (by the running prediction `expected`), over an
-    autoregressive step's: [] f32; >= 1 when the gate predicts that drafting pays."""
+    autoregressive step's: [] f32; the gate opens where it `pays`."""
     c_ar, _, rates = _rates(policy, menu, context)
     return rates.max() * c_ar
 
 
+def pays(rate):
+    """Whether a predicted speed-up over autoregressive decoding (`speculative_rate`) opens the gate (GATE_MARGIN)."""
+    return rate >= 1.0 + GATE_MARGIN
+
+
 def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, remaining=None,
-               active=None) -> jnp.ndarray:
+               active=None, current: Optional[int] = None) -> jnp.ndarray:
     """The menu entry the next chunk of `steps` steps runs ([] int32; len(menu): autoregressive, no drafter): the
-    forced one, else the best predicted budget when it beats an autoregressive step (or a probe is due), else
-    autoregressive. The best: in a static batch (policy.makespan, `remaining` [B] tokens each row has left, `active`
-    [B]), the least predicted time to finish every active row, max over rows of remaining / E_row(b) steps at
-    c_draft + c_verify(b) each, against max remaining steps at c_ar; otherwise the most predicted tokens per ms."""
+    forced one, else the best predicted budget when it beats an autoregressive step by GATE_MARGIN (or a probe is
+    due), else autoregressive. The best: in a static batch (policy.makespan, `remaining` [B] tokens each row has left,
+    `active` [B]), the least predicted time to finish every active row, max over rows of remaining / E_row(b) steps at
+    c_draft + c_verify(b) each, against max remaining steps at c_ar; otherwise the most predicted tokens per ms.
+    current: the (static) entry of the chunk that ends here, kept unless the choice is SWITCH_MARGIN faster."""
     m = len(menu)
     if not speculative_entries(menu).any():
         return jnp.int32(m)
@@ -188,9 +203,17 @@ def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, re
         work = jnp.maximum(left.max(), 1.0)
         rates = jnp.where(policy.makespan, jnp.where(speculative, work / jnp.maximum(finish, 1e-9), -1.0), rates)
     best = jnp.argmax(rates).astype(jnp.int32)
-    gate = rates[best] * c_ar >= 1.0
+    gate = pays(rates[best] * c_ar)
     probe = policy.since_draft + steps > policy.probe_every * steps
     chosen = jnp.where(gate | probe, best, m)
+    if current is not None:  # the entry this chunk ran stays unless the choice beats it by SWITCH_MARGIN (a probe
+        # due still drafts); and a chunk after the last active row runs it again (no switch for a chunk of no steps)
+        rate_of = lambda e: jnp.where(e == m, 1.0 / c_ar, rates[jnp.minimum(e, m - 1)])  # noqa: E731
+        current_entry = jnp.int32(current if is_speculative(menu, current) else m)
+        keep = (rate_of(current_entry) >= (1.0 - SWITCH_MARGIN) * rate_of(chosen)) & ~(probe & (current_entry == m))
+        if active is not None:
+            keep = keep | ~active.any()
+        chosen = jnp.where(keep, current_entry, chosen)
     forced = jnp.where((policy.force < m) & jnp.asarray(np.append(speculative_entries(menu), False))[
         jnp.clip(policy.force, 0, m)], policy.force, m)
     return jnp.where(policy.force == FORCE_POLICY, chosen, forced).astype(jnp.int32)
@@ -284,7 +307,7 @@ def end_of_chunk(policy: PolicyState, menu: Sequence[int], entry: int, context) 
     if not is_speculative(menu, entry):
         return policy
     c_ar, c_draft, c_verify = _costs(policy, context)
-    paid = speculative_rate(policy, menu, context) >= 1.0
+    paid = pays(speculative_rate(policy, menu, context))
     base = probe_interval(c_ar, c_draft, c_verify, menu)
     return policy._replace(probe_every=jnp.where(paid, base, jnp.minimum(2 * policy.probe_every, PROBE_MAX)))
 

@@ -150,7 +150,7 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
             context = budget_policy.mean_context(state.cache.seq_lens, state.active)
             state = state._replace(policy=budget_policy.end_of_chunk(state.policy, spec.menu, entry, context))
             following = budget_policy.next_entry(state.policy, spec.menu, context, steps, _remaining(state),
-                                                 state.active)
+                                                 state.active, current=entry)
     if getattr(target, "mesh", None) is not None:  # replicated, as setup and admission place it: left to XLA,
         # the penalties' token counts come out split by vocabulary, and this program's next call would refuse them
         state = jax.lax.with_sharding_constraint(state, jax.sharding.NamedSharding(target.mesh,
@@ -176,6 +176,7 @@ class _Call(NamedTuple):
     chain: object  # the chain of calls it continues (one decode, one server bucket)
     entry: int  # the entry it ran (admit / reset_row: the entry of the call before)
     next_entry: Optional[jnp.ndarray]  # ChunkOutput.next_entry (admit / reset_row: None)
+    shapes: tuple  # the state's _shapes (a program's output has its input's)
 
 
 def _shapes(state: LoopState) -> tuple:
@@ -268,9 +269,10 @@ class ChunkedLoop:
     def _remember(self, call: _Call):
         self._recent = self._recent[-7:] + [call]
 
-    def _entry_for(self, state: LoopState) -> tuple:
-        """(the entry a call on `state` runs, the chain of calls it continues) (class docstring)."""
-        known = self._record(state)
+    def _entry_for(self, state: LoopState, known: Optional[_Call] = None) -> tuple:
+        """(the entry a call on `state` runs, the chain of calls it continues) (class docstring); known: its
+        `_record`."""
+        known = known or self._record(state)
         if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
             return int(_entry_of_state(state, menu=self.spec.menu, steps=self.steps)), object()
         for r in reversed(self._recent):
@@ -281,7 +283,7 @@ class ChunkedLoop:
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
         if self.spec.menu and (known := self._record(old)) is not None:
-            self._remember(_Call(new.policy.force, known.chain, known.entry, None))
+            self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.shapes))
         return new
 
     def __call__(self, state: LoopState) -> ChunkOutput:
@@ -289,12 +291,13 @@ class ChunkedLoop:
             if self.compiled is not None:
                 return self.compiled(self.leaves, self.loop_weights, state)
             return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
-        shapes = _shapes(state)
+        known = self._record(state)
+        shapes = known.shapes if known is not None else _shapes(state)  # the state's flattening: ~0.15 ms a call
         if (shapes, len(self.spec.menu)) not in self._programs:
             self.compile(state)
-        entry, chain = self._entry_for(state)
+        entry, chain = self._entry_for(state, known)
         out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
-        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry))
+        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, shapes))
         return out
 
     def reset_row(self, state: LoopState, row: int) -> LoopState:
@@ -514,6 +517,12 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
                                                                             and rate <= last_rate):
                 break
             last_rate = rate
+    # A second round over the entries the first one timed, each keeping its faster step: the first round's entries
+    # come in one order, and on the H200 the first of them (autoregressive) came out 30-70% above what the decode paid
+    # for it (budget_sweep_h200 at d941d29: a GPU's clocks and caches warm to the work as it starts).
+    for mode in list(ms):
+        again, _ = step_ms(len(menu) if mode == "ar" else mode)
+        ms[mode] = min(ms[mode], again)
     if on_progress is not None:
         on_progress("calibrate", len(modes), len(modes))
     batch = state.bonus.shape[0]
@@ -684,7 +693,7 @@ def _loop_on_device() -> bool:
 
 def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int, context: float) -> Optional[dict]:
     """When `model` (the cached cost model of these settings) has a point for this batch and context whose costs and
-    acceptance prior close the gate (budget_policy.speculative_rate < 1: no menu budget is predicted to beat an
+    acceptance prior close the gate (budget_policy.pays: no menu budget is predicted to beat an
     autoregressive step), the verdict (for stats); else None (the adaptive loop decides step by step). generate and
     the server then run the plain autoregressive program."""
     point = model.lookup(batch, context)
@@ -692,12 +701,12 @@ def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int
         return None
     costs = model.costs(batch, context)
     rate = float(budget_policy.speculative_rate(budget_policy.init_state(menu, **costs), menu, context))
-    if rate >= 1.0:
+    if budget_policy.pays(rate):
         return None
     return {"menu": list(menu), "decision": "autoregressive",
             "why": (f"the cost model (autoregressive step {costs['cost_ar']:.3g} ms, drafter {costs['cost_draft']:.3g} "
                     f"ms) and the measured acceptance give at most {rate:.2f}x an autoregressive step's tokens per ms "
-                    "with speculation"),
+                    f"with speculation, under the {1 + budget_policy.GATE_MARGIN:.2f}x the gate asks for"),
             "calibrated": False, "calibration_seconds": 0.0, "cost_model": str(model.path),
             "costs_ms": {"ar": costs["cost_ar"], "draft": costs["cost_draft"],
                          "verify": np.round(costs["cost_verify"], 4).tolist()}}
