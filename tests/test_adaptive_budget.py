@@ -391,3 +391,9 @@ def test_decode_ms_times_whole_chunks_of_every_row_without_consuming_the_state(p
     assert steps == 3 * 2 and ms > 0  # 8 tokens a row would end after ~2 steps of the largest budget without resets
     assert int(final.step) == int(state.step) + 5 * 2  # the clock's 3 chunks, the one before and the one in flight
     assert int(state.step) == 0 and not state.step.is_deleted()
+    # The resets are the program's (PolicyState.endless): a chunk of a finished batch, every row inactive and at its
+    # limit, runs all its steps; the final state decodes normally again.
+    done = state._replace(active=jnp.zeros_like(state.active), num_out=jnp.full_like(state.num_out, 8),
+                          policy=state.policy._replace(endless=jnp.bool_(True)))
+    assert int(loop(jax.tree.map(jnp.copy, done)).state.step) == 2
+    assert not bool(final.policy.endless)

@@ -105,6 +105,11 @@ class PolicyState(NamedTuple):
     # where a finished row takes the next request).
     makespan: jnp.ndarray  # [] bool
     row_expected: jnp.ndarray  # [B, M] f32 running mean of each row's predicted tokens per menu entry
+    # Calibration's timing runs (engine.decode_ms): each chunk starts with every row active and its output empty, so
+    # that no row runs out of tokens, in the program rather than by new arrays from the host between chunks (a new
+    # buffer in a call's input costs an update of its command buffer on a GPU: the chunks timed that way came out up to
+    # 2x what the decode paid for an autoregressive step on the H200, budget_sweep_h200 at f457516).
+    endless: jnp.ndarray  # [] bool
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
@@ -130,7 +135,8 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
-        row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32))
+        row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32),
+        endless=jnp.bool_(False))
 
 
 def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> jnp.ndarray:

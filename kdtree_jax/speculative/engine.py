@@ -128,6 +128,9 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
     # of host time a call, unflattening them here costs nothing at run time (it happens while tracing).
     _TRACES["decode_chunk"] = _TRACES.get("decode_chunk", 0) + 1
     target, drafter = jax.tree.unflatten(structure, leaves)
+    if spec.menu:  # PolicyState.endless: a calibration's timing run
+        endless = state.policy.endless
+        state = state._replace(num_out=jnp.where(endless, 0, state.num_out), active=state.active | endless)
     start, stop_step = state.num_out, state.step + steps
 
     def cond(s: LoopState):
@@ -297,6 +300,9 @@ class ChunkedLoop:
             self.compile(state)
         entry, chain = self._entry_for(state, known)
         out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
+        # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
+        # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
+        out.next_entry.copy_to_host_async()
         self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, shapes))
         return out
 
@@ -450,11 +456,16 @@ def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
     flight while the host reads the one before. The clock runs from the first chunk's read to that of the `chunks`-th
     after it, so the launch of the first and the wait for the last stay out, and every gap the host leaves between
     chunks stays in. Each chunk starts with every row active and none of its output used, so that no row runs out of
-    tokens to emit. -> (ms a step, steps timed, the final state)."""
+    tokens to emit (an adaptive loop's program does that, PolicyState.endless; a fixed loop's state gets two new arrays
+    a chunk, which on a GPU also times their command buffer's update). -> (ms a step, steps timed, the final state)."""
     def fresh(s: LoopState) -> LoopState:
+        if s.policy is not None:  # an adaptive loop does it in the program (PolicyState.endless)
+            return s
         return s._replace(num_out=jnp.zeros_like(s.num_out), active=jnp.ones_like(s.active))
 
     copy = jax.tree.map(jnp.copy, state)
+    if copy.policy is not None:
+        copy = copy._replace(policy=copy.policy._replace(endless=jnp.ones_like(copy.policy.endless)))
     jax.block_until_ready(copy)
     current = loop(fresh(copy))
     step = jnp.copy(current.state.step)  # the next call donates the state
@@ -469,8 +480,11 @@ def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
         jax.device_get((current.tokens, current.num_out))
     ms = (time.perf_counter() - t0) * 1e3
     steps = int(step) - first
-    jax.block_until_ready(following)
-    return ms / max(steps, 1), steps, following.state
+    final = following.state
+    if final.policy is not None:
+        final = final._replace(policy=final.policy._replace(endless=jnp.zeros_like(final.policy.endless)))
+    jax.block_until_ready(final)
+    return ms / max(steps, 1), steps, final
 
 
 # Chunks timed per entry of the chunked loop (decode_ms). Chained calls timed without the host's reads of each chunk
