@@ -74,8 +74,8 @@ def kernel_profile(loop: engine.ChunkedLoop, state, chunk_steps: int) -> dict:
     """One chunk of `loop` from a copy of `state` under the profiler: kernel time per part of the step, the union of
     the kernel intervals (busy), kernels per step, and the largest kernels of the parts a step adds to the verify
     pass (profiling.profile_call). A step's ms well above its busy ms is time the GPU waited (host-driven loops)."""
-    prof = profiling.profile_call(loop.compiled, (loop.leaves, loop.loop_weights, jax.tree.map(jnp.copy, state)),
-                                  steps=chunk_steps)
+    args = (loop.leaves, loop.loop_weights, jax.tree.map(jnp.copy, state))
+    prof = profiling.profile_call(loop.program(state), args, steps=chunk_steps)  # the entry the state is forced to
     keep = ("drafter", "tree_accept_commit", "other")
     return {"busy_ms": prof["busy_ms"], "kernels_per_step": prof["kernels_per_step"],
             "components_ms": prof["components_ms"], "idle_gaps": prof["idle_gaps"][:6],

@@ -397,3 +397,9 @@ def test_decode_ms_times_whole_chunks_of_every_row_without_consuming_the_state(p
                           policy=state.policy._replace(endless=jnp.bool_(True)))
     assert int(loop(jax.tree.map(jnp.copy, done)).state.step) == 2
     assert not bool(final.policy.endless)
+    # The program a call runs (to profile it) is the forced entry's, one per entry.
+    def forced(entry):
+        return state._replace(policy=state.policy._replace(force=jnp.int32(entry)))
+
+    assert loop.program(forced(len(MENU) - 1)) is loop.program(forced(len(MENU) - 1))
+    assert loop.program(forced(len(MENU) - 1)) is not loop.program(forced(len(MENU)))

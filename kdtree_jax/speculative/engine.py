@@ -289,6 +289,16 @@ class ChunkedLoop:
             self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.shapes))
         return new
 
+    def program(self, state: LoopState):
+        """The jax Compiled that a call on `state` runs (compiled here if it is not yet), e.g. to profile it."""
+        if not self.spec.menu:
+            return self.compiled if self.compiled is not None else self.compile(state)
+        known = self._record(state)
+        shapes = known.shapes if known is not None else _shapes(state)
+        if (shapes, len(self.spec.menu)) not in self._programs:
+            self.compile(state)
+        return self._programs[(shapes, self._entry_for(state, known)[0])]
+
     def __call__(self, state: LoopState) -> ChunkOutput:
         if not self.spec.menu:
             if self.compiled is not None:
