@@ -271,9 +271,9 @@ def pick(menu: list, points: dict, drafter_ms: float, scores, valid, context: fl
     cost = [drafter_ms + (v if b > 0 else c_ar) for b, v in zip(menu, verify)]
     rates = [float(x / y) for x, y in zip(e, cost)]  # tokens per ms, per sequence
     # The gate in its steady state (its running prediction equal to these E(b)): the best drafting budget's rate
-    # against an autoregressive step's (budget_policy.next_entry).
+    # against an autoregressive step's, with the gate's margin (budget_policy.next_entry, budget_policy.pays).
     chosen = max((i for i, b in enumerate(menu) if b > 0), key=lambda i: rates[i])
-    drafts = rates[chosen] * c_ar >= 1.0
+    drafts = bool(budget_policy.pays(rates[chosen] * c_ar))
     budget = menu[chosen] if drafts else None  # None: the gate keeps the step autoregressive
     best_rate = rates[chosen] if drafts else 1.0 / c_ar
     expected = e
