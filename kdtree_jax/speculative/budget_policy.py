@@ -23,16 +23,19 @@ for the chunk after the one in flight (it reads each chunk's tokens anyway), so 
    sequence (`expected`). A drafted step of budget b measures E for b and every smaller entry (its tree's first
    nodes); a larger entry's predicted gain E - 1 moves by the factor b's gain moved by, keeping the ratio last measured
    when both were (the calibration times every entry; a chunk of the larger entry measures it again). The next
-   chunk drafts when the best predicted rate with the drafter, max_b E(b) / (c_draft + c_verify(b)), reaches the
-   autoregressive rate 1 / c_ar; otherwise it is autoregressive and runs no drafter (the target's features of its
+   chunk drafts when the best predicted rate with the drafter, max_b E(b) / (c_draft + c_verify(b)), beats the
+   autoregressive rate 1 / c_ar by GATE_MARGIN; otherwise it is autoregressive and runs no drafter (the target's features of its
    tokens wait in a ring, PendingContext, and enter the drafter's cache at the end of that chunk). A closed gate still probes: after `probe_every` chunks'
    worth of steps without the drafter, one chunk drafts to refresh the prediction (a probe that finds speculation
    still loses doubles the interval; one that finds it pays reopens the gate). The first interval keeps the probes'
    extra cost at PROBE_SHARE of the autoregressive time.
-2. Which budget: the argmax over the menu's budgets of E(b) / (c_draft + c_verify(b)).
+2. Which budget: the argmax over the menu's budgets of E(b) / (c_draft + c_verify(b)); a chunk keeps the entry the
+   chunk before it ran unless the argmax is predicted SWITCH_MARGIN faster (on a GPU the first call of another
+   program costs milliseconds of host time).
    The policy cannot be slower than autoregressive decoding by more than its probes (PROBE_SHARE) plus what wrong
-   predictions cost for a chunk: a chunk speculates only when its predicted rate beats an autoregressive step's, and
-   the calibration corrects the predictions after every drafted step.
+   predictions cost for a chunk: a chunk speculates only when its predicted rate beats an autoregressive step's by
+   GATE_MARGIN (so the costs may be that far off), and the calibration corrects the predictions after every drafted
+   step.
 
 Calibration: exp(score) is the drafter's (tree-temperature sharpened) belief, not the verify pass's acceptance
 rate. The policy keeps, in bins of predicted probability, the decayed sums of predicted and observed acceptances
