@@ -27,6 +27,9 @@ _DOC = {
     "queue_length": ("gauge", "Requests waiting for a batch row"),
     "buckets": ("gauge", "Live buckets (one: the batch, for any sampling settings; 0 before the first request)"),
     "compiles_total": ("counter", "XLA compiles in this process (constant under a steady load)"),
+    "decode_thread_seconds_total": ("counter", "The decode thread's time by phase (scheduler.HostSpans; a phase that "
+                                               "reads the device includes the wait for it)"),
+    "decode_thread_calls_total": ("counter", "The decode thread's spans by phase"),
 }
 # The adaptive tree budget's (--budget auto): on the page only when the server runs it. A batch step is one step of
 # one bucket's whole batch (the policy chooses once per chunk for every row); a sequence step one row's share of it.
@@ -72,6 +75,7 @@ class Metrics:
         self.policy_sums = np.zeros(3, np.float64)
         self.policies: dict = {}
         self.cost_infos: dict = {}
+        self.spans = None  # the scheduler's HostSpans (read, never written, here)
 
     def set_menu(self, menu) -> None:
         with self._lock:
@@ -164,8 +168,16 @@ class Metrics:
                 "queue_length": g["queue_length"],
                 "buckets": g["buckets"],
                 "compiles_total": g["compiles"],
+                **self._spans(),
                 **adaptive,
             }
+
+    def _spans(self) -> dict:
+        if self.spans is None:
+            return {}
+        snap = self.spans.snapshot()
+        return {"decode_thread_seconds_total": {k: v[0] for k, v in snap.items()},
+                "decode_thread_calls_total": {k: v[1] for k, v in snap.items()}}
 
     def budget_policy(self) -> "dict | None":
         """The adaptive budget as JSON (for /health; None with a fixed budget): the totals /metrics shows, and per
@@ -200,6 +212,8 @@ class Metrics:
                 lines += [f'{full}{{outcome="{k}"}} {v}' for k, v in value.items()]
             elif name == "budget_steps_total":
                 lines += [f'{full}{{budget="{k}"}} {v}' for k, v in value.items()]
+            elif name.startswith("decode_thread_"):
+                lines += [f'{full}{{phase="{k}"}} {v:.6g}' for k, v in sorted(value.items())]
             elif kind == "summary":
                 lines += [f"{full}_sum {value[0]:.6f}", f"{full}_count {value[1]}"]
             else:

@@ -84,6 +84,32 @@ def compile_count() -> int:
 
 compile_count()  # listen from import on
 
+
+class HostSpans:
+    """Where the decode thread's time goes, by phase: seconds and calls since start (/metrics'
+    kdtree_serve_decode_thread_seconds_total, benchmarks/serve_host.py). A phase's time includes any wait for the
+    device inside it (a read of a chunk's tokens waits for that chunk): on a CPU, whose cores are the device, that is
+    the decode itself; the host's own work is the rest."""
+
+    def __init__(self):
+        self.seconds: dict = collections.defaultdict(float)
+        self.calls: dict = collections.defaultdict(int)
+
+    def add(self, phase: str, t0: float) -> float:
+        """Count perf_counter() - t0 to `phase`: -> now (the next span's start)."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - t0
+        self.calls[phase] += 1
+        return now
+
+    def snapshot(self) -> dict:
+        return {k: (self.seconds[k], self.calls[k]) for k in list(self.seconds)}
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
 class QueueFull(Exception):
     """The waiting queue is at --max-queue: the server answers 429."""
 
@@ -277,16 +303,21 @@ class Bucket:
         seeded request's tokens do not depend on the batch it joins."""
         sched = self.sched
         firsts = []
+        spans = sched.spans
+        t = time.perf_counter()
         for req, row in zip(reqs, self.free_rows()):
             seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
             self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed,
                                                 sampling=req.sampling)
             self.owner[row] = req
             firsts.append((req, row, first))
+        t = spans.add("admit.dispatch", t)
         for req, row, first in firsts:
             token = int(np.asarray(first)[0])  # waits for its prefill: the first token is the time to first token
+            t = spans.add("admit.first_token_read", t)
             sched.metrics.first_token(time.perf_counter() - req.submitted)
             self._deliver(row, req, [token])
+            t = spans.add("deliver", t)
         self.last_used = time.perf_counter()
 
     def _deliver(self, row: int, req: Request, ids: list) -> None:
@@ -302,7 +333,9 @@ class Bucket:
         """The row's request is over: tell it, free its KV slots (after the chunk in flight), free the row."""
         req = self.owner[row]
         self.owner[row] = None
+        t = time.perf_counter()
         self.state = self.loop.reset_row(self.state, row)
+        self.sched.spans.add("retire.reset_row", t)
         if not req.finished:
             req.finished = True
             self.sched.metrics.add("requests_cancelled" if reason == "cancelled" else "requests_ok")
@@ -316,17 +349,21 @@ class Bucket:
     # -- chunks --------------------------------------------------------------------------------------------------
     def launch(self) -> None:
         """Enqueue one chunk (asynchronous: the device runs it while the host reads the previous one)."""
+        t = time.perf_counter()
         out = self.loop(self.state)
         self.state = out.state
         self.inflight.append((out, _counters(out.state), list(self.owner)))
-        self.last_used = time.perf_counter()
+        self.last_used = self.sched.spans.add("launch", t)
 
     def collect(self) -> None:
         """Read the oldest chunk in flight and hand each row's new tokens to the request that owned the row then
         (a row retired meanwhile, or already given to another request, drops them)."""
+        spans = self.sched.spans
+        t = time.perf_counter()
         out, counters, owners = self.inflight.popleft()
         tokens, start, num_out, (hist, num_free, policy) = jax.device_get((out.tokens, out.start, out.num_out,
                                                                            counters))
+        t = spans.add("collect.read", t)
         self.sched.metrics.add_steps(np.asarray(hist, np.int64) - self.hist_seen)
         self.hist_seen = np.asarray(hist, np.int64)
         if policy is not None:
@@ -338,6 +375,7 @@ class Bucket:
             n = int(num_out[row]) - int(start[row])
             if n > 0:
                 self._deliver(row, req, tokens[row, :n].tolist())
+        spans.add("collect.deliver", t)
 
     def refresh_pool(self) -> None:
         """Publish the pool's free slots when no chunk is in flight to do it (after the last row retired)."""
@@ -413,6 +451,8 @@ class Scheduler:
         self.warmup_error: Optional[BaseException] = None  # what a failed warm-up on the decode thread raised
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
+        self.spans = HostSpans()
+        metrics.spans = self.spans
 
     def say(self, line: str) -> None:
         if self._say is not None:
@@ -544,6 +584,7 @@ class Scheduler:
         while bucket.inflight:
             bucket.collect()
         self.metrics.reset_counts()
+        self.spans.reset()  # the profile is of serving, not of the warm-up's compiles
         return True
 
     def _run(self, warmup: bool = False) -> None:
@@ -558,9 +599,11 @@ class Scheduler:
         if not finished:
             return
         while True:
+            t0 = time.perf_counter()
             with self._lock:
                 while not self._stop and not self._waiting and self._idle():
                     self._lock.wait(0.5)
+                self.spans.add("idle", t0)
                 if self._stop and not self._waiting and self._idle():
                     return
                 waiting = [r for r in self._waiting if not r.cancelled]
@@ -577,7 +620,9 @@ class Scheduler:
                 self._step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 self._fail_all(e, waiting)
+            t0 = time.perf_counter()
             self._update_gauges()
+            self.spans.add("gauges", t0)
 
     def _admit_waiting(self, waiting: list[Request]) -> list[Request]:
         """Admit what fits, oldest first: -> the requests left waiting."""

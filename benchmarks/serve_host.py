@@ -1,0 +1,366 @@
+"""The server at the loop's speed (issue 45, item 3): the server against the decode loop on the same prompts, in one
+call, and where the decode thread's time goes.
+
+    python benchmarks/serve_host.py                       # CPU defaults (the embedded pair, the server's defaults)
+    python benchmarks/serve_host.py --no-http             # in-process only (no server subprocess, no HTTP client)
+    python benchmarks/serve_host.py --smoke               # tiny: seconds, a temporary directory
+
+Three comparisons, each against the same engine in the same process:
+
+1. A single stream: `python -m kdtree_jax.generate` (a subprocess, --json: its decode tok/s) and the scheduler
+   in-process (kdtree_jax.serve.scheduler, the server's settings) and, unless --no-http, a `python -m kdtree_jax.serve`
+   subprocess over HTTP, all on the same prompt and token count, greedy. A stream's tok/s: (tokens - 1) / (last token
+   - first token), as the CLI's decode tok/s leaves out its prefill.
+2. Concurrency C (default 16): the load test's seeded request list (benchmarks/serve_load.py: prompts of 8-64
+   held-out tokens, max_tokens 16-96, greedy), C in flight at a time, through the scheduler in-process (and over
+   HTTP), against `spec_decode.refill_pass` (the loop of `spec_decode.py --refill`: the same prompts through a batch
+   of --max-batch rows, a row refilled as soon as the chunk that finished it is read, nothing else on the host) with
+   the greedy program spec_decode compiles. Throughput = completion tokens / wall time; TTFT p50 of the scheduler's
+   requests against a chunk's time (the loop's mean).
+3. The decode thread's profile (scheduler.HostSpans: seconds by phase, /metrics' decode_thread_seconds_total) for
+   each scheduler run.
+
+Writes <out>/serve_host_<device>.{json,md} (default benchmarks/results/history, named with the commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=None, help="default: the embedded pair")
+    p.add_argument("--prompt", default="def fibonacci(n):", help="the single stream's prompt")
+    p.add_argument("--stream-tokens", type=int, default=600, help="the single stream's max_tokens")
+    p.add_argument("--requests", type=int, default=48, help="requests of the concurrency run")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (and the loop's batch)")
+    p.add_argument("--max-len", type=int, default=1024, help="the server's --max-len")
+    p.add_argument("--chunk-steps", type=int, default=None, help="default: the server's")
+    p.add_argument("--prompt-len", default="8,64")
+    p.add_argument("--max-new-tokens", default="16,96")
+    p.add_argument("--no-http", action="store_true", help="skip the server subprocess runs")
+    p.add_argument("--no-cli", action="store_true", help="skip the generate subprocess (the in-process call stays)")
+    p.add_argument("--label", default="", help="a name for this run in the output (before / after)")
+    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
+    p.add_argument("--smoke", action="store_true", help="a few short requests")
+    return p
+
+
+def _stream_tps(times: list) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
+
+
+def spans_table(snap: dict, wall: float) -> list:
+    """[(phase, seconds, calls, share of wall)] largest first."""
+    rows = [(k, s, n, s / wall if wall else float("nan")) for k, (s, n) in snap.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+class Driver:
+    """Requests through an in-process scheduler, `concurrency` in flight: per request the time of every token."""
+
+    def __init__(self, scheduler):
+        self.s = scheduler
+
+    def run(self, requests: list, concurrency: int) -> dict:
+        from kdtree_jax.serve import scheduler as sched
+
+        lock = threading.Condition()
+        pending = list(range(len(requests)))[::-1]
+        results = [None] * len(requests)
+        state = {"running": 0}
+
+        def submit(i):
+            r = requests[i]
+            sent = time.perf_counter()
+            times, ids = [], []
+
+            def emit(kind, value, i=i, times=times, ids=ids, sent=sent):
+                if kind == "tokens":
+                    now = time.perf_counter()
+                    ids.extend(value)
+                    times.extend([now] * len(value))
+                    return
+                with lock:
+                    results[i] = {"sent": sent, "times": times, "ids": ids, "end": kind}
+                    state["running"] -= 1
+                    lock.notify()
+
+            state["running"] += 1
+            self.s.submit(sched.Request(prompt=list(r["prompt"]), max_tokens=r["max_tokens"], emit=emit))
+
+        t0 = time.perf_counter()
+        with lock:
+            while pending or state["running"]:
+                while pending and state["running"] < concurrency:
+                    submit(pending.pop())
+                lock.wait(1.0)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(r["ids"]) for r in results)
+        ttft = [r["times"][0] - r["sent"] for r in results if r["times"]]
+        return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                "ttft_p50_ms": 1e3 * float(np.median(ttft)), "ttft_p90_ms": 1e3 * float(np.percentile(ttft, 90)),
+                "outputs": [r["ids"] for r in results],
+                "stream_tps": [_stream_tps(r["times"]) for r in results]}
+
+
+def loop_refill(target, drafter, requests: list, batch: int, max_len: int, chunk_steps: int) -> dict:
+    """spec_decode.py --refill's loop on these requests (each its own max_tokens), greedy, the refusal's
+    autoregressive program or the fixed budget the server runs: -> tok/s, chunks, a chunk's ms."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdtree_jax import kv_pool
+    from kdtree_jax.speculative import engine
+    from spec_decode import refill_pass
+
+    max_new = max_len
+    spec = engine.SpecConfig(tree="ddtree", budget=0, topk=4, sampled=False, max_new_tokens=max_new)
+    moe = [layer.mlp for layer in target.layers if layer.is_moe]
+
+    def empty():
+        cache = kv_pool.init_cache(target.cfg, batch, max_len, dtype=target.dtype)
+        st = engine.initial_state(cache, None, np.zeros((batch,), np.int32), max_new_tokens=max_new, width=1,
+                                  stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
+                                  expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
+                                  active=np.zeros((batch,), bool))
+        return jax.device_put(st, jax.devices()[0])
+
+    loop = engine.ChunkedLoop(target, None, spec, steps=chunk_steps)
+    loop.compile(empty())
+    prompts = [r["prompt"] for r in requests]
+
+    def admit(state, row, prompt, i):
+        return loop.admit(state, prompt, row, max_tokens=requests[i]["max_tokens"], seed=i)
+
+    refill_pass(loop, empty(), prompts[:batch + 1], admit, max_new)  # warm-up: every program the pass runs
+    seen = {}
+    from kdtree_jax.speculative.admission import prompt_bucket
+    for r in requests:  # every prefill bucket compiled before the clock
+        seen.setdefault(prompt_bucket(len(r["prompt"]), max_len), r)
+    refill_pass(loop, empty(), [r["prompt"] for r in seen.values()] + [prompts[0]] * batch,
+                lambda st, row, p, i: loop.admit(st, p, row, max_tokens=4, seed=i), max_new)
+    tokens, final, wall, chunks, admit_s = refill_pass(loop, empty(), prompts, admit, max_new)
+    n = sum(len(t) for t in tokens)
+    steps = int(final.step)
+    return {"wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "chunks": chunks, "steps": steps,
+            "chunk_ms": 1e3 * wall / chunks, "admission_host_s": admit_s, "outputs": tokens}
+
+
+def cli_stream(args, checkpoint: str) -> dict:
+    cmd = [sys.executable, "-m", "kdtree_jax.generate", "--prompt", args.prompt, "--max-new-tokens",
+           str(args.stream_tokens), "--temperature", "0", "--json", "--checkpoint", checkpoint]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise SystemExit(f"generate failed: {out.stderr[-2000:]}")
+    stats = json.loads(out.stdout.strip().splitlines()[-1])["stats"]
+    return {"command": " ".join(cmd[1:]), "tokens_per_s": stats["tokens_per_second"], "tokens": stats["new_tokens"],
+            "decoding": stats["decoding"], "steps_without_drafter": stats.get("budget_policy", {}).get(
+                "steps_without_drafter")}
+
+
+def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
+    """The server subprocess: the single stream, then the concurrency run, and its decode thread's spans."""
+    import httpx
+
+    import serve_load
+    from kdtree_jax.serve.metrics import parse
+
+    ns = argparse.Namespace(max_batch=args.max_batch, max_len=args.max_len, dtype="auto", checkpoint=checkpoint,
+                            chunk_steps=args.chunk_steps, budget=None, calibrate=False)
+    log = tempfile.mktemp(prefix="serve_host_", suffix=".log")
+    proc, url = serve_load.launch_server("speculative", ns, log)
+    out = {}
+    try:
+        serve_load.wait_ready("speculative", proc, url, log, 600)
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        from kdtree_jax.speculative.admission import prompt_bucket
+        seen = {}
+        for r in requests + [{"prompt": stream_ids}]:
+            seen.setdefault(prompt_bucket(len(r["prompt"]), args.max_len), r)
+        for r in seen.values():
+            asyncio.run(serve_load.run_level(url, [{"prompt": r["prompt"], "max_tokens": 4}], 1, model))
+
+        def spans():
+            m = parse(httpx.get(url + "/metrics", timeout=30).text)
+            sec = {k.split('"')[1]: v for k, v in m.items() if k.startswith("decode_thread_seconds_total")}
+            calls = {k.split('"')[1]: v for k, v in m.items() if k.startswith("decode_thread_calls_total")}
+            return {k: (sec[k], calls.get(k, 0)) for k in sec}, m
+
+        before, m0 = spans()
+        res, wall, _ = asyncio.run(serve_load.run_level(url, [{"prompt": stream_ids,
+                                                                "max_tokens": args.stream_tokens}], 1, model))
+        after, _ = spans()
+        r = res[0]
+        out["stream"] = {"tokens": r["tokens"], "tokens_per_s": (r["tokens"] - 1) / (r["end"] - r["ttft"]),
+                         "ttft_ms": 1e3 * r["ttft"], "wall_s": wall,
+                         "spans": {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                                   for k, v in after.items()}}
+        before = after
+        res, wall, occupancy = asyncio.run(serve_load.run_level(url, requests, args.concurrency, model))
+        after, m1 = spans()
+        ok = [r for r in res if "error" not in r]
+        tokens = sum(r["tokens"] for r in ok)
+        out["concurrent"] = {"tokens": tokens, "tokens_per_s": tokens / wall, "wall_s": wall,
+                             "errors": len(res) - len(ok),
+                             "ttft_p50_ms": 1e3 * float(np.median([r["ttft"] for r in ok])),
+                             "mean_occupancy": float(np.mean(occupancy)) if occupancy else float("nan"),
+                             "compiles": int(m1["compiles_total"] - m0["compiles_total"]),
+                             "spans": {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                                       for k, v in after.items()}}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.stream_tokens, args.requests, args.concurrency = 24, 6, 3
+        args.max_batch, args.max_len, args.max_new_tokens, args.prompt_len = 2, 128, "4,8", "8,16"
+        args.no_cli = True
+    import jax
+
+    import serve_load
+    from kdtree_jax import provenance
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT, load_models
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.speculative import engine
+
+    checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
+    target, drafter, tokenizer, _, recommended = load_models(checkpoint, "auto")
+    settings = sched.Settings(max_batch=args.max_batch, max_len=args.max_len,
+                              calibration_prompt=tuple(tokenizer.encode(sched.CALIBRATION_TEXT)),
+                              tree_temperature=recommended,
+                              chunk_steps=args.chunk_steps or sched.Settings.chunk_steps, max_queue=100000)
+    stream_ids = tokenizer.encode(args.prompt)
+    docs = serve_load.corpus_docs(os.path.join(checkpoint, "tokenizer"), serve_load._pair(args.prompt_len, "")[1] + 1)
+    requests = serve_load.make_requests(args.requests, serve_load._pair(args.prompt_len, ""),
+                                        serve_load._pair(args.max_new_tokens, ""), 0, docs)
+    result = {"meta": {"date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
+                       "device": jax.devices()[0].platform, "commit": provenance.git_commit(),
+                       "command": "python benchmarks/serve_host.py " + " ".join(argv if argv is not None
+                                                                                else sys.argv[1:]),
+                       "label": args.label, "max_batch": args.max_batch, "max_len": args.max_len,
+                       "chunk_steps": settings.chunk_steps, "requests": args.requests,
+                       "concurrency": args.concurrency, "stream_tokens": args.stream_tokens,
+                       "loadavg_before": os.getloadavg()[0]}}
+    print(f"[serve_host {args.label}: {result['meta']['commit']}]", file=sys.stderr, flush=True)
+
+    # -- the scheduler in-process ------------------------------------------------------------------------------
+    metrics = Metrics()
+    s = sched.Scheduler(target, drafter, settings, metrics)
+    t = time.perf_counter()
+    s.start(warmup=True)
+    s.ready.wait()
+    if s.warmup_error is not None:
+        raise s.warmup_error
+    drv = Driver(s)
+    seen = {}
+    from kdtree_jax.speculative.admission import prompt_bucket
+    for r in requests + [{"prompt": stream_ids}]:
+        seen.setdefault(prompt_bucket(len(r["prompt"]), args.max_len), r)
+    drv.run([{"prompt": r["prompt"], "max_tokens": 4} for r in seen.values()], 1)  # every prefill bucket
+    drv.run([{"prompt": stream_ids, "max_tokens": 4}] * (args.max_batch + 1), args.max_batch + 1)
+    result["meta"]["scheduler_warmup_s"] = time.perf_counter() - t
+    compiles = sched.compile_count()
+    try:
+        s.spans.reset()
+        one = drv.run([{"prompt": stream_ids, "max_tokens": args.stream_tokens}], 1)
+        result["stream_scheduler"] = {"tokens": one["tokens"], "tokens_per_s": one["stream_tps"][0],
+                                      "ttft_ms": one["ttft_p50_ms"], "wall_s": one["wall_s"],
+                                      "spans": s.spans.snapshot()}
+        print(f"  scheduler single stream: {one['stream_tps'][0]:.1f} tok/s", file=sys.stderr, flush=True)
+        s.spans.reset()
+        many = drv.run(requests, args.concurrency)
+        result["concurrent_scheduler"] = {k: many[k] for k in ("wall_s", "tokens", "tokens_per_s", "ttft_p50_ms",
+                                                               "ttft_p90_ms")}
+        result["concurrent_scheduler"]["spans"] = s.spans.snapshot()
+        result["concurrent_scheduler"]["compiles"] = sched.compile_count() - compiles
+        print(f"  scheduler c={args.concurrency}: {many['tokens_per_s']:.1f} tok/s, TTFT p50 "
+              f"{many['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
+    finally:
+        s.stop(drain=False, timeout=60)
+
+    # -- the loop (spec_decode --refill's) and generate on the same inputs ---------------------------------------
+    ref = loop_refill(target, drafter, requests, args.max_batch, args.max_len, settings.chunk_steps)
+    result["concurrent_loop"] = {k: ref[k] for k in ("wall_s", "tokens", "tokens_per_s", "chunks", "steps",
+                                                     "chunk_ms", "admission_host_s")}
+    result["concurrent_identical"] = sum(a == b for a, b in zip(many["outputs"], ref["outputs"]))
+    print(f"  loop refill: {ref['tokens_per_s']:.1f} tok/s, a chunk {ref['chunk_ms']:.1f} ms; outputs identical "
+          f"{result['concurrent_identical']} of {len(requests)}", file=sys.stderr, flush=True)
+    gen = engine.generate(target, drafter, [stream_ids], max_new_tokens=args.stream_tokens,
+                          tree_temperature=recommended)
+    gen = engine.generate(target, drafter, [stream_ids], max_new_tokens=args.stream_tokens,
+                          tree_temperature=recommended)
+    result["stream_generate"] = {"tokens_per_s": gen.stats["tokens_per_second"], "decoding": gen.stats["decoding"]}
+    result["stream_identical"] = gen.tokens[0] == one["outputs"][0]
+    if not args.no_cli:
+        result["stream_cli"] = cli_stream(args, checkpoint)
+        print(f"  CLI: {result['stream_cli']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    if not args.no_http:
+        result["http"] = http_runs(args, checkpoint, stream_ids, requests)
+        print(f"  HTTP: stream {result['http']['stream']['tokens_per_s']:.1f} tok/s, c={args.concurrency} "
+              f"{result['http']['concurrent']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    result["meta"]["loadavg_after"] = os.getloadavg()[0]
+
+    out_dir = args.out or (tempfile.mkdtemp(prefix="serve_host_smoke_") if args.smoke
+                           else os.path.join(ROOT, "benchmarks", "results", "history"))
+    os.makedirs(out_dir, exist_ok=True)
+    name = f"serve_host_{result['meta']['device']}_{result['meta']['commit'].replace('+', '_')}"
+    name += f"_{args.label}" if args.label else ""
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    print(summary(result))
+    print(f"wrote {os.path.join(out_dir, name)}.json", file=sys.stderr)
+    return 0
+
+
+def summary(r: dict) -> str:
+    ref = r.get("stream_cli", r["stream_generate"])["tokens_per_s"]
+    lines = [f"single stream: scheduler {r['stream_scheduler']['tokens_per_s']:.1f} tok/s "
+             f"({r['stream_scheduler']['tokens_per_s'] / ref:.0%} of the CLI's {ref:.1f}; generate in-process "
+             f"{r['stream_generate']['tokens_per_s']:.1f}; identical {r['stream_identical']})"]
+    c, lp = r["concurrent_scheduler"], r["concurrent_loop"]
+    lines.append(f"concurrency {r['meta']['concurrency']}: scheduler {c['tokens_per_s']:.1f} tok/s "
+                 f"({c['tokens_per_s'] / lp['tokens_per_s']:.0%} of the loop's {lp['tokens_per_s']:.1f}), TTFT p50 "
+                 f"{c['ttft_p50_ms']:.0f} ms = {c['ttft_p50_ms'] / lp['chunk_ms']:.1f} loop chunks of "
+                 f"{lp['chunk_ms']:.1f} ms; compiles {c['compiles']}")
+    if "http" in r:
+        h = r["http"]
+        lines.append(f"HTTP: stream {h['stream']['tokens_per_s']:.1f} tok/s ({h['stream']['tokens_per_s'] / ref:.0%}"
+                     f" of the CLI's); concurrency {r['meta']['concurrency']} {h['concurrent']['tokens_per_s']:.1f} "
+                     f"tok/s ({h['concurrent']['tokens_per_s'] / lp['tokens_per_s']:.0%} of the loop's), TTFT p50 "
+                     f"{h['concurrent']['ttft_p50_ms']:.0f} ms, compiles {h['concurrent']['compiles']}")
+    for key, title in (("stream_scheduler", "single stream"), ("concurrent_scheduler", "concurrency")):
+        wall = r[key]["wall_s"]
+        lines.append(f"decode thread, {title} (wall {wall:.2f} s): " + ", ".join(
+            f"{k} {s:.3f} s / {int(n)} ({share:.0%})" for k, s, n, share in spans_table(r[key]["spans"], wall)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
