@@ -194,6 +194,15 @@ def pad_vocab(model: "Transformer", mesh: Mesh, layout: str) -> None:
         kernel.set_value(placed) if hasattr(kernel, "set_value") else setattr(kernel, "value", placed)
 
 
+def layout_of(model: "Transformer") -> Optional[str]:
+    """The layout a sharded model is split by ("tp" / "ep"; `attach_mesh`), None for an unsharded one."""
+    for _, module in nnx.iter_graph(model):
+        placement = getattr(module, "placement", None)
+        if isinstance(placement, MeshLayout):
+            return placement.layout
+    return None
+
+
 def attach_mesh(model: "Transformer", mesh: Optional[Mesh], layout: Optional[str]) -> None:
     """Give a model whose parameters are already in place (`shard_model`, `load_sharded`, a benchmark's
     abstract model) its MeshLayout: each attention and MoE layer's `placement` (None: unsharded)."""

@@ -52,6 +52,21 @@ def test_sharded_logits_equal_unsharded(model, tokens, unsharded_logits, layout,
     assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
 
 
+def test_the_cost_model_of_a_sharded_target_is_its_layouts(model, drafter):
+    """tp and ep split a step's work differently: their calibrated costs are cached apart (and apart from the
+    unsharded target's)."""
+    from kdtree_jax.sharding import layout_of
+    from kdtree_jax.speculative.cost_model import fingerprint
+    from kdtree_jax.speculative.step import SpecConfig
+
+    spec = SpecConfig(budget=8, menu=(0, 8))
+    tp, ep = (shard_model(model, make_mesh(2), layout) for layout in ("tp", "ep"))
+    assert (layout_of(tp), layout_of(ep), layout_of(model)) == ("tp", "ep", None)
+    keys = [fingerprint(m, drafter, spec) for m in (model, tp, ep)]
+    assert keys[1]["layout"] == "tp" and keys[2]["layout"] == "ep" and keys[0]["layout"] is None
+    assert len({repr(sorted(k.items())) for k in keys}) == 3
+
+
 # Ragged prompts and settings as benchmarks/multi_gpu.py's correctness check (tests/test_benchmark_smoke.py runs it
 # on these 8 devices): the same programs, compiled once in the session.
 PROMPTS = [np.random.default_rng(1).integers(0, CFG.vocab_size, 9).tolist(), [5, 6, 7]]

@@ -41,6 +41,8 @@ def fingerprint(target, drafter, spec) -> dict:
     """What a step's cost depends on besides (B, L): the models, the device, the loop's static settings."""
     import jax
 
+    from kdtree_jax.sharding import layout_of
+
     mesh = getattr(target, "mesh", None)
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     return {
@@ -48,6 +50,7 @@ def fingerprint(target, drafter, spec) -> dict:
         "backend": jax.default_backend(),
         "device": devices[0].device_kind,
         "devices": len(devices),
+        "layout": layout_of(target) if mesh is not None else None,  # tp and ep split the step's work differently
         "jax": jax.__version__,
         "target": target.cfg.to_dict() if hasattr(target.cfg, "to_dict") else repr(target.cfg),
         "target_dtype": str(target.dtype),
