@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 
 import jax.numpy as jnp
 
@@ -577,6 +578,8 @@ def budget_notice(target, drafter, ids, args, tree, sampling) -> None:
                                         row_invariant=args.row_invariant)
     if message:
         print(f"warning: --{message}", file=sys.stderr, flush=True)
+    # engine.generate warns a library caller the same way: the command line has said it in its own words.
+    warnings.filterwarnings("ignore", category=validation.BudgetWarning)
 
 
 def autoregressive_notice(drafter, args) -> None:

@@ -1,6 +1,8 @@
 """Issue 43: a fixed budget that the device cannot run at a useful speed warns, before any device work, with its
 measured cost (the cached cost model of the adaptive budget) or, with none cached, its size against the drafter's."""
 
+import warnings
+
 import pytest
 
 import kdtree_jax
@@ -97,9 +99,29 @@ def test_cli_warns_in_one_line_before_decoding(capsys, empty_cache, monkeypatch)
     monkeypatch.setattr(engine, "generate", no_decode)
     with pytest.raises(_NoDecode):
         cli_main(["--prompt", "def f(x):", "--budget", "4096", "--max-new-tokens", "4"])
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: --budget 4096 verifies 4097 nodes a step, 68x the "
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(lines) == 1 and lines[0].startswith("warning: --budget 4096 verifies 4097 nodes a step, 68x the "
                                                          "drafter's 15 positions x topk 4 = 60 candidates")
     with pytest.raises(_NoDecode):
         cli_main(["--prompt", "def f(x):", "--budget", "16", "--max-new-tokens", "4"])
     assert "warning: " not in capsys.readouterr().err
+
+
+def test_the_library_warns_a_caller_of_generate_once_with_its_own_category(pair, empty_cache, monkeypatch):
+    """engine.generate gives the same line as a BudgetWarning before any device work (the CLI, which prints its own,
+    filters the category out)."""
+    from kdtree_jax.speculative.validation import BudgetWarning
+
+    target, drafter = pair
+
+    def no_decode(*a, **k):
+        raise _NoDecode
+
+    monkeypatch.setattr(engine, "setup", no_decode)
+    with pytest.warns(BudgetWarning, match=r"^budget 4096 verifies 4097 nodes a step") as caught, \
+            pytest.raises(_NoDecode):
+        engine.generate(target, drafter, [1, 2, 3], budget=4096, max_new_tokens=4)
+    assert len([w for w in caught if w.category is BudgetWarning]) == 1
+    with pytest.raises(_NoDecode), warnings.catch_warnings():  # a budget that fits: no warning (one is an error)
+        warnings.simplefilter("error", BudgetWarning)
+        engine.generate(target, drafter, [1, 2, 3], budget=16, max_new_tokens=4)

@@ -860,6 +860,12 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
                       sampled=any(p.sampled for p in rows), penalties=any(p.penalised for p in rows),
                       max_new_tokens=max_new_tokens, impl=impl, expert_devices=devices,
                       row_invariant=bool(row_invariant), menu=menu if req.use_drafter else ())
+    if not spec.menu and req.use_drafter:
+        message = validation.budget_warning(target, drafter, prompt_ids, budget=budget, topk=topk, tree=spec.tree,
+                                            sampled=spec.sampled, penalties=spec.penalties, impl=impl,
+                                            row_invariant=spec.row_invariant)
+        if message:
+            warnings.warn(message, validation.BudgetWarning, stacklevel=2)
     # The cached cost model and acceptance prior may already say that no budget pays on this device at this batch
     # size (a CPU, where a drafter pass costs several autoregressive steps): then the call compiles and runs the plain
     # autoregressive loop, and pays nothing for the choice it would refuse at every step.

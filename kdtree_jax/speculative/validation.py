@@ -233,6 +233,10 @@ def adaptive_menu(budget, menu, drafter: Optional[Drafter], tree: TreeShape, top
 # A step keeps at most 1 + min(budget, D) tokens (the accepted path and the bonus token), so a fixed budget whose
 # step costs more than that many autoregressive steps loses to autoregressive decoding whatever the acceptance: the
 # bound engine.calibrate prunes menu entries by. Without a measurement the warning falls back to the tree's size.
+class BudgetWarning(UserWarning):
+    """`generate` with a fixed budget this device does not run at a useful speed (`budget_warning`'s line)."""
+
+
 def budget_warning(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, budget, topk: int,
                    tree: TreeShape = "ddtree", sampled: bool = False, penalties: bool = False, impl: str = "auto",
                    row_invariant: bool = False) -> Optional[str]:
