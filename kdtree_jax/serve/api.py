@@ -123,20 +123,44 @@ class ChatRequest(_GenerationRequest):
 
 
 class TextStream:
-    """A request's tokens -> its text, piece by piece: decode everything so far, send what is new, except a trailing
-    U+FFFD (a character whose last bytes are still to come) and an end that may begin a stop string."""
+    """A request's tokens -> its text, piece by piece: send what is new, except a trailing U+FFFD (a character whose
+    last bytes are still to come) and an end that may begin a stop string.
+
+    Each feed decodes only the tokens past the last clean boundary (a split where the text of the tokens before it
+    plus that of the tokens after it is the text of all of them, checked with WINDOW tokens already after it, so
+    no token to come can change the text before it): decoding every token so far at every feed was quadratic in the
+    answer's length, on the event loop's thread, under the GIL the decode thread needs."""
+
+    WINDOW = 16  # tokens decoded again at each feed past the boundary; the boundary moves when twice as many pile up
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._base, self._base_text = 0, ""  # ids[:_base] decode to _base_text, whatever follows them
+        self._longest = max((len(s) for s in stops), default=0)
+
+    def text(self) -> str:
+        """The text of every token so far (as tokenizer.decode(self.ids) gives it)."""
+        decode, ids = self.tokenizer.decode, self.ids
+        tail = decode(ids[self._base:])
+        if len(ids) - self._base > 2 * self.WINDOW:
+            cut = len(ids) - self.WINDOW
+            head = decode(ids[self._base:cut])
+            if not head.endswith("\ufffd") and head + decode(ids[cut:]) == tail:
+                self._base, self._base_text = cut, self._base_text + head
+        return self._base_text + tail
 
     def feed(self, ids: list[int]) -> str:
         """The new text after these tokens ('' while held back); sets `stopped` once a stop string appears."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        cut = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if self.stopped:
+            return ""
+        text = self.text().rstrip("\ufffd")
+        # The text sent holds no stop string: one can only end in what is new (or start in what was held back).
+        start = max(0, len(self.sent) - self._longest + 1)
+        cut = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         if cut:
             text, self.stopped = text[:min(cut)], True
         else:
@@ -149,8 +173,7 @@ class TextStream:
         completed... which is then text after all)."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.ids)
-        return self._new(text)
+        return self._new(self.text())
 
     def _new(self, text: str) -> str:
         if text.startswith(self.sent) and len(text) > len(self.sent):

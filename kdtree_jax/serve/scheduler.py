@@ -17,14 +17,21 @@ pool, the chunk program, row admission (a prefill padded to a power-of-two lengt
 load of any mix of settings compiles nothing: `compile_count()` counts XLA compiles (the /metrics line
 `kdtree_serve_compiles_total`).
 
-The bucket's cycle (when its batch is full, with one chunk in flight: the host reads chunk i while the device runs
-chunk i + 1; with a free row, chunk by chunk, so that a new request waits for one chunk at most):
+The bucket's cycle (one chunk stays in flight while any row is live: the host reads chunk i while the device runs
+chunk i + 1, so the device never waits for the host's reads, deliveries and admissions):
 
     admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket) and
-        copy it into its row, one dispatch of one program (engine.ChunkedLoop.admit), stream its first token;
-    launch the next chunk (engine.ChunkedLoop: at most `chunk_steps` steps, the state stays on the device);
+        copy it into its row, one dispatch of one program (engine.ChunkedLoop.admit), queued behind the chunk in
+        flight;
+    launch the next chunk (at most `chunk_steps` steps, the state stays on the device): with a fixed budget, the
+        smallest program that holds the live rows, greedy-only while every live row is greedy (programs.py);
+    read the new rows' first tokens (their prefills ran before this chunk) and stream them;
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
-        (client gone, stop string), is reset (admission.reset_row: its KV slots back to the pool) and its row is free.
+        (client gone, stop string), is reset (admission.reset_row: its KV slots back to the pool) and its row is free
+        for the next admission (it idles through the chunk in flight, as spec_decode.py --refill's rows do).
+
+Per-token work stays off this thread: a request's `emit` hands its token ids to the event loop, where api.py makes
+the text (incrementally: api.TextStream) and the server-sent events.
 
 Each request's own max_tokens is enforced on the device by where its output starts: the loop stops a row once its
 output count reaches the bucket's out width, so a row whose count starts at (width - max_tokens) stops after exactly
@@ -58,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import kv_pool
+from kdtree_jax.serve.programs import RowPrograms
 from kdtree_jax.sharding import replicate
 from kdtree_jax.speculative import budget_policy, cost_model, engine, validation
 from kdtree_jax.speculative.sampling import SamplingParams
@@ -207,8 +215,15 @@ class Bucket:
         self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
         # Compiled ahead of time, as engine.generate does: the bucket owns its program.
         self.loop.compile(self.state)
+        # A fixed budget's programs by the live rows' count and settings (programs.py; an adaptive loop and a sharded
+        # target keep the one program).
+        self.programs = None
+        if not self.spec.menu and sched.mesh is None and s.row_programs:
+            self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs)
+            self.programs.compile(self.state)
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
+        self.firsts: list = []  # (request, row, first token on the device) admitted, not yet delivered
         self.hist_seen = np.zeros(depth + 1, np.int64)  # accepted_hist already counted into the metrics
         # The policy's counters already counted (steps per menu entry then without the drafter; predicted tokens,
         # observed tokens, sequence steps of drafted steps).
@@ -297,28 +312,37 @@ class Bucket:
         return self.busy() == 0 and not self.inflight
 
     def admit(self, reqs: list[Request]) -> None:
-        """Give each request a free row (the caller checked there are enough): prefill it alone, copy it in, stream
-        its first token. The other rows wait meanwhile (the state is theirs too), so this is kept to one row's work.
-        The row takes the request's sampling settings and a random stream of its own from its seed (else its id), so a
-        seeded request's tokens do not depend on the batch it joins."""
-        sched = self.sched
-        firsts = []
-        spans = sched.spans
+        """Give each request a free row (the caller checked there are enough): prefill it alone and copy it in (one
+        dispatch each, queued behind the chunk in flight); `deliver_firsts` streams the first tokens once the next
+        chunk is launched, so the device runs that chunk while the host waits for the prefills and hands the tokens
+        out. The row takes the request's sampling settings and a random stream of its own from its seed (else its
+        id), so a seeded request's tokens do not depend on the batch it joins."""
         t = time.perf_counter()
         for req, row in zip(reqs, self.free_rows()):
             seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
             self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed,
                                                 sampling=req.sampling)
             self.owner[row] = req
-            firsts.append((req, row, first))
-        t = spans.add("admit.dispatch", t)
-        for req, row, first in firsts:
-            token = int(np.asarray(first)[0])  # waits for its prefill: the first token is the time to first token
-            t = spans.add("admit.first_token_read", t)
-            sched.metrics.first_token(time.perf_counter() - req.submitted)
-            self._deliver(row, req, [token])
-            t = spans.add("deliver", t)
+            self.firsts.append((req, row, first))
+        self.sched.spans.add("admit.dispatch", t)
         self.last_used = time.perf_counter()
+
+    def deliver_firsts(self) -> None:
+        """Stream the first token of every row admitted since the last call (one read for all of them: it waits for
+        their prefills, not for the chunk launched after them)."""
+        if not self.firsts:
+            return
+        spans, firsts = self.sched.spans, self.firsts
+        self.firsts = []
+        t = time.perf_counter()
+        tokens = jax.device_get([first for _, _, first in firsts])
+        t = spans.add("admit.first_token_read", t)
+        for (req, row, _), token in zip(firsts, tokens):
+            if self.owner[row] is not req or req.finished:  # cancelled meanwhile
+                continue
+            self.sched.metrics.first_token(time.perf_counter() - req.submitted)
+            self._deliver(row, req, [int(token[0])])
+        spans.add("deliver", t)
 
     def _deliver(self, row: int, req: Request, ids: list) -> None:
         ids = ids[:req.max_tokens - req.delivered]
@@ -350,7 +374,12 @@ class Bucket:
     def launch(self) -> None:
         """Enqueue one chunk (asynchronous: the device runs it while the host reads the previous one)."""
         t = time.perf_counter()
-        out = self.loop(self.state)
+        if self.programs is not None:
+            live = [r for r, req in enumerate(self.owner) if req is not None]
+            greedy = all(not (req.sampling.sampled or req.sampling.penalised) for req in self.owner if req is not None)
+            out = self.programs(self.state, live, greedy)
+        else:
+            out = self.loop(self.state)
         self.state = out.state
         self.inflight.append((out, _counters(out.state), list(self.owner)))
         self.last_used = self.sched.spans.add("launch", t)
@@ -399,6 +428,9 @@ class Settings:
     tree_temperature: float = 1.0
     # Decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host work.
     chunk_steps: int = engine.default_chunk_steps(continuous=True)
+    # A fixed budget's chunk programs by live rows (programs.py): True: every power of two below max_batch, a tuple:
+    # those row counts (max_batch is always one), False: the one program for every row and setting.
+    row_programs: Union[bool, tuple] = True
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
 
 
@@ -580,6 +612,7 @@ class Scheduler:
             if self._stop:
                 return False
             bucket.launch()
+            bucket.deliver_firsts()
             bucket.collect()
         while bucket.inflight:
             bucket.collect()
@@ -630,12 +663,8 @@ class Scheduler:
             return []
         bucket = self._get_bucket()
         bucket.sweep_cancelled()
-        if bucket.free_rows():
-            # Read the chunk in flight first (it may free more rows): the new rows' prefills then run at once instead
-            # of queueing behind it, which would be most of a request's time to first token. (With no free row the
-            # bucket keeps its chunk in flight: a full batch stays pipelined.)
-            while bucket.inflight:
-                bucket.collect()
+        # The chunk in flight is not read first: the prefills queue behind it and the next chunk behind them, so the
+        # device never waits for the host; a row that chunk frees takes a request at the next iteration.
         free = len(bucket.free_rows())
         if free:
             bucket.admit(waiting[:free])
@@ -648,17 +677,20 @@ class Scheduler:
         return self.bucket
 
     def _step(self) -> None:
-        """One chunk if any row is live. A full batch keeps one chunk in flight (the device never waits for the host);
-        one with a free row reads each chunk before the next, so that a request arriving meanwhile is admitted after
-        the chunk running now rather than after the one behind it (half the wait for its first token, for a little
-        device idle time a chunk while the batch has room)."""
+        """One chunk if any row is live, launched before the host reads anything: then the new rows' first tokens
+        (their prefills ran before this chunk) and the chunk before it. While a row is live one chunk stays in flight,
+        full batch or not, so the device never waits for the host's reads, deliveries and admissions (at the price of
+        a finished row idling through the chunk in flight, as spec_decode.py --refill's loop does). Before, a batch
+        with a free row read each chunk before launching the next; a request then waited for the chunk running
+        and no longer, but every chunk waited for the host."""
         bucket = self.bucket
         if bucket is None:
             return
         bucket.sweep_cancelled()
         if bucket.busy():
             bucket.launch()
-        while len(bucket.inflight) > (1 if bucket.busy() == bucket.batch else 0):
+        bucket.deliver_firsts()
+        while len(bucket.inflight) > (1 if bucket.busy() else 0):
             bucket.collect()
 
     def _fail_all(self, e: Exception, admitting: list[Request]) -> None:

@@ -1,0 +1,167 @@
+"""The server at the loop's speed (issue 45, item 3): a fixed-budget bucket runs the smallest chunk program that holds
+its live rows, greedy-only while every live row is greedy (serve/programs.py), and a request's tokens are the ones the
+one any-settings program gives; one chunk stays in flight while a row is live, free rows or not, and first tokens
+are read after the next chunk is launched.
+
+CPU, the embedded default pair in float32, DDTree budget 4 (the drafter's cache is gathered and scattered too), two
+batch rows (programs of 1 and 2 rows). One scheduler of each kind for the module. Budget: ~40 s on 2 CPU cores, most
+of it the compiles."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(ROOT, "checkpoints", "default")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json")),
+                                reason="checkpoints/default is not there")
+
+SETTINGS = dict(max_batch=2, max_len=64, budget=4, chunk_steps=2)
+GREEDY, SAMPLED = [5, 6, 7, 8], [9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from kdtree_jax.generate import load_models
+
+    target, drafter, _, _, _ = load_models(DEFAULT, "float32")
+    return target, drafter
+
+
+def _scheduler(pair, **settings):
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+
+    s = sched.Scheduler(*pair, sched.Settings(**{**SETTINGS, **settings}), Metrics())
+    assert s.warmup()
+    return s
+
+
+@pytest.fixture(scope="module")
+def schedulers(pair):
+    """{True: row programs (the default), False: the one program}, both warmed up, not started."""
+    out = {True: _scheduler(pair), False: _scheduler(pair, row_programs=False)}
+    yield out
+    for s in out.values():
+        s.stop(drain=False, timeout=30)
+
+
+def _request(prompt, out, done, **settings):
+    from kdtree_jax.serve import scheduler as sched
+
+    return sched.Request(prompt=prompt, max_tokens=10, emit=lambda kind, v: (
+        out.extend(v) if kind == "tokens" else done.set()), **settings)
+
+
+def _run(s, *jobs):
+    """Each job (prompt, settings) submitted at once; the scheduler's loop driven on this thread until all are done:
+    -> their tokens."""
+    outs, dones = [], []
+    for prompt, settings in jobs:
+        out, done = [], threading.Event()
+        s.submit(_request(prompt, out, done, **settings))
+        outs.append(out)
+        dones.append(done)
+    waiting = list(s._waiting)
+    s._waiting.clear()
+    while not all(d.is_set() for d in dones):
+        waiting = s._admit_waiting(waiting)
+        s._step()
+    while s.bucket.inflight:
+        s.bucket.collect()
+    return outs
+
+
+def test_rows_taken_and_put_back_are_the_state(pair, schedulers):
+    import jax
+
+    from kdtree_jax.serve.programs import put_rows, take_rows
+
+    s = schedulers[True]
+    bucket = s.bucket
+    state, _ = bucket.loop.admit(bucket.state, GREEDY, 1, max_tokens=10)
+    rows = np.array([1], np.int32)
+    sub = take_rows(state, rows)
+    assert sub.bonus.shape == (1,) and sub.dcache.k.shape[1] == 1 and sub.cache.pages is state.cache.pages
+    back = put_rows(state, sub, rows)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
+            a.dtype, jax.dtypes.prng_key) else a), np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(
+            b.dtype, jax.dtypes.prng_key) else b))
+    bucket.state = bucket.loop.reset_row(back, 1)
+
+
+def test_the_smallest_program_runs_and_tokens_do_not_depend_on_it(schedulers):
+    from kdtree_jax.speculative import engine
+
+    results = {}
+    for key, s in schedulers.items():
+        traced = engine._TRACES.get("decode_chunk", 0)
+        runs = s.bucket.programs.runs.copy() if s.bucket.programs is not None else None
+        alone = _run(s, (GREEDY, {}))
+        pair_out = _run(s, (GREEDY, {}), (SAMPLED, dict(temperature=1.0, seed=3)))
+        sampled_alone = _run(s, (SAMPLED, dict(temperature=1.0, seed=3)))
+        penalised = _run(s, (SAMPLED, dict(repetition_penalty=1.5)))
+        results[key] = (alone, pair_out, sampled_alone, penalised)
+        assert engine._TRACES.get("decode_chunk", 0) == traced  # every program was compiled at warm-up
+        if key:
+            used = s.bucket.programs.runs - runs
+            # alone: the greedy one-row program; the pair: the full batch's any-settings one; the sampled and the
+            # penalised request alone: one row of the any-settings program.
+            assert used[(1, True)] > 0 and used[(2, False)] > 0 and used[(1, False)] > 0
+            assert used[(2, True)] == 0
+    assert results[True] == results[False]
+    alone, (greedy, sampled), sampled_alone, penalised = results[True]
+    assert alone == [greedy] and sampled_alone == [sampled]  # a row's tokens whatever the batch and program
+    assert len(penalised[0]) == 10 and penalised != sampled_alone
+
+
+def test_a_live_row_keeps_a_chunk_in_flight_and_its_first_token_comes_after_the_launch(schedulers):
+    s = schedulers[True]
+    bucket = s.bucket
+    out, done = [], threading.Event()
+    req = _request(GREEDY, out, done)
+    assert s._admit_waiting([req]) == []
+    assert bucket.firsts and not out  # admitted: its prefill queued, nothing read yet
+    launched = len(bucket.inflight)
+    s._step()
+    assert out and not bucket.firsts  # the first token, read after the chunk's launch
+    assert launched == 0 and len(bucket.inflight) == 1  # a free row, and still a chunk in flight
+    assert bucket.busy() == 1 < bucket.batch
+    while not done.is_set():
+        s._step()
+    while bucket.inflight:
+        bucket.collect()
+    assert len(out) == 10
+
+
+def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():
+    """Token by token, a long answer's pieces are its whole text (the checkpoint's tokenizer, and bytes with split
+    UTF-8 characters and a stop string), and no feed decodes more than a few windows of tokens."""
+    from kdtree_jax.serve.api import TextStream
+    from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.longest = inner, 0
+
+        def decode(self, ids):
+            self.longest = max(self.longest, len(ids))
+            return self.inner.decode(ids)
+
+    text = "def f(n):\n    return [é * 2 for é in range(n)]  # ünïcødé → ok\n" * 12
+    for inner in (load_tokenizer(os.path.join(DEFAULT, "tokenizer")), ByteTokenizer()):
+        ids = inner.encode(text)
+        tok = Counting(inner)
+        stream = TextStream(tok, [])
+        pieces = [stream.feed([t]) for t in ids] + [stream.finish()]
+        assert "".join(pieces) == inner.decode(ids)
+        assert len(ids) > 400 and tok.longest <= 3 * TextStream.WINDOW
+        stream = TextStream(inner, ["→ ok\n" * 2, "ok\ndef"])
+        pieces = [stream.feed([t]) for t in ids]
+        assert stream.stopped and "".join(pieces) == text[:text.index("ok\ndef")]
