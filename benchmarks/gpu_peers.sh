@@ -84,5 +84,6 @@ cp "$LOGS/peers.log" "$OUT/peers.log"
 grep -E "unavailable|failed|deadline|Traceback|Error" "$LOGS/peers.log" | sort | uniq -c | sort -rn | head -15
 md=$(ls "$OUT"/peers_*.md 2>/dev/null | head -1)
 # The table comes back as a file; here the summary and the first rows (the reply keeps the last 12,000 characters).
-[ -n "$md" ] && { grep -E "^(Peers|Targets):" "$md"; sed -n '/^| B | H/,$p' "$md" | head -24; sed -n '/^## /,$p' "$md" | head -30; }
+[ -n "$md" ] && { grep -E "^(Peers|Targets):" "$md"; sed -n '/^| B | H | T | L | ours/,/^$/p' "$md" | head -26
+                  sed -n '/^## /,$p' "$md" | head -30; }
 exit $rc

@@ -224,7 +224,8 @@ class Torch:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: what JAX's own threads do meanwhile (event polls) cannot invalidate this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outs = [call(layer) for layer in layers]
         graph.replay()
         torch.cuda.synchronize()
@@ -247,6 +248,25 @@ class Torch:
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / (replays * len(layers)))
         del graph, outs
+        return float(np.median(times))
+
+
+    def eager_us(self, call, layers, reps: int = 5) -> float:
+        """µs a call with plain launches (no graph) between CUDA events behind a device spin: where a capture failed,
+        a diagnosis only (the host's launch cost can be in it: never the row's figure)."""
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        spin = getattr(torch.cuda, "_sleep", None)
+        times = []
+        for _ in range(reps):
+            if spin is not None:
+                spin(2_000_000)
+            start.record()
+            for layer in layers:
+                call(layer)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(layers))
         return float(np.median(times))
 
 
@@ -465,8 +485,8 @@ def measure_row(row, args, ctx, num_layers, calls, peers, tc, opts) -> None:
         row["ours"] = dict(error=short(e))
         log(f"  ours failed: {row['ours']['error']}")
     outs = {}
-    try:
-        outs["ours"] = _layer0("ours", ROPE)(*args)
+    try:  # ready before the peers run: nothing of ours may overlap their timing
+        outs["ours"] = jax.block_until_ready(_layer0("ours", ROPE)(*args))
     except Exception as e:  # noqa: BLE001
         row.setdefault("checks", {})["ours_error"] = short(e)
     for peer in peers:
@@ -475,10 +495,19 @@ def measure_row(row, args, ctx, num_layers, calls, peers, tc, opts) -> None:
             continue
         try:
             call, info = peer.prepare(ctx)
-            us = tc.graph_us(call, list(range(calls)))
+            extra = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
+            try:
+                us = tc.graph_us(call, list(range(calls)))
+            except Exception as e:  # noqa: BLE001 -- no graph: plain launches timed for a diagnosis, no figure
+                tc.torch.cuda.synchronize()
+                extra.update(graph_error=short(e, 400), eager_us=tc.eager_us(call, list(range(calls))))
+                us = None
             outs[peer.name] = call(0)
-            row[peer.name] = dict(us=us, **{k: v for k, v in info.items() if isinstance(v, (int, float, str))})
-            log(f"  {LABELS[peer.name]}: {us:.1f} µs")
+            row[peer.name] = dict(us=us, **extra)
+            if us is None:
+                row[peer.name]["error"] = "no CUDA graph: " + extra["graph_error"]
+            log(f"  {LABELS[peer.name]}: {fmt(us, '.1f')} µs" + (f" (capture failed: {extra['graph_error']}; plain "
+                f"launches {extra['eager_us']:.1f} µs)" if us is None else ""))
         except Exception as e:  # noqa: BLE001 -- a peer that rejects a shape or fails: recorded, the grid goes on
             row[peer.name] = dict(error=short(e, 500))
             log(f"  {LABELS[peer.name]} failed: {row[peer.name]['error']}")
@@ -686,8 +715,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", choices=["grid", "key"], default="grid")
     parser.add_argument("--out", default=None, help="results path without extension (default: "
                         "OUT_DIR/peers_<device>; --smoke: a new temporary directory)")
-    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="where the default --out goes (gpu_peers.sh: $OUT)")
+    parser.add_argument("--out-dir", default=None, help="where the default --out goes: peers_<device>.{md,json} "
+                        "(default benchmarks/results; --smoke: a new temporary directory; gpu_peers.sh: $OUT)")
     parser.add_argument("--deadline-s", type=float, default=0, help="start no row (and no XLA baseline) after this "
                         "many seconds of the run (0: none); what was measured is written")
     parser.add_argument("--resume", action="store_true", help="keep OUT.json's rows and measure what they lack")
@@ -723,11 +752,12 @@ def main(argv=None) -> int:
         vk.MAX_WARM_S = 0.0  # verify_kernel's timing helpers: no SM clock to ramp up on a smoke run
     device = jax.devices()[0].device_kind if on_gpu else "cpu"
     if args.out is None:
-        if args.smoke:
+        if args.smoke and args.out_dir is None:
             args.out = os.path.join(smoke_dir("peers"), "peers_smoke")
             print(f"smoke run: results under {os.path.dirname(args.out)}", flush=True)
         else:
-            args.out = os.path.join(args.out_dir, f"peers_{device_tag(device)}")
+            out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+            args.out = os.path.join(out_dir, f"peers_{'smoke' if args.smoke else device_tag(device)}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     tc = Torch()
