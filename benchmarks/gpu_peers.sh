@@ -2,7 +2,7 @@
 # One H200 call for issue 44's peers benchmark: our verify op against FlashMLA and FlashInfer (benchmarks/peers.py).
 #   device run: carry [".whl"], command: KDTREE_COMMIT=<the commit you run> bash benchmarks/gpu_peers.sh
 # .whl/ holds the peers as wheels (made here by `python benchmarks/peers_wheels.py`: sgl-flash-mla without its SM100
-# extension, flashinfer-python with its fa3 MLA module compiled ahead of time, apache-tvm-ffi; ~12 MiB). Steps, all
+# extension, flashinfer-python with its fa3 MLA module compiled ahead of time, apache-tvm-ffi without its sources; ~11 MiB). Steps, all
 # inside SESSION_S seconds (the device's 600 s a command, less a margin):
 #   1. the wheels into /tmp/site, as the device README says (a failed install is logged and the peers are then
 #      reported unavailable: the grid goes on without them);

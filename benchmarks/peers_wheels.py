@@ -27,7 +27,11 @@ JIT sources: CUTLASS, CCCL, every kernel family's csrc). So:
   that such a miss fails at once with FlashInfer's own error). The module links libcudart.so.13 only (torch's).
   Compile time here: ~40 s of 2 cores (three .cu files); on the device it would be similar, but its sources do not
   fit the carry.
-- apache-tvm-ffi 0.1.15.post2 (FlashInfer's FFI, not in the device image), the registry's wheel as it is.
+- apache-tvm-ffi 0.1.15.post2 (FlashInfer's FFI, not in the device image; 3.2 MiB): the same wheel without what
+  nothing reads at run time (the libbacktrace sources, its C++ and Cython sources); its libraries (core links
+  libtvm_ffi_testing.so too), its headers and dlpack.h stay (tvm-ffi JIT-builds a small torch addon with
+  them where torch lacks the DLPack exchange API). The check below installs the same cut of the cp311 wheel (this
+  machine's Python) and imports it.
 Everything else FlashInfer imports is in the device image (KINDS.md's list: numpy, packaging, jinja2, filelock,
 requests, tqdm, nvidia-ml-py, einops, tabulate, click, ninja).
 
@@ -67,6 +71,7 @@ DOWNLOAD_FLAGS = ["--no-deps", "--only-binary=:all:", "--python-version", "3.12"
 BUILD_VENV_PACKAGES = ["numpy", "packaging", "jinja2", "filelock", "requests", "tqdm", "nvidia-ml-py", "einops",
                        "tabulate", "click", "ninja"]
 CARRY_LIMIT = 64 << 20
+TVM_FFI_DROP = ("tvm_ffi/3rdparty/libbacktrace/", "tvm_ffi/src/", "tvm_ffi/cython/")
 
 # Run inside the build venv: build the fa3 MLA module and report what `import flashinfer` and the spec touch.
 BUILD_CHILD = r'''
@@ -102,6 +107,8 @@ from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
 from flashinfer.jit import gen_batch_mla_module
 spec = gen_batch_mla_module("fa3", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
 assert flashinfer.__file__.startswith(sys.argv[1]), flashinfer.__file__
+import tvm_ffi
+assert tvm_ffi.__file__.startswith(sys.argv[1]), tvm_ffi.__file__
 assert spec.is_aot, "the prebuilt module is not where FlashInfer looks"
 module = spec.try_load()
 names = [n for n in ("plan", "run") if getattr(module, n, None) is not None]
@@ -121,15 +128,24 @@ def run(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def download(name, version, dest):
+def download(name, version, dest, python_version="3.12"):
     os.makedirs(dest, exist_ok=True)
     stem = name.replace("-", "_")
-    found = glob.glob(os.path.join(dest, f"{stem}-{version}-*.whl"))
-    if not found:
-        run([sys.executable, "-m", "pip", "download", *DOWNLOAD_FLAGS, "-d", dest, f"{name}=={version}"])
-        found = glob.glob(os.path.join(dest, f"{stem}-{version}-*.whl"))
-    assert len(found) == 1, found
-    return found[0]
+    tag = "cp" + python_version.replace(".", "")
+
+    def found():
+        return [p for p in glob.glob(os.path.join(dest, f"{stem}-{version}-*.whl"))
+                if "-py3-none-" in p or "-abi3-" in p or f"-{tag}-" in p]
+    if not found():
+        flags = list(DOWNLOAD_FLAGS)
+        flags[flags.index("--python-version") + 1] = python_version
+        run([sys.executable, "-m", "pip", "download", *flags, "-d", dest, f"{name}=={version}"])
+    assert len(found()) == 1, found()
+    return found()[0]
+
+
+def tvm_keep(name):
+    return not any(name == d or name.startswith(d) for d in TVM_FFI_DROP)
 
 
 def record_line(arcname, data):
@@ -140,6 +156,7 @@ def record_line(arcname, data):
 def repack(src, dest, keep, extra=()):
     """A copy of wheel `src` at `dest` with the members `keep(name)` accepts plus `extra` [(arcname, bytes)], and a
     RECORD that lists them."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
     with zipfile.ZipFile(src) as zin:
         names = zin.namelist()
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
@@ -263,18 +280,22 @@ def main(argv=None):
     fi_out = repack(fi_src, os.path.join(args.out, os.path.basename(fi_src)),
                     keep=lambda n: flashinfer_keep(n, keep_files),
                     extra=[(f"flashinfer/data/aot/{built['name']}/{built['name']}.so", module)])
-    tvm_out = os.path.join(args.out, os.path.basename(tvm_src))
-    shutil.copyfile(tvm_src, tvm_out)
+    tvm_out = repack(tvm_src, os.path.join(args.out, os.path.basename(tvm_src)), keep=tvm_keep)
 
     # Check the set as the device will install it.
     check = os.path.join(args.work, "check_site")
     shutil.rmtree(check, ignore_errors=True)
-    run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-         "--target", check, fm_out, fi_out])
-    # The check's interpreter is the build venv's, with its own tvm-ffi of the same version (the carried wheel is
-    # cp312's, the device's Python): that one is only tested as a zip here.
+    # The check's interpreter is the build venv's: the same cut of tvm-ffi's wheel for its Python stands in for the
+    # carried cp312 one (tested as a zip only).
+    venv_tag = subprocess.run([py, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    tvm_check = repack(download(*TVM_FFI, dl, python_version=venv_tag),
+                       os.path.join(args.work, "tvm_check", os.path.basename(download(*TVM_FFI, dl, venv_tag))),
+                       keep=tvm_keep) if venv_tag != "3.12" else tvm_out
     with zipfile.ZipFile(tvm_out) as z:
         assert z.testzip() is None
+    run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+         "--target", check, fm_out, fi_out, tvm_check])
     check_env = dict(os.environ, PYTHONPATH=check, FLASHINFER_DISABLE_JIT="1", FLASHINFER_CUDA_ARCH_LIST="9.0a",
                      FLASHINFER_WORKSPACE_BASE=os.path.join(args.work, "fi_check"),
                      LD_LIBRARY_PATH=os.pathsep.join(filter(None, ["/usr/local/cuda/lib64",
