@@ -55,7 +55,10 @@ TFLOP/s (2*B*T*H*L*(576+512) / time) of each kernel, the agreement, and issue 44
 peers; T = 1: >= 1.2x both; >= 2x XLA at L >= 64k) met or missed per row.
 
 A peer that fails to import, plan or run is recorded with its error (per row where it fails there) and the grid goes
-on. Results are rewritten after every row (a run cut short by --deadline-s keeps its rows; --resume measures only
+on. A kernel fault that breaks the process's CUDA context (an illegal memory access, ...) is recorded on its row, the
+results are saved and the script exits 3; `--resume` (gpu_peers.sh reruns it) goes on without running what faulted
+on that row again. A peer whose CUDA graph capture fails has no figure on the row (its error says so, with its
+plain-launch time beside as a diagnosis: that one can hold host launch costs). Results are rewritten after every row (a run cut short by --deadline-s keeps its rows; --resume measures only
 what is missing), one file per device: benchmarks/results/peers_<device>.{md,json}, stamped with the date, the
 device and the commit (kdtree_jax.provenance).
 """
@@ -109,6 +112,21 @@ def log(msg: str) -> None:
 
 def short(e: BaseException, n: int = 300) -> str:
     return f"{type(e).__name__}: {str(e).strip()}"[:n]
+
+
+STICKY = ("illegal memory access", "unspecified launch failure", "misaligned address", "device-side assert",
+          "illegal instruction", "CUDA_ERROR_ILLEGAL", "CUDA_ERROR_LAUNCH_FAILED")
+BROKEN_RC = 3  # the process's CUDA context is broken: gpu_peers.sh starts the script again with --resume
+
+
+class BrokenContext(RuntimeError):
+    """A kernel faulted: the CUDA context is unusable for the rest of this process (the row keeps the error, so a
+    --resume run skips what faulted)."""
+
+
+def check_sticky(e: BaseException) -> None:
+    if any(s in str(e) for s in STICKY):
+        raise BrokenContext(short(e)) from e
 
 
 # ---- the plan
@@ -201,6 +219,10 @@ class Torch:
             return
         self.torch = torch
 
+    def sync(self) -> None:
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+
     def from_jax(self, x):
         """A torch view of a JAX GPU array (DLPack, no copy), after the array is ready."""
         torch = self.torch
@@ -249,7 +271,6 @@ class Torch:
             times.append(start.elapsed_time(end) * 1e3 / (replays * len(layers)))
         del graph, outs
         return float(np.median(times))
-
 
     def eager_us(self, call, layers, reps: int = 5) -> float:
         """µs a call with plain launches (no graph) between CUDA events behind a device spin: where a capture failed,
@@ -474,32 +495,41 @@ class TorchXP:
 # ---- one row
 
 def measure_row(row, args, ctx, num_layers, calls, peers, tc, opts) -> None:
-    """Fills `row` (a dict) with ours, each peer, and the checks; every part's failure is recorded, not raised."""
+    """Fills `row` (a dict) with what it lacks of ours and each peer, then the checks among the outputs this call
+    made; a part's failure is recorded, not raised, except a fault that breaks the CUDA context (BrokenContext, raised
+    after the row records it)."""
     shape = (row["B"], row["T"], row["H"], row["L"])
-    try:
-        row["ours"] = ours_row(args, shape, num_layers, calls, opts["span"](row), opts["in_loop"](row), opts["events"])
-        o = row["ours"]
-        log(f"  ours: {o['us']:.1f} µs (CUDA events {fmt(o.get('events_graph_us'), '.1f')}, XLA-program span "
-            f"{fmt(o.get('span_us'), '.1f')}, in-loop {fmt(o.get('loop_us'), '.1f')}), {o['num_splits']} splits")
-    except Exception as e:  # noqa: BLE001
-        row["ours"] = dict(error=short(e))
-        log(f"  ours failed: {row['ours']['error']}")
+    if "ours" not in row or ("error" in row["ours"] and not row["ours"].get("fatal")):
+        try:
+            row["ours"] = ours_row(args, shape, num_layers, calls, opts["span"](row), opts["in_loop"](row),
+                                   opts["events"])
+            o = row["ours"]
+            log(f"  ours: {o['us']:.1f} µs (CUDA events {fmt(o.get('events_graph_us'), '.1f')}, XLA-program span "
+                f"{fmt(o.get('span_us'), '.1f')}, in-loop {fmt(o.get('loop_us'), '.1f')}), {o['num_splits']} splits")
+        except Exception as e:  # noqa: BLE001
+            row["ours"] = dict(error=short(e), fatal=any(x in str(e) for x in STICKY))
+            log(f"  ours failed: {row['ours']['error']}")
+            check_sticky(e)
     outs = {}
     try:  # ready before the peers run: nothing of ours may overlap their timing
         outs["ours"] = jax.block_until_ready(_layer0("ours", ROPE)(*args))
     except Exception as e:  # noqa: BLE001
         row.setdefault("checks", {})["ours_error"] = short(e)
+        check_sticky(e)
     for peer in peers:
         if peer.error:
             row[peer.name] = dict(error=peer.error, unavailable=True)
             continue
+        if peer.name in row and not row[peer.name].get("unavailable"):
+            continue  # measured (or failed) in an earlier call
         try:
             call, info = peer.prepare(ctx)
             extra = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
             try:
                 us = tc.graph_us(call, list(range(calls)))
             except Exception as e:  # noqa: BLE001 -- no graph: plain launches timed for a diagnosis, no figure
-                tc.torch.cuda.synchronize()
+                check_sticky(e)
+                tc.sync()
                 extra.update(graph_error=short(e, 400), eager_us=tc.eager_us(call, list(range(calls))))
                 us = None
             outs[peer.name] = call(0)
@@ -508,19 +538,24 @@ def measure_row(row, args, ctx, num_layers, calls, peers, tc, opts) -> None:
                 row[peer.name]["error"] = "no CUDA graph: " + extra["graph_error"]
             log(f"  {LABELS[peer.name]}: {fmt(us, '.1f')} µs" + (f" (capture failed: {extra['graph_error']}; plain "
                 f"launches {extra['eager_us']:.1f} µs)" if us is None else ""))
+            tc.sync()
         except Exception as e:  # noqa: BLE001 -- a peer that rejects a shape or fails: recorded, the grid goes on
             row[peer.name] = dict(error=short(e, 500))
             log(f"  {LABELS[peer.name]} failed: {row[peer.name]['error']}")
             if opts.get("traceback"):
                 traceback.print_exc()
-        finally:
-            if tc.torch is not None:
-                tc.torch.cuda.synchronize()
+            check_sticky(e)
+            try:
+                tc.sync()
+            except Exception as e2:  # noqa: BLE001 -- the failure broke the context after all
+                check_sticky(e2)
+                raise
     try:
         row["checks"] = dict(row.get("checks", {}), **check_outputs(row, args, outs, tc, opts["ref_max_scores"]))
     except Exception as e:  # noqa: BLE001
         row["checks"] = dict(row.get("checks", {}), error=short(e), agree=None)
         log(f"  checks failed: {row['checks']['error']}")
+        check_sticky(e)
     if tc.torch is not None:
         tc.torch.cuda.empty_cache()
 
@@ -826,9 +861,9 @@ def main(argv=None) -> int:
         return args.deadline_s and time.perf_counter() - T0 > args.deadline_s
 
     def missing(r):
-        """A row an earlier call left without ours, or without a peer this call has (a peer's recorded error on
-        the row is its result: not retried)."""
-        return ("ours" not in r or "error" in r["ours"] or "error" in r
+        """A row an earlier call left without ours (or with ours failed), or without a peer this call has (a peer's
+        recorded error on the row is its result: not retried; one unavailable then and available now is run)."""
+        return ("ours" not in r or ("error" in r["ours"] and not r["ours"].get("fatal")) or "error" in r
                 or any(p.name not in r or (r[p.name].get("unavailable") and p.error is None) for p in peers))
 
     pools = {}
@@ -872,6 +907,12 @@ def main(argv=None) -> int:
             row.update(layers=int(num_layers), calls=calls)
             row.pop("error", None)
             measure_row(row, run_args, ctx, num_layers, calls, peers, tc, opts)
+        except BrokenContext as e:
+            log(f"  a kernel faulted ({e}): the CUDA context is broken; the rows so far are saved, and a --resume run "
+                f"(gpu_peers.sh starts one) goes on after what faulted")
+            derive(row)
+            save()
+            return BROKEN_RC
         except Exception as e:  # noqa: BLE001 -- e.g. out of memory making the pool: the row says so, the grid goes on
             row["error"] = short(e, 500)
             log(f"  row failed: {row['error']}")
@@ -889,7 +930,7 @@ def main(argv=None) -> int:
     # Pass 2: the XLA baseline where the plan asks for it and no earlier result gave it.
     for batch, heads, num_queries, length in [r for r in plan if tuple(r) in xla_rows]:
         row = by_key.get((batch, heads, num_queries, length))
-        if row is None or (row.get("xla") or {}).get("xla_us") is not None:
+        if row is None or "xla" in row:  # measured, taken from --refs-from, or failed (final)
             continue
         if past_deadline():
             log("deadline: the remaining XLA baselines not run")
@@ -904,6 +945,10 @@ def main(argv=None) -> int:
                               xla_from=f"{meta['commit']}, {meta['date']}")
         except Exception as e:  # noqa: BLE001
             row["xla"] = dict(xla_us=None, xla_error=short(e))
+            if any(x in str(e) for x in STICKY):
+                derive(row)
+                save()
+                return BROKEN_RC
         derive(row)
         save()
     pools.clear()

@@ -5,6 +5,7 @@ derived columns, the XLA baseline taken from earlier results). Correctness only:
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -120,3 +121,99 @@ def test_peers_unavailable_without_torch(monkeypatch):
     assert tc.torch is None and "PyTorch is not importable" in tc.error
     for cls in (peers.FlashMLA, peers.FlashInfer):
         assert cls(tc).error == tc.error
+
+
+class _FakePeer:
+    """A peer on the CPU: numpy attention on the shared data, FlashMLA's way (the page table) or FlashInfer's (the
+    slots); `fault` makes its first prepare raise what a faulting kernel raises."""
+    faults = {}
+
+    def __init__(self, tc):
+        self.tc, self.error, self.version, self.how = tc, None, "fake", "fake"
+
+    def prepare(self, ctx):
+        if self.faults.pop(self.name, False):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        batch, num_queries, heads, length = ctx["shape"]
+        q = np.asarray(ctx["q"], np.float32)
+
+        def call(layer):
+            pool = np.asarray(ctx["pool"][layer], np.float32)
+            slots = np.asarray(ctx["slots"]) if self.name == "flashinfer" else \
+                (np.asarray(ctx["pages"])[:, :, None] * 64 + np.arange(64)).reshape(batch, length)
+            out, lse = [], []
+            for b in range(batch):
+                k = pool[slots[b]]
+                s = np.einsum("thd,ld->thl", q[b], k) * peers.SCALE
+                causal = np.arange(length)[None, :] > (length - num_queries + np.arange(num_queries))[:, None]
+                s = np.where(causal[:, None, :], -np.inf, s)
+                m = s.max(-1, keepdims=True)
+                p = np.exp(s - m)
+                out.append(np.einsum("thl,ld->thd", p / p.sum(-1, keepdims=True), k[:, :512]))
+                lse.append(np.log(p.sum(-1)) + m[..., 0])
+            return np.stack(out), np.stack(lse)
+        return call, dict(fake=1)
+
+
+class _FakeMLA(_FakePeer):
+    name = "flashmla"
+
+
+class _FakeInfer(_FakePeer):
+    name = "flashinfer"
+
+
+class _FakeTorch(peers.Torch):
+    """No torch: the peers' outputs are numpy arrays, a 'graph' is a plain loop timed on the host."""
+
+    def __init__(self):
+        self.torch, self.error = None, None
+
+    def graph_us(self, call, layers, replays=0, reps=5):
+        t0 = time.perf_counter()
+        for layer in layers:
+            call(layer)
+        return (time.perf_counter() - t0) / len(layers) * 1e6
+
+
+def test_peers_flow_fault_and_resume(tmp_path, monkeypatch):
+    """Both peers through measure_row on the shared data (page table and slots address the same rows: their outputs
+    agree with ours and the reference), then a peer whose kernel faults: the run saves and exits BROKEN_RC, and a
+    --resume run goes on after it without running the faulted peer on that row again."""
+    monkeypatch.setattr(peers, "Torch", _FakeTorch)
+    monkeypatch.setattr(peers, "FlashMLA", _FakeMLA)
+    monkeypatch.setattr(peers, "FlashInfer", _FakeInfer)
+    real_pool_for_ctx = peers.make_args
+
+    def make_args(kv_pool, kv_slots, batch, heads, num_queries, length):  # the fakes read numpy copies of the data
+        args = real_pool_for_ctx(kv_pool, kv_slots, batch, heads, num_queries, length)
+        _Ctx.latest = dict(q=args[0], pool=kv_pool, slots=kv_slots, pages=np.asarray(kv_slots)[:, ::64] // 64)
+        return args
+    monkeypatch.setattr(peers, "make_args", make_args)
+    real_measure = peers.measure_row
+
+    def measure_row(row, args, ctx, *rest):
+        return real_measure(row, args, dict(ctx, **_Ctx.latest), *rest)
+    monkeypatch.setattr(peers, "measure_row", measure_row)
+    monkeypatch.setattr(peers, "smoke_plan", lambda: [(1, 2, 3, 256), (1, 2, 1, 128)])
+    out = str(tmp_path / "f")
+    base = ["--smoke", "--out", out, "--xla", "none", "--in-loop", "none"]
+    _FakePeer.faults = {"flashinfer": True}  # FlashInfer faults on the first row
+    assert peers.main(base) == peers.BROKEN_RC
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert len(rows) == 1 and "illegal memory access" in rows[0]["flashinfer"]["error"]
+    assert rows[0]["flashmla"]["us"] > 0 and "checks" not in rows[0]  # nothing more runs in a broken context
+    assert peers.main(base + ["--resume"]) == 0
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert [(r["T"], r["L"]) for r in rows] == [(3, 256), (1, 128)]
+    assert "illegal memory access" in rows[0]["flashinfer"]["error"]  # not run again on that row
+    second = rows[1]
+    assert second["flashmla"]["us"] > 0 and second["flashinfer"]["us"] > 0
+    for pair in ("ours_vs_flashmla", "ours_vs_flashinfer", "flashmla_vs_flashinfer", "flashinfer_vs_reference"):
+        assert second["checks"][pair]["ok"] and second["checks"][pair]["lse"]["ok"], pair
+    assert second["checks"]["agree"] and set(second["speedup"]) == {"flashmla", "flashinfer"}
+    assert "## Failures" in (tmp_path / "f.md").read_text()
+
+
+class _Ctx:
+    latest = {}
