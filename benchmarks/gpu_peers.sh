@@ -10,9 +10,10 @@
 #   3. peers.py --out-dir $OUT with --deadline-s = what is left less PEERS_MARGIN_S (no row or XLA baseline starts
 #      after it; the rows done are written after each one), under `timeout` a little later;
 #   4. the logs (wheels, build, the peers run, nvidia-smi) as $OUT/peers_logs.tgz.
-# Results: $OUT/peers_<device>.{md,json} (copy them to benchmarks/results/); rerun with PEERS_ARGS=--resume and the
-# JSON copied back into $OUT's place (PEERS_RESUME=path) to measure what a first call left.
-# env: SESSION_S (default 570), PEERS_MARGIN_S (default 45), PEERS_ARGS (more peers.py arguments, e.g. "--plan key"
+# Results: $OUT/peers_<device>.{md,json} (copy them to benchmarks/results/). To measure what a first call left (rows
+# past its deadline, XLA baselines): PEERS_RESUME=benchmarks/results/peers_h200.json (the first call's JSON, in the
+# tree so that it travels; the name must stay peers_<device>.json) bash benchmarks/gpu_peers.sh.
+# env: SESSION_S (default 570), PEERS_MARGIN_S (default 60), PEERS_ARGS (more peers.py arguments, e.g. "--plan key"
 #      or "--xla none"), PEERS_RESUME (an earlier peers JSON to continue: copied to $OUT first, --resume added),
 #      SKIP_BUILD=1 (the extension is already built on this machine).
 set -uo pipefail
@@ -21,7 +22,8 @@ OUT=${OUT:-/tmp/out}
 LOGS=/tmp/peers_logs
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  FLASHINFER_DISABLE_JIT=1 FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer TVM_FFI_CACHE_DIR=/tmp/tvm-ffi
+  FLASHINFER_DISABLE_JIT=1 FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer \
+  TVM_FFI_CACHE_DIR=/tmp/tvm-ffi
 t_begin=$(date +%s)
 SESSION_S=${SESSION_S:-570}
 elapsed() { echo $(( $(date +%s) - t_begin )); }
@@ -45,7 +47,7 @@ else
   echo "wheels: no .whl/ carried (make it with python benchmarks/peers_wheels.py; carry [\".whl\"]): peers unavailable"
 fi
 python3 - > "$LOGS/probe.log" 2>&1 <<'PY'
-import importlib, sys
+import importlib.util
 for name in ("torch", "jax", "flash_mla", "flashinfer", "tvm_ffi"):
     try:
         spec = importlib.util.find_spec(name)
@@ -76,7 +78,7 @@ fi
 rc=3
 for attempt in 1 2 3 4; do
   left=$(( SESSION_S - $(elapsed) ))
-  deadline=$(( left - ${PEERS_MARGIN_S:-45} ))
+  deadline=$(( left - ${PEERS_MARGIN_S:-60} ))
   if [ "$deadline" -lt 30 ]; then echo "no time left for the benchmark ($left s)"; break; fi
   echo "peers.py (attempt $attempt): deadline ${deadline} s, hard limit $(( left - 5 )) s"
   timeout -k 5 $(( left - 5 )) python3 benchmarks/peers.py --out-dir "$OUT" --deadline-s "$deadline" "${resume[@]}" \
@@ -87,7 +89,8 @@ for attempt in 1 2 3 4; do
   resume=(--resume)
 done
 cp "$LOGS/peers.log" "$OUT/peers.log"
-grep -E "unavailable|failed|deadline|Traceback|Error" "$LOGS/peers.log" | sort | uniq -c | sort -rn | head -15
+grep -E "unavailable|failed|faulted|deadline|Traceback|Error" "$LOGS/peers.log" | sed 's/^\[[^]]*\] *//' | cut -c1-240 \
+  | sort | uniq -c | sort -rn | head -15
 md=$(ls "$OUT"/peers_*.md 2>/dev/null | head -1)
 # The table comes back as a file; here the summary and the first rows (the reply keeps the last 12,000 characters).
 [ -n "$md" ] && { grep -E "^(Peers|Targets):" "$md"; sed -n '/^| B | H | T | L | ours/,/^$/p' "$md" | head -26
