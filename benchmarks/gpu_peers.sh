@@ -81,7 +81,7 @@ for attempt in 1 2 3 4; do
   deadline=$(( left - ${PEERS_MARGIN_S:-60} ))
   if [ "$deadline" -lt 30 ]; then echo "no time left for the benchmark ($left s)"; break; fi
   echo "peers.py (attempt $attempt): deadline ${deadline} s, hard limit $(( left - 5 )) s"
-  timeout -k 5 $(( left - 5 )) python3 benchmarks/peers.py --out-dir "$OUT" --deadline-s "$deadline" "${resume[@]}" \
+  timeout -k 5 $(( left - 5 )) python3 benchmarks/peers.py --out-dir "$OUT" --deadline-s "$deadline" --traceback "${resume[@]}" \
     ${PEERS_ARGS:-} >> "$LOGS/peers.log" 2>&1
   rc=$?
   echo "peers.py: rc=$rc at $(elapsed) s"
