@@ -110,40 +110,107 @@ def test_a_probe_that_loses_doubles_the_interval_one_that_pays_resets_it():
     assert int(bp.end_of_chunk(paid, MENU, 1, 0.0).probe_every) == 25
 
 
-def test_observe_counts_verified_and_accepted_nodes():
-    policy = _policy()
-    scores = jnp.asarray([[0.0, -0.01, -0.02, -3.0, -3.0] + [-9.0] * 12], jnp.float32)
-    valid = jnp.ones((1, 17), bool)
-    path = jnp.asarray([[0, 1, 2, -1]], jnp.int32)  # nodes 1 and 2 accepted, 3 and 4 verified and refused
-    row_expected = jnp.asarray([[1.0, 3.0, 3.0]], jnp.float32)
-    new = bp.observe(policy._replace(since_draft=jnp.int32(5)), MENU, 1, scores=scores, valid=valid,
-                     row_expected=row_expected, path=path, num_accepted=jnp.asarray([2]),
-                     active=jnp.ones((1,), bool))
+def _absorbed(policy, entry, steps):
+    """The policy after a chunk of drafted steps of `entry` (each (scores [B, T], path [B, D + 1], active [B])):
+    log_step each, then absorb."""
+    for scores, path, active in steps:
+        policy = bp.log_step(policy, MENU, entry, scores=jnp.asarray(scores, jnp.float32),
+                             valid=jnp.ones(np.shape(scores), bool), path=jnp.asarray(path, jnp.int32),
+                             active=jnp.asarray(active))
+    return bp.absorb(policy, MENU, entry)
+
+
+def test_a_logged_step_counts_verified_and_accepted_nodes():
+    policy = _policy(chunk_steps=2, depth=3)._replace(since_draft=jnp.int32(5))
+    scores = np.array([[0.0, -0.01, -0.02, -3.0, -3.0] + [-9.0] * 12], np.float32)
+    path = [[0, 1, 2, -1]]  # nodes 1 and 2 accepted, 3 and 4 verified and refused
+    new = _absorbed(policy, 1, [(scores, path, [True])])
     d = bp.CALIBRATION_DECAY
     acc, pred = np.asarray(new.bin_acc), np.asarray(new.bin_pred)
     np.testing.assert_allclose(acc[0], bp.PRIOR_WEIGHT * d + 2, rtol=1e-6)  # two accepted in the top bin
     np.testing.assert_allclose(pred[0], bp.PRIOR_WEIGHT * d + np.exp(-0.01) + np.exp(-0.02), rtol=1e-6)
     np.testing.assert_allclose(acc[7], bp.PRIOR_WEIGHT * d, rtol=1e-6)  # the refused pair's bin: no acceptance
     np.testing.assert_allclose(pred[7], bp.PRIOR_WEIGHT * d + 2 * np.exp(-3.0), rtol=1e-6)
-    assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0] and int(new.since_draft) == 0
-    assert float(new.observed_tokens) == 3.0 and float(new.predicted_tokens) == 3.0
+    assert np.asarray(new.chosen).tolist() == [0, 1, 0, 0] and int(new.since_draft) == 0 and int(new.logged) == 0
+    e4 = 1 + np.exp(scores[0, 1:5]).sum()  # the step's E(4) by the (uncalibrated) drafter: budget 4's tree
+    assert float(new.observed_tokens) == 3.0 and float(new.predicted_tokens) == pytest.approx(e4, rel=1e-6)
     # The running predictions, the batch's and the row's, move by the step's E where the step measured it (budgets
     # 0 and 4: its tree's nodes); budget 16's gain moves by the factor budget 4's gain moved by.
     d = bp.EXPECTED_DECAY
-    measured = (1 - d) * np.array([1.0, 5.0]) + d * np.array([1.0, 3.0])
+    measured = (1 - d) * np.array([1.0, 5.0]) + d * np.array([1.0, e4])
     factor = (measured[1] - 1 + bp.GAIN_FLOOR) / (4.0 + bp.GAIN_FLOOR)
     np.testing.assert_allclose(np.asarray(new.expected), [*measured, 1 + 16 * factor], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(new.row_expected), np.asarray(new.expected)[None, :], rtol=1e-6)
     # A step of the largest entry measures every entry.
-    top = bp.observe(policy, MENU, 2, scores=scores, valid=valid, row_expected=row_expected, path=path,
-                     num_accepted=jnp.asarray([2]), active=jnp.ones((1,), bool))
-    np.testing.assert_allclose(np.asarray(top.expected), (1 - d) * np.array([1.0, 5.0, 17.0]) + d * np.array([1, 3, 3]),
-                               rtol=1e-6)
+    top = _absorbed(policy, 2, [(scores, path, [True])])
+    e16 = 1 + np.exp(scores[0, 1:]).sum()
+    np.testing.assert_allclose(np.asarray(top.expected),
+                               (1 - d) * np.array([1.0, 5.0, 17.0]) + d * np.array([1, e4, e16]), rtol=1e-6)
     # An autoregressive step counts as such and leaves the bins alone.
     ar = bp.count_undrafted(new, MENU)
     assert np.asarray(ar.chosen).tolist() == [0, 1, 0, 1]
     np.testing.assert_array_equal(np.asarray(ar.bin_acc), acc)
     assert int(ar.since_draft) == 1
+
+
+def _sequential(policy, entry, steps):
+    """The reference: one observation per step, in order, in numpy (every step's E from the bins of the chunk's
+    start, as absorb takes them)."""
+    edges = np.asarray(bp.BIN_EDGES)
+    ratio = np.asarray(policy.bin_acc) / np.asarray(policy.bin_pred)
+    pred, acc = np.asarray(policy.bin_pred, np.float64), np.asarray(policy.bin_acc, np.float64)
+    batch_e, rows = np.asarray(policy.expected, np.float64), np.asarray(policy.row_expected, np.float64).copy()
+    known = np.asarray(MENU) <= MENU[entry]
+    d, f = bp.EXPECTED_DECAY, bp.GAIN_FLOOR
+
+    def follow(old, new):
+        factor = (new[..., entry] - 1 + f) / (old[..., entry] - 1 + f)
+        return np.where(known, new, 1 + (old - 1) * factor[..., None])
+
+    observed = predicted = 0.0
+    for scores, path, active in steps:
+        scores, active = np.asarray(scores, np.float64), np.asarray(active)
+        node = np.arange(scores.shape[1])
+        verified = (node >= 1) & (node <= MENU[entry]) & active[:, None]
+        accepted = np.array([[n in p and n > 0 for n in node] for p in np.asarray(path)]) & verified
+        bins = (scores[..., None] < edges).sum(-1)
+        raw = np.exp(np.minimum(scores, 0))
+        q = np.where(verified, np.minimum(raw * ratio[bins], 1.0), 0.0)
+        e = 1 + np.stack([q[:, 1:1 + b].sum(1) for b in MENU], 1)  # [B, M]
+        pred = pred * bp.CALIBRATION_DECAY + np.bincount(bins[verified], raw[verified], bp.NUM_BINS)
+        acc = acc * bp.CALIBRATION_DECAY + np.bincount(bins[accepted], minlength=bp.NUM_BINS)
+        batch_e = follow(batch_e, (1 - d) * batch_e + d * e[active].mean(0))
+        rows = np.where(active[:, None], follow(rows, (1 - d) * rows + d * e), rows)
+        predicted += e[active, entry].sum()
+        observed += (accepted.sum(1) + 1)[active].sum()
+    return pred, acc, batch_e, rows, predicted, observed
+
+
+def test_absorbing_a_chunk_equals_one_observation_per_step():
+    """Fresh random trees, three rows (one inactive on a step), four steps of a five-step log, a calibration prior
+    that is not flat: the closed form of the decays and of _follow's factors against the step-by-step numpy one."""
+    rng = np.random.default_rng()
+    ratio = rng.uniform(0.3, 2.0, bp.NUM_BINS)
+    policy = _policy(chunk_steps=5, depth=3, batch=3, bin_ratio=ratio)
+    policy = policy._replace(row_expected=jnp.asarray(rng.uniform(1.0, 6.0, (3, 3)), jnp.float32))
+    for entry in (1, 2):
+        steps = []
+        for s in range(4):
+            scores = np.concatenate([np.zeros((3, 1)), -np.sort(rng.exponential(1.0, (3, 16)), axis=1)], 1)
+            path = np.full((3, 4), -1)  # the root and up to 3 accepted nodes of the entry's tree
+            for b in range(3):
+                k = rng.integers(0, 4)
+                path[b, :k + 1] = [0] + sorted(rng.choice(np.arange(1, MENU[entry] + 1), k, replace=False).tolist())
+            steps.append((scores.astype(np.float32), path, np.array([True, s != 2, True])))
+        got = _absorbed(policy, entry, steps)
+        pred, acc, batch_e, rows, predicted, observed = _sequential(policy, entry, steps)
+        np.testing.assert_allclose(np.asarray(got.bin_pred), pred, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.bin_acc), acc, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.expected), batch_e, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.row_expected), rows, rtol=1e-5)
+        assert float(got.predicted_tokens) == pytest.approx(predicted, rel=1e-5)
+        assert int(got.observed_tokens) == observed and int(got.sequence_steps) == 11
+        assert np.asarray(got.chosen).tolist()[entry] == 4 and int(got.logged) == 0
 
 
 def test_a_trees_first_nodes_are_the_smaller_budgets_tree():

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -113,15 +114,23 @@ class PolicyState(NamedTuple):
     # buffer in a call's input costs an update of its command buffer on a GPU: the chunks timed that way came out up to
     # 2x what the decode paid for an autoregressive step on the H200, budget_sweep_h200 at f457516).
     endless: jnp.ndarray  # [] bool
+    # The drafted steps of the chunk in flight, absorbed at its end (`absorb`): a step writes its tree's scores and
+    # its accepted path (`log_step`, two in-place writes) instead of updating the calibration and the predictions
+    # itself (~20 more ops a step, each a kernel on a GPU).
+    log_scores: jnp.ndarray  # [S, B, max(menu) + 1] f32 each node's drafter score, -inf where not verified; the root
+    # (node 0) 0 for an active row, -inf for an inactive one
+    log_path: jnp.ndarray  # [S, B, D + 1] int32 the accepted node indices (-1 padding)
+    logged: jnp.ndarray  # [] int32 steps logged in this chunk
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
                context0=0.0, bin_ratio=None, expected=None, force: int = FORCE_POLICY, batch: int = 1,
-               makespan: bool = False) -> PolicyState:
+               makespan: bool = False, chunk_steps: int = 1, depth: int = 1) -> PolicyState:
     """A fresh policy state. Costs in ms (any consistent unit); cost_verify [M] defaults to cost_ar for every entry
     (so that only the predictions decide); bin_ratio [NUM_BINS] the calibration prior (default 1: trust the
     drafter); expected [M] the gate's prior (default: optimistic, 1 + b, so that the first step drafts), also every
-    row's; makespan: a static batch (PolicyState.makespan)."""
+    row's; makespan: a static batch (PolicyState.makespan); chunk_steps / depth: the log's room (steps a chunk, the
+    drafter's depth D)."""
     m = len(menu)
     menu_arr = np.asarray(menu, np.float32)
     cost_verify = np.full((m,), cost_ar, np.float32) if cost_verify is None else np.asarray(cost_verify, np.float32)
@@ -139,7 +148,9 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
         row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32),
-        endless=jnp.bool_(False))
+        endless=jnp.bool_(False),
+        log_scores=jnp.full((chunk_steps, batch, max(max(menu), 0) + 1), -jnp.inf, jnp.float32),
+        log_path=jnp.full((chunk_steps, batch, depth + 1), -1, jnp.int32), logged=jnp.int32(0))
 
 
 def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> jnp.ndarray:
@@ -249,7 +260,7 @@ def calibrated(policy: PolicyState, scores, valid) -> jnp.ndarray:
 
 def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
     """E(b) per sequence and menu entry [B, M]: 1 + the calibrated probabilities of the first b nodes. An entry whose b
-    exceeds the tree's nodes (T - 1) gets the whole tree's (`observe` scales those entries instead, `known_entries`)."""
+    exceeds the tree's nodes (T - 1) gets the whole tree's (`absorb` scales those entries instead, `known_entries`)."""
     total = jnp.cumsum(q, axis=1)  # [B, T]: total[:, i] = q[1] + ... + q[i]
     last = q.shape[1] - 1
     return 1.0 + jnp.stack([total[:, min(b, last)] if b > 0 else jnp.zeros_like(total[:, 0]) for b in menu], axis=1)
@@ -257,7 +268,7 @@ def expected_tokens(q, menu: Sequence[int]) -> jnp.ndarray:
 
 def known_entries(menu: Sequence[int], entry: int) -> np.ndarray:
     """[M] bool: the entries whose E a drafted step of menu entry `entry` measures (its tree is the budget-b tree, and
-    a smaller budget's tree is its first nodes); the larger ones are scaled (`observe`)."""
+    a smaller budget's tree is its first nodes); the larger ones are scaled (`absorb`)."""
     return np.asarray(menu) <= menu[entry]
 
 
@@ -270,39 +281,69 @@ def _follow(old, new_known, known, entry: int):
     return jnp.where(jnp.asarray(known), new_known, 1.0 + (old - 1.0) * factor[..., None])
 
 
-def observe(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, row_expected, path,
-            num_accepted, active) -> PolicyState:
-    """A drafted step's observations (entry: the static menu entry it verified): the calibration bins (every verified
-    node: its raw drafter probability exp(score) and whether the walk accepted it), the running predictions, the
-    counters. scores / valid [B, T] the drafted tree's; path [B, D+1] the accepted node indices (-1 padding);
-    row_expected [B, M] each row's E of this step (`expected_tokens` of the calibrated tree). Sums by comparison
-    rather than scatter (a step's few fused kernels, not one per scatter)."""
-    budget = menu[entry]
-    known = known_entries(menu, entry)
-    n = jnp.maximum(active.sum(), 1).astype(jnp.float32)
-    expected = jnp.where(active[:, None], row_expected, 0.0).sum(0)  # [M]
-    node = jnp.arange(scores.shape[1])
-    verified = (node[None, :] >= 1) & (node[None, :] <= budget) & valid & active[:, None]
-    on_path = ((path[:, :, None] == node[None, None, :]) & (path[:, :, None] > 0)).any(1)  # [B, T]
-    in_bin = _bins(scores)[..., None] == jnp.arange(NUM_BINS)  # [B, T, bins]
-    raw = jnp.exp(jnp.minimum(scores, 0.0))
-    add_pred = jnp.where(in_bin & verified[..., None], raw[..., None], 0.0).sum((0, 1))
-    add_acc = (in_bin & (verified & on_path)[..., None]).sum((0, 1)).astype(jnp.float32)
-    emitted = (jnp.where(active, num_accepted + 1, 0)).sum().astype(jnp.int32)
-    rows = policy.row_expected
-    moved = _follow(rows, (1 - EXPECTED_DECAY) * rows + EXPECTED_DECAY * row_expected, known, entry)
-    rows = jnp.where(active[:, None], moved, rows)
+def log_step(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, valid, path, active) -> PolicyState:
+    """A drafted step of menu entry `entry`, logged for the chunk's end (`absorb`): scores / valid [B, T] its tree's,
+    path [B, D + 1] the accepted node indices, active [B] the rows that stepped."""
+    node = jnp.arange(scores.shape[1])[None, :]
+    verified = valid & (node >= 1) & (node <= menu[entry]) & active[:, None]
+    logged = jnp.where(verified, scores, -jnp.inf).at[:, 0].set(jnp.where(active, 0.0, -jnp.inf))
+    width = policy.log_scores.shape[2]
+    logged = jnp.pad(logged[:, :width], ((0, 0), (0, width - min(scores.shape[1], width))), constant_values=-jnp.inf)
+    i = policy.logged
     return policy._replace(
-        bin_pred=policy.bin_pred * CALIBRATION_DECAY + add_pred,
-        bin_acc=policy.bin_acc * CALIBRATION_DECAY + add_acc,
-        expected=_follow(policy.expected, (1 - EXPECTED_DECAY) * policy.expected + EXPECTED_DECAY * expected / n,
-                         known, entry),
-        since_draft=jnp.zeros_like(policy.since_draft),
-        chosen=policy.chosen.at[entry].add(1),
-        predicted_tokens=policy.predicted_tokens + expected[entry],
+        log_scores=jax.lax.dynamic_update_index_in_dim(policy.log_scores, logged, i, 0),
+        log_path=jax.lax.dynamic_update_index_in_dim(policy.log_path, path.astype(jnp.int32), i, 0),
+        logged=i + 1)
+
+
+def absorb(policy: PolicyState, menu: Sequence[int], entry: int) -> PolicyState:
+    """The chunk's logged steps of menu entry `entry` into the calibration bins (every verified node: its raw drafter
+    probability exp(score) and whether the walk accepted it), the running predictions and the counters; the log
+    emptied. The same as one observation per step in order, except that every step's predictions E come from the
+    bins as they were at the chunk's start: the decays and `_follow`'s factors compose in closed form (a running
+    mean's weights; the factors' product telescopes to the last over the first)."""
+    scores, path = policy.log_scores, policy.log_path  # [S, B, T], [S, B, D + 1]
+    steps, batch, width = scores.shape
+    n = policy.logged
+    index = jnp.arange(steps)
+    ran = index < n
+    active = ran[:, None] & (scores[:, :, 0] == 0.0)  # [S, B]
+    node = jnp.arange(width)
+    verified = jnp.isfinite(scores) & (node >= 1) & active[..., None]  # [S, B, T]
+    on_path = ((path[..., None] == node) & (path[..., None] > 0)).any(2)  # [S, B, T]
+    in_bin = _bins(scores)[..., None] == jnp.arange(NUM_BINS)  # [S, B, T, bins]
+    raw = jnp.exp(jnp.minimum(scores, 0.0))
+    add_pred = jnp.where(in_bin & verified[..., None], raw[..., None], 0.0).sum((1, 2))  # [S, bins]
+    add_acc = (in_bin & (verified & on_path)[..., None]).sum((1, 2)).astype(jnp.float32)
+    decayed = CALIBRATION_DECAY ** jnp.maximum(n - 1 - index, 0).astype(jnp.float32)
+    weight = jnp.where(ran, decayed, 0.0)[:, None]
+    keep = CALIBRATION_DECAY ** n.astype(jnp.float32)
+
+    # Each step's E per row and entry from the chunk's first bins; the running means over the steps a row ran.
+    q = calibrated(policy, scores.reshape(steps * batch, width), verified.reshape(steps * batch, width))
+    row_e = expected_tokens(q, menu).reshape(steps, batch, len(menu))  # [S, B, M]
+    on = active.astype(jnp.float32)
+    e = EXPECTED_DECAY
+    later = jnp.cumsum(on[::-1], axis=0)[::-1] - on  # [S, B] steps the row ran after this one
+    row_mean = ((1 - e) ** on.sum(0))[:, None] * policy.row_expected + (
+        (on * e * (1 - e) ** later)[..., None] * row_e).sum(0)
+    known = known_entries(menu, entry)
+    summed = jnp.where(active[..., None], row_e, 0.0).sum(1)  # [S, M]
+    mean = summed / jnp.maximum(on.sum(1), 1.0)[:, None]
+    step_weight = jnp.where(ran, e * (1 - e) ** jnp.maximum(n - 1 - index, 0).astype(jnp.float32), 0.0)
+    batch_mean = (1 - e) ** n.astype(jnp.float32) * policy.expected + (step_weight[:, None] * mean).sum(0)
+    emitted = jnp.where(active, on_path.sum(2) + 1, 0).sum().astype(jnp.int32)
+    return policy._replace(
+        bin_pred=keep * policy.bin_pred + (weight * add_pred).sum(0),
+        bin_acc=keep * policy.bin_acc + (weight * add_acc).sum(0),
+        expected=_follow(policy.expected, batch_mean, known, entry),
+        since_draft=jnp.where(n > 0, 0, policy.since_draft),
+        chosen=policy.chosen.at[entry].add(n),
+        predicted_tokens=policy.predicted_tokens + summed[:, entry].sum(),
         observed_tokens=policy.observed_tokens + emitted,
         sequence_steps=policy.sequence_steps + active.sum().astype(jnp.int32),
-        row_expected=rows)
+        row_expected=_follow(policy.row_expected, row_mean, known, entry),
+        logged=jnp.zeros_like(n))
 
 
 def count_undrafted(policy: PolicyState, menu: Sequence[int]) -> PolicyState:
@@ -311,10 +352,12 @@ def count_undrafted(policy: PolicyState, menu: Sequence[int]) -> PolicyState:
 
 
 def end_of_chunk(policy: PolicyState, menu: Sequence[int], entry: int, context) -> PolicyState:
-    """After a drafted chunk: a probe (or any drafted chunk) that found speculation still loses doubles the gate's
-    probe interval; one that found it pays resets it to the base interval (`probe_interval`)."""
+    """After a drafted chunk: its logged steps absorbed (`absorb`); a probe (or any drafted chunk) that found
+    speculation still loses doubles the gate's probe interval; one that found it pays resets it to the base interval
+    (`probe_interval`)."""
     if not is_speculative(menu, entry):
         return policy
+    policy = absorb(policy, menu, entry)
     c_ar, c_draft, c_verify = _costs(policy, context)
     paid = pays(speculative_rate(policy, menu, context))
     base = probe_interval(c_ar, c_draft, c_verify, menu)

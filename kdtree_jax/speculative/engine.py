@@ -240,9 +240,10 @@ class ChunkedLoop:
         Compiled of the entry this state starts with."""
         if self.spec.menu:
             capacity = state.pending.hidden.shape[2]
-            if capacity < self.steps:
-                raise ValueError(f"the adaptive loop's pending ring holds {capacity} rows, fewer than a chunk's "
-                                 f"{self.steps} steps (engine.adaptive_parts(chunk_steps=...))")
+            logged = state.policy.log_path.shape[0]
+            if min(capacity, logged) < self.steps:
+                raise ValueError(f"the adaptive loop's pending ring and step log hold {capacity} and {logged} rows, "
+                                 f"fewer than a chunk's {self.steps} steps (engine.adaptive_parts(chunk_steps=...))")
         shapes = _shapes(state)
         missing = [e for e in self.entries() if (shapes, e) not in self._programs]
 
@@ -419,7 +420,9 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
     chunk of `chunk_steps` autoregressive steps). static_batch: the rows start together and the batch ends with the
     last of them (generate), not rows refilled as they finish (the server): the policy then minimises the time to
     finish them all (budget_policy.next_entry)."""
-    policy = budget_policy.init_state(spec.menu, batch=batch, makespan=static_batch, **(costs or {}))
+    policy = budget_policy.init_state(spec.menu, batch=batch, makespan=static_batch,
+                                      chunk_steps=pending_capacity(chunk_steps), depth=drafter.cfg.depth,
+                                      **(costs or {}))
     pending = PendingContext.zeros(len(drafter.target_layer_ids), batch,
                                    pending_capacity(chunk_steps), target.cfg.hidden_size,
                                    target.dtype)
@@ -429,8 +432,9 @@ def adaptive_parts(target: Transformer, drafter: Drafter, spec: SpecConfig, batc
 def with_costs(state: LoopState, spec: SpecConfig, costs: dict) -> LoopState:
     """The state with the policy's costs (and acceptance prior) replaced: same shapes, so no compile."""
     counters = state.policy
+    steps, _, path = counters.log_path.shape
     fresh = budget_policy.init_state(spec.menu, batch=state.bonus.shape[0], makespan=bool(counters.makespan),
-                                     **costs)
+                                     chunk_steps=steps, depth=path - 1, **costs)
     return state._replace(policy=fresh._replace(chosen=counters.chosen, predicted_tokens=counters.predicted_tokens,
                                                 observed_tokens=counters.observed_tokens,
                                                 sequence_steps=counters.sequence_steps))

@@ -269,17 +269,14 @@ def adaptive_step(target: Transformer, drafter: Drafter, state: LoopState, spec:
 
     active = state.active
     # The fixed budget's own tree: it predicts this entry and every smaller one (their trees are its first nodes); the
-    # policy scales the larger entries' predictions (budget_policy.observe). Building the menu's largest tree instead,
+    # policy scales the larger entries' predictions (budget_policy.absorb). Building the menu's largest tree instead,
     # to predict every entry, cost more than the choice saved: on the H200 a DDTree-64 build is ~100 us a step at
     # batch 1 and 16 (215 at 64) against ~22-29 for budget 8 (a step of the default pair is ~0.25-0.5 ms).
     tree = draft_tree(drafter, target, state, dataclasses.replace(spec, budget=menu[entry]))
-    with jax.named_scope("policy"):
-        row_expected = policy_ops.expected_tokens(policy_ops.calibrated(policy, tree.scores, tree.valid), menu)
     state, verified = verify_and_commit(target, drafter, state, spec, tree, loop_weights)
     with jax.named_scope("drafter"):
         state = state._replace(dcache=drafter.extend_context(state.dcache, verified.path_hidden, verified.num_keep))
-    with jax.named_scope("policy"):
-        policy = policy_ops.observe(policy, menu, entry, scores=tree.scores, valid=tree.valid,
-                                    row_expected=row_expected, path=verified.acc.path,
-                                    num_accepted=verified.acc.num_accepted, active=active)
+    with jax.named_scope("policy"):  # the chunk's end absorbs it (budget_policy.absorb)
+        policy = policy_ops.log_step(policy, menu, entry, scores=tree.scores, valid=tree.valid,
+                                     path=verified.acc.path, active=active)
     return state._replace(policy=policy)
