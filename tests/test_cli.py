@@ -61,8 +61,11 @@ def test_cli_runs_in_float32_on_cpu_unless_told(capsys, tmp_path, monkeypatch):
         assert told.dtype == jnp.bfloat16 and "bfloat16" in description
     # The prompt and lengths of test_chunked_loop.py's CLI run (budget 0) and of test_cli_more.py's (budget 8): in a
     # full run their loops are read back from the session's compilation cache instead of compiled again. A fixed tree,
-    # so that speculation runs: on a CPU the default budget ('auto') measures that no tree pays and runs none.
-    base = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--json"]
+    # so that speculation runs: on a CPU the default budget ('auto') measures that no tree pays and runs none. Greedy
+    # without penalties over the checkpoint's generation_config.json: output comparable token for token, and the
+    # programs (and the cost model's key below) of plain greedy decoding.
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--temperature", "0", "--repetition-penalty", "1",
+            "--json"]
     assert cli_main(base + ["--budget", "8"]) == 0
     speculative = json.loads(capsys.readouterr().out)
     assert speculative["stats"]["tau"] > 1.0

@@ -12,7 +12,9 @@ import pytest
 from kdtree_jax.generate import DEFAULT_BUDGET, TokenStream, build_parser, check_flags, main as cli_main
 from kdtree_jax.tokenizer import ByteTokenizer
 
-BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8"]
+# Plain greedy decoding whatever the checkpoint's generation_config.json recommends: what the texts below were read from.
+BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8", "--temperature", "0", "--repetition-penalty",
+        "1"]
 
 
 def _json(capsys, argv):

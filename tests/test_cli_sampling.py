@@ -48,11 +48,36 @@ def test_bad_sampling_values_are_one_line_naming_the_flag_or_the_file(tmp_path, 
 def test_the_penalty_flags_reach_the_decode(capsys):
     from kdtree_jax.generate import main
 
-    def tokens(*flags):
+    def tokens(*flags):  # greedy without penalties unless the flags say otherwise (the last of a flag wins)
         assert main(["--prompt", "def f(x):\n    return x", "--max-new-tokens", "24", "--budget", "4", "--json",
-                     "--dtype", "float32", *flags]) == 0
+                     "--dtype", "float32", "--temperature", "0", "--repetition-penalty", "1", *flags]) == 0
         return json.loads(capsys.readouterr().out)["tokens"]
 
     plain = tokens()
     assert tokens("--frequency-penalty", "0") == plain  # a neutral value changes nothing
     assert tokens("--repetition-penalty", "3", "--frequency-penalty", "2") != plain
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json")),
+                    reason="checkpoints/default is not there")
+def test_the_embedded_pair_recommends_its_measured_settings(capsys):
+    """checkpoints/default/generation_config.json holds the pick of benchmarks/generation_settings.py's result (issues
+    43 and 47: the best tau among the settings whose last-64 repetition is <= 0.2 on the held-out prompts and on the
+    README's prompt), which is not plain greedy decoding (its text loops); the CLI starts from it and a flag overrides
+    it."""
+    from kdtree_jax import generation_config
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "generation_settings_cpu.json")) as f:
+        result = json.load(f)
+    pick = next(r for r in result["results"] if r["label"] == result["pick"])
+    assert pick["heldout"]["last64"] <= 0.2 and pick["fibonacci"]["last64"] <= 0.2
+    fits = [r for r in result["results"] if r["heldout"]["last64"] <= 0.2 and r["fibonacci"]["last64"] <= 0.2]
+    assert pick["heldout"]["tau"] == max(r["heldout"]["tau"] for r in fits)
+    greedy = next(r for r in result["results"] if SamplingParams(**r["settings"]) == SamplingParams())
+    assert greedy["heldout"]["last64"] > 0.2  # why the pair recommends something else
+    shipped = generation_config.resolve(generation_config.load(DEFAULT))
+    assert shipped == SamplingParams(**pick["settings"]) != SamplingParams()
+    assert sampling_settings(build_parser().parse_args(["--prompt", "x"]), DEFAULT) == shipped
+    assert "sampling settings from generation_config.json" in capsys.readouterr().err
+    plain = ["--prompt", "x", "--temperature", "0", "--repetition-penalty", "1"]
+    assert sampling_settings(build_parser().parse_args(plain), DEFAULT) == SamplingParams()
