@@ -756,7 +756,9 @@ def known_xla(paths):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", choices=["grid", "key"], default="grid")
+    parser.add_argument("--plan", choices=["grid", "key"], default="grid",
+                        help="grid: every row of issue 44's grid (default); key: the rows its measurements quote "
+                             "(key_plan), a quick call")
     parser.add_argument("--out", default=None, help="results path without extension (default: "
                         "OUT_DIR/peers_<device>; --smoke: a new temporary directory)")
     parser.add_argument("--out-dir", default=None, help="where the default --out goes: peers_<device>.{md,json} "
