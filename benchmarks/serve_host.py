@@ -20,7 +20,9 @@ Three comparisons, each against the same engine in the same process:
 3. The decode thread's profile (scheduler.HostSpans: seconds by phase, /metrics' decode_thread_seconds_total) for
    each scheduler run.
 
-Writes <out>/serve_host_<device>.{json,md} (default benchmarks/results/history, named with the commit).
+Writes <out>/serve_host_<device>_<commit>[_<label>].json (default benchmarks/results/history; --smoke: a temporary
+directory) and prints a summary. `--report OUT.md RUN.json ...` writes the markdown table of several runs (before /
+after, alternating on a shared machine) with each run's top decode-thread spans.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="", help="a name for this run in the output (before / after)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
     p.add_argument("--smoke", action="store_true", help="a few short requests")
+    p.add_argument("--report", nargs="+", metavar=("OUT.md", "RUN.json"), default=None,
+                   help="write OUT.md from these runs' JSONs (nothing is measured)")
+    p.add_argument("--title", default="", help="with --report: the title's tail")
     return p
 
 
@@ -237,6 +242,15 @@ def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        out, *paths = args.report
+        runs = []
+        for path in paths:
+            with open(path) as f:
+                runs.append(json.load(f))
+        write_report(out, runs, args.title)
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     if args.smoke:
         args.stream_tokens, args.requests, args.concurrency = 24, 6, 3
         args.max_batch, args.max_len, args.max_new_tokens, args.prompt_len = 2, 128, "4,8", "8,16"
@@ -337,6 +351,65 @@ def main(argv=None) -> int:
     print(summary(result))
     print(f"wrote {os.path.join(out_dir, name)}.json", file=sys.stderr)
     return 0
+
+
+def write_report(path: str, runs: list, title: str = "") -> None:
+    """A markdown table of serve_host runs (their JSONs, e.g. before / after, alternating) and each run's top
+    decode-thread spans."""
+    import statistics
+
+    def ratio(a, b):
+        return a / b if b else float("nan")
+
+    lines = [f"# The server at the loop's speed (`benchmarks/serve_host.py`){': ' + title if title else ''}", ""]
+    metas = [r["meta"] for r in runs]
+    lines += ["Runs (in the order they ran; `before`: the code at the first commit, `after`: this one):", ""]
+    for m in metas:
+        lines.append(f"- {m['label']}: {m['date']}, device {m['device']}, commit {m['commit']}, `{m['command']}`, "
+                     f"load average (1 min) {m['loadavg_before']:.1f} before / {m['loadavg_after']:.1f} after")
+    m = metas[0]
+    lines += ["", f"Server settings: --max-batch {m['max_batch']}, --max-len {m['max_len']}, --chunk-steps "
+              f"{m['chunk_steps']}, the default --budget auto (on this CPU the cached cost model refuses every "
+              f"budget: autoregressive). Single stream: {m['stream_tokens']} greedy tokens of one prompt; "
+              f"concurrency {m['concurrency']}: the load test's {m['requests']} seeded requests (prompts of 8-64 "
+              "held-out tokens, max_tokens 16-96), greedy.", "",
+              "| run | CLI tok/s | scheduler stream tok/s (x CLI) | HTTP stream tok/s (x CLI) | loop refill tok/s | "
+              "scheduler c tok/s (x loop) | HTTP c tok/s (x loop) | loop chunk ms | scheduler TTFT p50 ms (chunks) | "
+              "HTTP TTFT p50 ms (chunks) | outputs = loop's | compiles |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        cli = r.get("stream_cli", r["stream_generate"])["tokens_per_s"]
+        st, lp, c = r["stream_scheduler"], r["concurrent_loop"], r["concurrent_scheduler"]
+        h = r.get("http", {})
+        hs, hc = h.get("stream"), h.get("concurrent")
+        chunk = lp["chunk_ms"]
+        lines.append(
+            f"| {r['meta']['label']} | {cli:.0f} | {st['tokens_per_s']:.0f} ({ratio(st['tokens_per_s'], cli):.2f}) | "
+            + (f"{hs['tokens_per_s']:.0f} ({ratio(hs['tokens_per_s'], cli):.2f})" if hs else "-") + " | "
+            f"{lp['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} ({ratio(c['tokens_per_s'], lp['tokens_per_s']):.2f}) | "
+            + (f"{hc['tokens_per_s']:.0f} ({ratio(hc['tokens_per_s'], lp['tokens_per_s']):.2f})" if hc else "-")
+            + f" | {chunk:.1f} | {c['ttft_p50_ms']:.0f} ({c['ttft_p50_ms'] / chunk:.1f}) | "
+            + (f"{hc['ttft_p50_ms']:.0f} ({hc['ttft_p50_ms'] / chunk:.1f})" if hc else "-")
+            + f" | {r['concurrent_identical']} of {m['requests']} | {c['compiles']}"
+            + (f" / {hc['compiles']}" if hc else "") + " |")
+    lines += ["", "The decode thread's time by phase (scheduler.HostSpans; seconds, calls, share of the run's wall "
+              "time; a read includes its wait for the device: on a CPU that is the decode itself; "
+              "`retire.reset_row` is inside `collect.deliver`):", ""]
+    for r in runs:
+        for key, what in (("stream_scheduler", "single stream, in-process"),
+                          ("concurrent_scheduler", f"concurrency {m['concurrency']}, in-process")):
+            wall = r[key]["wall_s"]
+            spans = sorted(r[key]["spans"].items(), key=lambda kv: -kv[1][0])
+            lines.append(f"- {r['meta']['label']}, {what} (wall {wall:.2f} s): " + ", ".join(
+                f"{k} {s:.3f} s / {int(n)} ({s / wall:.0%})" for k, (s, n) in spans[:6]))
+        for key, what in (("stream", "single stream, HTTP"), ("concurrent", f"concurrency {m['concurrency']}, HTTP")):
+            if key in r.get("http", {}):
+                wall = r["http"][key]["wall_s"]
+                spans = sorted(r["http"][key]["spans"].items(), key=lambda kv: -kv[1][0])
+                lines.append(f"- {r['meta']['label']}, {what} (wall {wall:.2f} s): " + ", ".join(
+                    f"{k} {s:.3f} s / {int(n)} ({s / wall:.0%})" for k, (s, n) in spans[:6]))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def summary(r: dict) -> str:

@@ -108,3 +108,33 @@ def test_a_levels_adaptive_budget_from_two_scrapes(tmp_path):
     sl.write_markdown(str(tmp_path / "r.md"), data)
     assert "- speculative, concurrency 1: {0: 1, 16: 6}, 3 without the drafter, tau predicted 3.75 observed 3.25" in (
         tmp_path / "r.md").read_text()
+
+
+def test_serve_host_report_of_runs(tmp_path):
+    """benchmarks/serve_host.py --report: one table row per run, ratios against the same run's CLI and loop, TTFT in
+    the loop's chunks, and each run's largest decode-thread spans."""
+    spec = importlib.util.spec_from_file_location("serve_host", os.path.join(ROOT, "benchmarks", "serve_host.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(label, stream, conc):
+        meta = {"date": "2026-12-04 22:00 UTC", "device": "cpu", "commit": "abc1234", "command": "x", "label": label,
+                "max_batch": 16, "max_len": 1024, "chunk_steps": 4, "requests": 48, "concurrency": 16,
+                "stream_tokens": 600, "loadavg_before": 2.0, "loadavg_after": 2.5}
+        spans = {"collect.read": [0.8, 150], "launch": [0.1, 150], "idle": [0.001, 150]}
+        return {"meta": meta, "stream_cli": {"tokens_per_s": 700.0}, "stream_generate": {"tokens_per_s": 650.0},
+                "stream_scheduler": {"tokens_per_s": stream, "wall_s": 1.0, "spans": spans},
+                "concurrent_scheduler": {"tokens_per_s": conc, "ttft_p50_ms": 68.0, "wall_s": 2.0, "spans": spans,
+                                         "compiles": 0},
+                "concurrent_loop": {"tokens_per_s": 1400.0, "chunk_ms": 34.0}, "concurrent_identical": 48,
+                "http": {"stream": {"tokens_per_s": stream * 0.9, "wall_s": 1.1, "spans": spans},
+                         "concurrent": {"tokens_per_s": conc * 0.9, "ttft_p50_ms": 80.0, "wall_s": 2.2,
+                                        "spans": spans, "compiles": 0}}}
+
+    out = tmp_path / "r.md"
+    module.write_report(str(out), [run("before", 70.0, 700.0), run("after", 700.0, 1400.0)], "t")
+    text = out.read_text()
+    assert "| before | 700 | 70 (0.10) | 63 (0.09) | 1400 | 700 (0.50) | 630 (0.45) | 34.0 | 68 (2.0) | 80 (2.4) |" \
+        in text
+    assert "| after | 700 | 700 (1.00) |" in text
+    assert "- after, single stream, in-process (wall 1.00 s): collect.read 0.800 s / 150 (80%), launch" in text
