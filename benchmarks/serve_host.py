@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="def fibonacci(n):", help="the single stream's prompt")
     p.add_argument("--stream-tokens", type=int, default=600, help="the single stream's max_tokens")
     p.add_argument("--requests", type=int, default=48, help="requests of the concurrency run")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="requests in flight at once in the load part (default 16)")
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (and the loop's batch)")
     p.add_argument("--max-len", type=int, default=1024, help="the server's --max-len")
     p.add_argument("--chunk-steps", type=int, default=None, help="default: the server's")
