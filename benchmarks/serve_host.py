@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (and the loop's batch)")
     p.add_argument("--max-len", type=int, default=1024, help="the server's --max-len")
     p.add_argument("--chunk-steps", type=int, default=None, help="default: the server's")
-    p.add_argument("--prompt-len", default="8,64")
-    p.add_argument("--max-new-tokens", default="16,96")
+    p.add_argument("--prompt-len", default="8,64",
+                   help="MIN,MAX prompt tokens of the load part's seeded mixed-length requests (default 8,64)")
+    p.add_argument("--max-new-tokens", default="16,96",
+                   help="MIN,MAX new tokens of the load part's requests (default 16,96)")
     p.add_argument("--no-http", action="store_true", help="skip the server subprocess runs")
     p.add_argument("--no-cli", action="store_true", help="skip the generate subprocess (the in-process call stays)")
     p.add_argument("--label", default="", help="a name for this run in the output (before / after)")
