@@ -294,22 +294,25 @@ class ChunkedLoop:
         """The jax Compiled that a call on `state` runs (compiled here if it is not yet), e.g. to profile it."""
         if not self.spec.menu:
             return self.compiled if self.compiled is not None else self.compile(state)
+        shapes, entry, _ = self._pick(state)
+        return self._programs[(shapes, entry)]
+
+    def _pick(self, state: LoopState) -> tuple:
+        """An adaptive loop's (the state's shapes key, the entry a call on it runs, its chain of calls), its programs
+        compiled if they are not yet."""
         known = self._record(state)
-        shapes = known.shapes if known is not None else _shapes(state)
+        shapes = known.shapes if known is not None else _shapes(state)  # the state's flattening: ~0.15 ms a call
         if (shapes, len(self.spec.menu)) not in self._programs:
             self.compile(state)
-        return self._programs[(shapes, self._entry_for(state, known)[0])]
+        entry, chain = self._entry_for(state, known)
+        return shapes, entry, chain
 
     def __call__(self, state: LoopState) -> ChunkOutput:
         if not self.spec.menu:
             if self.compiled is not None:
                 return self.compiled(self.leaves, self.loop_weights, state)
             return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
-        known = self._record(state)
-        shapes = known.shapes if known is not None else _shapes(state)  # the state's flattening: ~0.15 ms a call
-        if (shapes, len(self.spec.menu)) not in self._programs:
-            self.compile(state)
-        entry, chain = self._entry_for(state, known)
+        shapes, entry, chain = self._pick(state)
         out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
         # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
         # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
