@@ -172,14 +172,20 @@ def _entry_of_state(state: LoopState, *, menu, steps):
                                     steps, _remaining(state), state.active)
 
 
-class _Call(NamedTuple):
-    """An adaptive ChunkedLoop's record of a call (or of admit / reset_row between calls)."""
+class _Call:
+    """An adaptive ChunkedLoop's record of a call (or of admit / reset_row between calls). Mutable only to cache the
+    pick once read: a call's host work is what an adaptive chunk pays over a fixed one (at batch 1 on a GPU the host's
+    ~1.5 ms a call is most of an 8-step chunk's device time), so the record keeps what later calls look up."""
 
-    force: jnp.ndarray  # the output state's policy.force: the array object that identifies that state
-    chain: object  # the chain of calls it continues (one decode, one server bucket)
-    entry: int  # the entry it ran (admit / reset_row: the entry of the call before)
-    next_entry: Optional[jnp.ndarray]  # ChunkOutput.next_entry (admit / reset_row: None)
-    shapes: tuple  # the state's _shapes (a program's output has its input's)
+    __slots__ = ("force", "chain", "entry", "next_entry", "key", "pick")
+
+    def __init__(self, force, chain, entry: int, next_entry, key: int):
+        self.force = force  # the output state's policy.force: the array object that identifies that state
+        self.chain = chain  # the chain of calls it continues (one decode, one server bucket)
+        self.entry = entry  # the entry it ran (admit / reset_row: the entry of the call before)
+        self.next_entry = next_entry  # ChunkOutput.next_entry (admit / reset_row: None)
+        self.key = key  # the id of the state's _shapes (a program's output has its input's)
+        self.pick = None  # int(next_entry), once read
 
 
 def _shapes(state: LoopState) -> tuple:
@@ -213,7 +219,8 @@ class ChunkedLoop:
         self.leaves, self.structure = jax.tree.flatten((target, drafter))
         self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
         self.compiled = None
-        self._programs = {}  # (the state's shapes, entry) -> Compiled
+        self._programs = {}  # (the id of the state's shapes, entry) -> Compiled
+        self._keys = {}  # the state's _shapes -> its id (hashing the shapes costs ~30 us: once per chain of calls)
         self._recent = []  # an adaptive loop's last calls (_Call), newest last
         # What admit's program needs besides the leaves; its static plan per prefill chunk size.
         self.vocab_size, self.mesh = target.cfg.vocab_size, getattr(target, "mesh", None)
@@ -244,8 +251,8 @@ class ChunkedLoop:
             if min(capacity, logged) < self.steps:
                 raise ValueError(f"the adaptive loop's pending ring and step log hold {capacity} and {logged} rows, "
                                  f"fewer than a chunk's {self.steps} steps (engine.adaptive_parts(chunk_steps=...))")
-        shapes = _shapes(state)
-        missing = [e for e in self.entries() if (shapes, e) not in self._programs]
+        key = self._key(_shapes(state))
+        missing = [e for e in self.entries() if (key, e) not in self._programs]
 
         def build(entry):
             return self.lower(state, entry).compile()
@@ -255,10 +262,13 @@ class ChunkedLoop:
                 programs = list(pool.map(build, missing))
         else:
             programs = [build(e) for e in missing]
-        self._programs.update({(shapes, e): program for e, program in zip(missing, programs)})
+        self._programs.update({(key, e): program for e, program in zip(missing, programs)})
         entry = self._entry_for(state)[0] if self.spec.menu else None
-        self.compiled = self._programs[(shapes, entry)]
+        self.compiled = self._programs[(key, entry)]
         return self.compiled
+
+    def _key(self, shapes: tuple) -> int:
+        return self._keys.setdefault(shapes, len(self._keys))
 
     def uses(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> bool:
         """Whether this loop runs these models (the very same arrays) with these settings."""
@@ -271,7 +281,9 @@ class ChunkedLoop:
         return next((r for r in reversed(self._recent) if r.force is state.policy.force), None)
 
     def _remember(self, call: _Call):
-        self._recent = self._recent[-7:] + [call]
+        self._recent.append(call)
+        if len(self._recent) > 8:
+            del self._recent[0]
 
     def _entry_for(self, state: LoopState, known: Optional[_Call] = None) -> tuple:
         """(the entry a call on `state` runs, the chain of calls it continues) (class docstring); known: its
@@ -280,44 +292,52 @@ class ChunkedLoop:
         if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
             return int(_entry_of_state(state, menu=self.spec.menu, steps=self.steps)), object()
         for r in reversed(self._recent):
-            if r.chain is known.chain and r.next_entry is not None and r.next_entry.is_ready():
-                return int(r.next_entry), known.chain
+            if r.chain is not known.chain or r.next_entry is None:
+                continue
+            if r.pick is None:
+                if not r.next_entry.is_ready():
+                    continue
+                r.pick = int(r.next_entry)
+            return r.pick, known.chain
         return known.entry, known.chain  # nothing of the chain done yet: the entry the chunk in flight runs
 
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
         if self.spec.menu and (known := self._record(old)) is not None:
-            self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.shapes))
+            self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.key))
         return new
 
     def program(self, state: LoopState):
         """The jax Compiled that a call on `state` runs (compiled here if it is not yet), e.g. to profile it."""
         if not self.spec.menu:
             return self.compiled if self.compiled is not None else self.compile(state)
-        shapes, entry, _ = self._pick(state)
-        return self._programs[(shapes, entry)]
+        key, entry, _ = self._pick(state)
+        return self._programs[(key, entry)]
 
     def _pick(self, state: LoopState) -> tuple:
-        """An adaptive loop's (the state's shapes key, the entry a call on it runs, its chain of calls), its programs
-        compiled if they are not yet."""
+        """An adaptive loop's (the id of the state's shapes, the entry a call on it runs, its chain of calls), its
+        programs compiled if they are not yet (a state this loop made has them: its input's)."""
         known = self._record(state)
-        shapes = known.shapes if known is not None else _shapes(state)  # the state's flattening: ~0.15 ms a call
-        if (shapes, len(self.spec.menu)) not in self._programs:
-            self.compile(state)
+        if known is not None:
+            key = known.key
+        else:  # the state's flattening and the shapes' hash: ~0.2 ms, once per chain
+            key = self._key(_shapes(state))
+            if (key, len(self.spec.menu)) not in self._programs:
+                self.compile(state)
         entry, chain = self._entry_for(state, known)
-        return shapes, entry, chain
+        return key, entry, chain
 
     def __call__(self, state: LoopState) -> ChunkOutput:
         if not self.spec.menu:
             if self.compiled is not None:
                 return self.compiled(self.leaves, self.loop_weights, state)
             return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
-        shapes, entry, chain = self._pick(state)
-        out = self._programs[(shapes, entry)](self.leaves, self.loop_weights, state)
+        key, entry, chain = self._pick(state)
+        out = self._programs[(key, entry)](self.leaves, self.loop_weights, state)
         # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
         # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
         out.next_entry.copy_to_host_async()
-        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, shapes))
+        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, key))
         return out
 
     def reset_row(self, state: LoopState, row: int) -> LoopState:
