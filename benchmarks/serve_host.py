@@ -176,7 +176,7 @@ def loop_refill(target, drafter, requests: list, batch: int, max_len: int, chunk
 def cli_stream(args, checkpoint: str) -> dict:
     cmd = [sys.executable, "-m", "kdtree_jax.generate", "--prompt", args.prompt, "--max-new-tokens",
            str(args.stream_tokens), "--temperature", "0", "--repetition-penalty", "1", "--json",
-           "--checkpoint", checkpoint]  # plain greedy, as the server's requests: not the checkpoint's own settings
+           "--checkpoint", checkpoint]  # plain greedy, as serve_load's requests ask: not the checkpoint's settings
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise SystemExit(f"generate failed: {out.stderr[-2000:]}")

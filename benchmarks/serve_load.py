@@ -225,8 +225,10 @@ def settle(url: str, timeout: float = 30.0) -> dict:
 
 async def one_request(client, url: str, req: dict, model: str) -> dict:
     """One streamed greedy completion; with req["disconnect_after"] = k, the connection is dropped after k events."""
+    # Plain greedy set in full: fields left out would take the checkpoint's generation_config.json (the embedded
+    # pair's has a repetition penalty, which runs the any-settings program), and the results are greedy ones.
     body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "repetition_penalty": 1, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     text, tokens, events = [], 0, 0

@@ -4,7 +4,8 @@ client and by raw HTTP.
 
 What it checks: completions streamed and whole give the same text; 10 concurrent greedy requests over 4 batch rows
 (continuous batching: rows retire and are refilled mid-run) give exactly the outputs each prompt gets alone, with no
-compile under that load; every bad request is an OpenAI-style 400/404/429 and the server keeps serving; a client that
+compile under that load; a request's sampling fields left out take the checkpoint's generation_config.json (the
+greedy tests pass plain greedy explicitly); every bad request is an OpenAI-style 400/404/429 and the server keeps serving; a client that
 disconnects mid-stream gets its KV slots freed; SIGTERM lets the stream in flight finish and exits 0. The adaptive
 budget: /metrics and /health report the steps per budget and the predicted vs observed tau, greedy output equals a
 fixed-budget server's, and --calibrate measures the cost model again instead of taking the cached one.
@@ -45,6 +46,9 @@ MAX_BATCH, MAX_LEN, MAX_QUEUE, CHUNK_STEPS = 4, 256, 6, 2
 # The cost model the module's server finds cached: ms a step of the whole batch (an autoregressive step; each menu
 # entry's step, the drafter included), a device where verifying more nodes costs little, so that speculation pays.
 SEEDED_STEP_MS = {"ar": 10.0, 0: 11.0, 1: 11.5, 2: 12.0, 3: 13.0, 4: 15.0, 5: 19.0}
+# Plain greedy, set explicitly: a request that leaves its settings out gets the embedded pair's
+# generation_config.json (repetition penalty 1.2), and these tests compare unpenalised greedy outputs.
+GREEDY = {"temperature": 0, "repetition_penalty": 1}
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:\n    def", "for i in range(", "x = [", "while True:\n",
            "def main():\n    args =", "return self.", "try:\n    import", "with open("]
 
@@ -154,7 +158,8 @@ def _metrics(url) -> dict:
 
 
 def _complete(client, prompt, max_tokens, stream=False, **kw):
-    kw = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+    kw = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": GREEDY["temperature"],
+          "extra_body": {"repetition_penalty": GREEDY["repetition_penalty"]}, **kw}  # not an openai argument
     if not stream:
         c = client.completions.create(**kw).choices[0]
         return c.text, c.finish_reason
@@ -215,6 +220,30 @@ def test_concurrent_greedy_equals_alone_without_compiles(server, client):
     assert m["tau"] > 1.5  # speculation accepted drafted tokens
 
 
+def test_unset_sampling_fields_take_the_checkpoints_generation_config(server):
+    """A request that leaves its sampling settings out gets checkpoints/default/generation_config.json's (greedy with
+    a repetition penalty), not OpenAI's temperature 1 nor plain greedy; a field the request sets wins over the file."""
+    import httpx
+
+    from kdtree_jax import generation_config
+    from kdtree_jax.serve.api import request_defaults
+
+    recommended = generation_config.load(DEFAULT)
+    assert recommended.get("temperature") == 0 and recommended.get("repetition_penalty", 1) != 1, recommended
+    url = server["url"]
+    assert httpx.get(url + "/health").json()["sampling_defaults"] == request_defaults(recommended)
+
+    def text(**settings):
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 32, **settings}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    unset, plain = text(), text(**GREEDY)
+    assert unset == text(**recommended) and unset != plain  # the file's settings, which change the text
+    assert text(repetition_penalty=1) == plain  # the request's field wins; the file's temperature 0 stays
+
+
 BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -225,6 +254,8 @@ BAD = [
     ({"model": "default", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": "default", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "default", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "default", "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": "default", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": "default", "prompt": "x", "n": 2}, 400, "n"),
     ({"model": "default", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ({"model": "default", "prompt": "x", "bogus": 1}, 400, "bogus"),
@@ -260,7 +291,7 @@ def test_full_queue_answers_429(server):
     import httpx
 
     url = server["url"]
-    body = {"model": "default", "prompt": "import sys\n", "max_tokens": 120, "temperature": 0}  # rows stay busy
+    body = {"model": "default", "prompt": "import sys\n", "max_tokens": 120, **GREEDY}  # rows stay busy
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         codes = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(24)))
     statuses = sorted(r.status_code for r in codes)
@@ -285,7 +316,7 @@ def test_disconnect_mid_stream_frees_the_sequence(server):
     free = _settle(url, MAX_BATCH * MAX_LEN)["pool_slots_free"]
     assert free == MAX_BATCH * MAX_LEN
     cancelled = _metrics(url)['requests_total{outcome="cancelled"}']
-    body = {"model": "default", "prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True}
+    body = {"model": "default", "prompt": "def f(x):", "max_tokens": 150, **GREEDY, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()  # held: dropping a half-read iterator closes the connection already
         events = 0
@@ -306,7 +337,7 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_sequence_too(server)
 
     url = server["url"]
     free = _settle(url, MAX_BATCH * MAX_LEN)["pool_slots_free"]
-    body = {"model": "default", "prompt": "def h(z):", "max_tokens": 150, "temperature": 0}
+    body = {"model": "default", "prompt": "def h(z):", "max_tokens": 150, **GREEDY}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url + "/v1/completions", json=body, timeout=0.5)  # closes the connection when it times out
     m = _settle(url, free)
@@ -442,7 +473,7 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
         point = model.lookup(MAX_BATCH, context)
         assert point["cost_ar"] == pytest.approx(greedy["costs_ms"]["ar"], rel=1e-6) and point["measured_ms"]
         assert point["cost_ar"] != stale["cost_ar"]
-        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
         assert httpx.post(calibrated["url"] + "/v1/completions", json=body, timeout=60).status_code == 200
         m = _metrics(calibrated["url"])
         assert sum(v for k, v in m.items() if k.startswith("budget_steps_total")) + m["steps_without_drafter_total"] > 0
@@ -456,7 +487,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):
     import httpx
 
     url, proc = server["url"], server["proc"]
-    body = {"model": "default", "prompt": "def g(y):", "max_tokens": 60, "temperature": 0, "stream": True}
+    body = {"model": "default", "prompt": "def g(y):", "max_tokens": 60, **GREEDY, "stream": True}
     lines = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -480,7 +511,7 @@ def test_cached_costs_where_no_budget_pays_serve_autoregressively(monkeypatch, t
     plain = _start_server()
     try:
         assert "serving autoregressively" in _log(plain)
-        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
         got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
     finally:

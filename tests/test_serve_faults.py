@@ -1,8 +1,9 @@
 """The server's faults (issue 45 item 4): a port in use is one line and status 2 before the model loads; SIGTERM lets
 a stream run for --drain-timeout, then ends it with a final SSE error event, no traceback, status 0; a corrupt or
-truncated checkpoint file is one line naming it, status 1, in `python -m kdtree_jax.generate` and the server; a
-whole (non-streamed) request whose client went away frees its row within a chunk or so while its tokens keep
-arriving (it used to be noticed only after a 1 s pause in its tokens, so a long answer ran to its end for nobody).
+truncated checkpoint file is one line naming it, status 1, in `python -m kdtree_jax.generate` and the server, an
+invalid generation_config.json one line, status 2; a whole (non-streamed) request whose client went away frees its
+row within a chunk or so while its tokens keep arriving (it used to be noticed only after a 1 s pause in its tokens,
+so a long answer ran to its end for nobody).
 
 A random-init tiny pair saved as a checkpoint (seconds to load and compile), served autoregressively."""
 
@@ -86,6 +87,22 @@ def test_a_truncated_checkpoint_file_is_one_line_naming_it(tiny_checkpoint, tmp_
     lines = [line for line in r.stderr.splitlines() if line != "[loading the model ...]"]
     assert len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith(f"error: {bad} (target piece params) is truncated: "), lines[0]
+
+
+def test_a_bad_generation_config_is_one_line_before_the_model_loads(tiny_checkpoint, tmp_path):
+    """The server reads the checkpoint's generation_config.json (its requests' sampling defaults) before the weights:
+    a value that is not valid is one line naming the file, status 2."""
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint, ckpt)
+    path = os.path.join(ckpt, "generation_config.json")
+    with open(path, "w") as f:
+        json.dump({"temperature": 0.7, "top_p": 1.5}, f)
+    r = subprocess.run([sys.executable, "-m", "kdtree_jax.serve", "--checkpoint", ckpt, "--port", str(_free_port())],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {path}: top_p must be in (0, 1] (1: off); got 1.5"]
 
 
 def test_corrupt_checkpoint_helper_quiets_the_readers_threads(tiny_checkpoint, tmp_path, capsys):

@@ -191,9 +191,9 @@ def test_sharded_server_greedy_outputs_equal_the_unsharded(pair, sharded_server,
     # The compiles of the start-up, as its last line counts them (/metrics refreshes its count between chunks only).
     compiles = int(re.search(r"ready in [\d.]+ s, (\d+) compiles\)\]", _log(sharded_server)).group(1))
 
-    def complete(prompt):
+    def complete(prompt):  # plain greedy as the reference, not the pair's generation_config.json (a penalty)
         r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                      "temperature": 0}, timeout=300)
+                                                      "temperature": 0, "repetition_penalty": 1}, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
 

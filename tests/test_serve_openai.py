@@ -109,6 +109,49 @@ def test_penalties_change_the_answer_in_the_same_program(app_client):
     assert engine._TRACES.get("decode_chunk", 0) == traced
 
 
+def test_sampling_fields_left_out_take_the_defaults(app_client, monkeypatch):
+    """Each sampling field a request leaves out (or sends as null) takes create_app's sampling_defaults (the
+    checkpoint's generation_config.json), else OpenAI's default (temperature 1); a field it sets wins; top_k -1 is
+    off, as vLLM reads it. Checked on the Request the scheduler is handed."""
+    from kdtree_jax.serve.api import create_app
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.tokenizer import ByteTokenizer
+    from fastapi.testclient import TestClient
+
+    client, scheduler = app_client
+    submitted = []
+    submit = scheduler.submit
+    monkeypatch.setattr(scheduler, "submit", lambda req: (submitted.append(req), submit(req))[1])
+
+    def settings(client, **body):
+        submitted.clear()
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        (req,) = submitted
+        return {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty",
+                                             "presence_penalty", "frequency_penalty")}
+
+    openai_defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+                       "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert settings(client) == openai_defaults  # no generation_config.json: OpenAI's
+    assert client.get("/health").json()["sampling_defaults"] == openai_defaults
+
+    recommended = {"temperature": 0.0, "top_k": 5, "repetition_penalty": 1.3}
+    app = create_app(scheduler, ByteTokenizer(), Metrics(), model_name="tiny", info={},
+                     sampling_defaults=recommended)
+    with TestClient(app) as configured:
+        assert settings(configured) == {**openai_defaults, **recommended}
+        assert settings(configured, temperature=None, top_k=None) == {**openai_defaults, **recommended}
+        assert settings(configured, temperature=0.5, top_k=-1, presence_penalty=0.25) == {
+            **openai_defaults, **recommended, "temperature": 0.5, "top_k": 0, "presence_penalty": 0.25}
+        assert settings(configured, repetition_penalty=1) == {**openai_defaults, **recommended,
+                                                              "repetition_penalty": 1.0}
+        assert configured.get("/v1/models/tiny").json()["sampling_defaults"] == {**openai_defaults, **recommended}
+    with pytest.raises(ValueError, match="top_p"):  # a bad recommendation fails when the app is made
+        create_app(scheduler, ByteTokenizer(), Metrics(), model_name="tiny", info={},
+                   sampling_defaults={"top_p": 0})
+
+
 def test_models_and_model_by_id(app_client):
     client, _ = app_client
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
@@ -146,6 +189,9 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, 400,
      "presence_penalty"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 1.5}, 400, "top_k"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": -1}, 400,
+     "repetition_penalty"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 300}]}, 400, "prompt"),  # beyond a pool row
 ]

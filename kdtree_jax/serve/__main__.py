@@ -11,6 +11,9 @@
     curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
+A request's sampling fields that it leaves out take the checkpoint's generation_config.json values (as the command
+line's flags do, and as vLLM and Hugging Face do), else OpenAI's defaults (temperature 1): api.request_defaults.
+
 Start-up: bind the port (a port in use is a one-line error, status 2, before anything loads), load the
 checkpoint (a corrupt or truncated file is one line naming it, status 1), compile the greedy batch's programs on a short request (a minute or less on a CPU),
 with --budget auto (the default) take the tree budget's step cost model from the cache or measure it (seconds, once
@@ -35,6 +38,22 @@ import time
 from kdtree_jax.generate import budget_argument
 
 
+def _embedded_defaults() -> str:
+    """' (the embedded pair's: ...)', the settings its generation_config.json holds, for --help ('' without one)."""
+    from kdtree_jax import generation_config
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT
+
+    try:
+        values = generation_config.load(DEFAULT_CHECKPOINT)
+    except ValueError:  # the server's start-up reports a bad file
+        return ""
+    return f" (the embedded pair's: {_settings(values)})" if values else ""
+
+
+def _settings(values: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in values.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kdtree_jax.serve",
@@ -42,11 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "events or whole; chat messages rendered through the tokenizer's chat template, else a plain "
                     "'role: content' one), /v1/models, /health and /metrics (Prometheus) with DDTree speculative decoding and continuous batching: "
                     "one background thread runs the decode loop in chunks of steps and admits waiting requests "
-                    "into free batch rows between chunks.",
+                    "into free batch rows between chunks. A request's sampling fields that it leaves out "
+                    "(temperature, top_p, top_k, repetition_penalty, presence_penalty, frequency_penalty) take the "
+                    f"values of the checkpoint's generation_config.json{_embedded_defaults()}, else OpenAI's "
+                    "defaults (temperature 1, no penalties); a field the request sets wins. /health lists the "
+                    "defaults in force.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default=None,
                    help="model directory (a kdtree_jax checkpoint: target, drafter, tokenizer; or an HF checkpoint, "
-                        "served autoregressively). Default: the embedded pair in checkpoints/default, as "
+                        "served autoregressively); its generation_config.json, if any, gives requests their "
+                        "default sampling settings. Default: the embedded pair in checkpoints/default, as "
                         "`python -m kdtree_jax.generate` uses")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -289,7 +313,7 @@ def main(argv=None) -> int:
     sock = bind(args.host, args.port)
     signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
 
-    from kdtree_jax import runtime
+    from kdtree_jax import generation_config, runtime
     from kdtree_jax.generate import checkpoint_dir, load_models, notice
 
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
@@ -301,6 +325,10 @@ def main(argv=None) -> int:
     from kdtree_jax.speculative import validation
 
     t0 = time.perf_counter()
+    try:  # read before the weights: a bad file is one line at once
+        sampling_defaults = generation_config.load(checkpoint_dir(args.checkpoint))
+    except ValueError as e:
+        _fail(str(e))
     mesh = serving_mesh(args.mesh, args.layout, checkpoint_dir(args.checkpoint))
     print("[loading the model ...]", file=sys.stderr, flush=True)
     target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype, mesh, args.layout)
@@ -357,7 +385,12 @@ def main(argv=None) -> int:
             template = chat_template.for_tokenizer(tokenizer)
         except ValueError as e:
             _fail(f"the checkpoint's chat template: {e}")
-        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info, template=template)
+        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info, template=template,
+                         sampling_defaults=sampling_defaults)
+        if sampling_defaults:
+            notice(f"a request's sampling fields default to {generation_config.FILENAME}'s "
+                   + _settings(sampling_defaults)
+                   + " (a field the request sets overrides it)")
 
         if scheduler.menu:
             bucket = scheduler.bucket  # made by the warm-up (none with --no-warmup)

@@ -1,12 +1,13 @@
 """The HTTP side: OpenAI-compatible /v1/completions and /v1/chat/completions (streamed as server-sent events, or
 whole), /v1/models and /v1/models/{id}, /health and /metrics, on FastAPI.
 
-A handler validates the request (pydantic, then the limits that need the model: context, pool), makes its prompt
-(the text or token ids given; for chat, the messages rendered through the tokenizer's chat template,
-chat_template.py), tokenizes it and submits a `scheduler.Request` whose `emit` puts the decode thread's events on
-this request's asyncio queue. Text is made here, not in the decode thread: each time tokens arrive the handler
-decodes all of the request's tokens and sends what is new, holding back a trailing partial UTF-8 character and any
-end that could start a stop string; a stop string found ends the request (scheduler.cancel(..., "stop")).
+A handler validates the request (pydantic, then the limits that need the model: context, pool), takes each sampling
+field the request left out from the checkpoint's generation_config.json, else OpenAI's default (request_defaults),
+makes its prompt (the text or token ids given; for chat, the messages rendered through the tokenizer's chat
+template, chat_template.py), tokenizes it and submits a `scheduler.Request` whose `emit` puts the decode thread's
+events on this request's asyncio queue. Text is made here, not in the decode thread: each time tokens arrive the
+handler decodes all of the request's tokens and sends what is new, holding back a trailing partial UTF-8 character
+and any end that could start a stop string; a stop string found ends the request (scheduler.cancel(..., "stop")).
 
 A client that goes away cancels its request, so that its batch row and KV slots are freed after the chunk in
 flight: a stream notices when a send fails (starlette watches the connection), a whole request through a task
@@ -23,6 +24,7 @@ wrong method, 429 for a full queue, 500 for a failed decode, 503 while shutting 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -32,9 +34,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kdtree_jax import generation_config
 from kdtree_jax.serve import chat_template
 from kdtree_jax.serve import scheduler as sched
 from kdtree_jax.serve.errors import SHUTDOWN, ApiError, from_validation
+from kdtree_jax.speculative.sampling import SamplingParams
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 
@@ -50,11 +54,15 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default (0: greedy)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    # OpenAI's penalties, from the counts of the prompt's and the answer's tokens (speculative/sampling.py)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Sampling (speculative/sampling.py). A field left out or null takes the checkpoint's generation_config.json
+    # value, else OpenAI's default (request_defaults): None here means "the client did not set it".
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # 0: greedy
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)  # vLLM's extension, not OpenAI's; 0 or -1: off
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)  # vLLM's and HF's extension; 1: off
+    # OpenAI's penalties, from the counts of the prompt's and the answer's tokens
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     n: int = 1
@@ -205,6 +213,24 @@ def _parse(body: bytes, kind, model_name: str):
     return req
 
 
+def request_defaults(recommended: Optional[dict] = None) -> dict:
+    """The sampling settings a request gets for each field it leaves out: the checkpoint's recommendation
+    (generation_config.load), else OpenAI's defaults, temperature 1 included (SamplingParams' own default is greedy:
+    an OpenAI client that sends no temperature expects to sample, as vLLM does without a generation_config.json)."""
+    return {**dataclasses.asdict(SamplingParams()), "temperature": 1.0, **(recommended or {})}
+
+
+def _sampling(req, defaults: dict) -> SamplingParams:
+    """The request's sampling settings: each field it set, else `defaults` (request_defaults)."""
+    try:
+        return generation_config.resolve(
+            defaults, temperature=req.temperature, top_p=req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+    except ValueError as e:  # pydantic checks the same ranges: a check SamplingParams adds later is still a 400
+        raise ApiError(400, str(e), None, "invalid_value") from None
+
+
 def _stops(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS or any(not s for s in stops):
@@ -213,10 +239,17 @@ def _stops(stop) -> list[str]:
 
 
 def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: str, info: dict,
-               template: Optional[chat_template.ChatTemplate] = None) -> FastAPI:
+               template: Optional[chat_template.ChatTemplate] = None,
+               sampling_defaults: Optional[dict] = None) -> FastAPI:
     """The FastAPI app over a started scheduler. info: what /health and /v1/models say about the decoding.
-    template: how chat messages become a prompt (default: the tokenizer's own, chat_template.for_tokenizer)."""
+    template: how chat messages become a prompt (default: the tokenizer's own, chat_template.for_tokenizer).
+    sampling_defaults: the checkpoint's recommended settings (generation_config.load), which a request's sampling
+    fields left out take (request_defaults; /health and /v1/models list the result as "sampling_defaults")."""
     from kdtree_jax.serve import errors
+
+    defaults = request_defaults(sampling_defaults)
+    SamplingParams(**defaults)  # a bad recommendation fails here, at start-up, not in every request
+    info = {**info, "sampling_defaults": defaults}
 
     app = FastAPI(title="kdtree-jax", description="DDTree speculative decoding, OpenAI-compatible completions")
     errors.install(app, on_error=lambda: metrics.add("requests_rejected"))
@@ -365,9 +398,8 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
             except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
                 pass
 
-        job = sched.Request(prompt=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                            seed=req.seed, emit=emit)
+        sampling = _sampling(req, defaults)
+        job = sched.Request(prompt=ids, max_tokens=max_tokens, **dataclasses.asdict(sampling), seed=req.seed, emit=emit)
         try:
             scheduler.submit(job)
         except sched.QueueFull as e:
