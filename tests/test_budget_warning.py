@@ -125,3 +125,15 @@ def test_the_library_warns_a_caller_of_generate_once_with_its_own_category(pair,
     with pytest.raises(_NoDecode), warnings.catch_warnings():  # a budget that fits: no warning (one is an error)
         warnings.simplefilter("error", BudgetWarning)
         engine.generate(target, drafter, [1, 2, 3], budget=16, max_new_tokens=4)
+
+
+def test_the_server_warns_of_a_fixed_budget_at_start_up(pair, empty_cache, capsys):
+    """`python -m kdtree_jax.serve --budget N` says what the command line says, for its --max-batch rows."""
+    from kdtree_jax.serve.__main__ import budget_notice
+
+    target, drafter = pair
+    budget_notice(target, drafter, 4096, max_batch=4, topk=4, prompt=[1, 2, 3])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: --budget 4096 verifies 4097 nodes a step, 146x the drafter's 7 positions")
+    budget_notice(target, drafter, 16, max_batch=4, topk=4, prompt=[1, 2, 3])
+    assert capsys.readouterr().err == ""

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "($KDTREE_JAX_CACHE, else $XDG_CACHE_HOME/kdtree_jax or ~/.cache/kdtree_jax; see "
                         "--calibrate). /metrics and /health then report the "
                         "steps of each budget, the steps without the drafter and the predicted vs observed tau. "
-                        "A number: that budget every step (0: autoregressive, as --no-speculative)")
+                        "A number: that budget every step (0: autoregressive, as --no-speculative; a warning at "
+                        "start-up when the cached cost model says such a step cannot beat an autoregressive one)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "
@@ -211,6 +212,19 @@ def check_flags(args) -> None:
         _fail(f"--tree-temperature must be > 0; got {args.tree_temperature}")
     if args.drain_timeout < 0:
         _fail(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
+
+
+def budget_notice(target, drafter, budget, *, max_batch: int, topk: int, prompt) -> None:
+    """A `warning:` line on stderr when a fixed --budget is more than this device runs at a useful speed at --max-batch
+    rows (validation.budget_warning: the cached cost model's step cost, else the tree's size against the drafter's
+    candidates), as `python -m kdtree_jax.generate` says it; the server still starts. prompt: the calibration prompt
+    (the context the cost model's points are measured at). No device work."""
+    from kdtree_jax.speculative import validation
+
+    message = validation.budget_warning(target, drafter, [list(prompt)] * max_batch, budget=budget, topk=topk,
+                                        sampled=True, penalties=True)  # the bucket's one program serves any settings
+    if message:
+        print(f"warning: --{message}", file=sys.stderr, flush=True)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -355,6 +369,9 @@ def main(argv=None) -> int:
     if scheduler.max_tokens_for(1) < 1:
         _fail(f"--max-len {args.max_len} leaves no room for a token after a 1-token prompt and a "
               f"{scheduler.num_nodes}-node verify tree")
+    if drafter is not None and budget not in (0, "auto"):
+        budget_notice(target, drafter, budget, max_batch=args.max_batch, topk=args.topk,
+                      prompt=scheduler.calibration_prompt())
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                else "default" if drafter is not None and "random" not in description else "tiny-random")
     info = {"decoding": "speculative" if scheduler.speculative else "autoregressive",
