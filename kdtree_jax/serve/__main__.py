@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)")
     p.add_argument("--max-batch", type=int, default=8,
-                   help="batch rows decoded together, whatever each request's sampling settings (one compiled "
-                        "program); more rows: more throughput, more memory")
+                   help="batch rows decoded together, whatever each request's sampling settings (the warm-up "
+                        "compiles every program the batch runs: with a fixed budget one per power of two of rows up "
+                        "to this, greedy-only and any-settings; nothing compiles after it); more rows: more "
+                        "throughput, more memory")
     p.add_argument("--max-len", type=int, default=1024,
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
