@@ -7,7 +7,9 @@
 #   KDTREE_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_adaptive.sh
 # env: STAGES (default "sweep refill": the rest is a second call's), SESSION_S (default 570), SWEEP_ARGS (default
 #      "--budgets 0,8,16,32": the default menu's six entries compile ~2x as long, and 3 timed passes a decoder fit only
-#      with four), REFILL_ARGS.
+#      with four), REFILL_ARGS, OVERHEAD_BATCH / OVERHEAD_MENU / OVERHEAD_ARGS (e.g. "--profile": each row's kernels per
+#      step, where a drafting entry's 8-16% over its fixed program at batch 1-16 has to be found, budget_sweep_h100 at
+#      c468e17). SKIP_BUILD=1 on a machine where the extension is already built (a warm one after gpu_peers.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -37,5 +39,5 @@ has sweep && stage sweep 400 python3 benchmarks/budget_sweep.py --out "$OUT" --d
 has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \
   --budgets auto,8,16 --prompts 16 --max-new-tokens 96 --out "$OUT" ${REFILL_ARGS:-} && tail -30 "$OUT"/spec_decode_*.md
 has overhead && stage overhead 120 python3 benchmarks/adaptive_overhead.py --batch ${OVERHEAD_BATCH:-16} \
-  --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" && cat "$OUT"/adaptive_overhead_*.md
+  --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" ${OVERHEAD_ARGS:-} && cat "$OUT"/adaptive_overhead_*.md
 ls -la "$OUT"

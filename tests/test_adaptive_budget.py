@@ -470,3 +470,26 @@ def test_decode_ms_times_whole_chunks_of_every_row_without_consuming_the_state(p
 
     assert loop.program(forced(len(MENU) - 1)) is loop.program(forced(len(MENU) - 1))
     assert loop.program(forced(len(MENU) - 1)) is not loop.program(forced(len(MENU)))
+
+
+def test_calibration_priors_each_timed_entry_by_the_tokens_it_emitted(pair_f32, prompts, monkeypatch):
+    """The cost model's acceptance prior for each timed entry is what that entry's own timed run emitted per
+    sequence-step (its counters), not the running prediction left by the last entry timed; untimed entries keep the
+    prediction."""
+    target, drafter, _ = pair_f32
+    spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=8, menu=MENU)
+    req = validation.validate(target, drafter, prompts, max_new_tokens=8, budget=spec.budget, topk=spec.topk,
+                              tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, _, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None, num_moe=0, slots=0)
+    state = engine.with_costs(state, spec, {"cost_ar": 1.0})
+    emitted = {1: 9, 2: 14}  # tokens over 4 sequence-steps per drafting entry (MENU's budgets 4 and 16)
+
+    def fake_decode_ms(loop, forced, chunks):
+        entry = int(forced.policy.force)
+        policy = forced.policy._replace(observed_tokens=jnp.int32(emitted.get(entry, 4)),
+                                        sequence_steps=jnp.int32(4), expected=jnp.asarray([1.0, 2.0, 2.5]))
+        return 1.0, 4, forced._replace(policy=policy)
+
+    monkeypatch.setattr(engine, "decode_ms", fake_decode_ms)
+    point = engine.calibrate(type("Loop", (), {"steps": 2})(), state, spec, depth=drafter.cfg.depth)
+    assert point["expected"] == pytest.approx([1.0, 9 / 4, 14 / 4])

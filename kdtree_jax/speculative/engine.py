@@ -537,7 +537,13 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
     An entry that cannot beat autoregressive decoding even if every drafted token were accepted
     ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least as much; so does one
     whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step and no more than the
-    entry before it. Entries not timed cost +inf (never chosen)."""
+    entry before it. Entries not timed cost +inf (never chosen).
+
+    The point's acceptance prior (`expected`, the policy's starting tokens per step per entry) is what each timed entry
+    emitted per sequence-step in its own run, not the policy's prediction at the run's end: the prediction is a
+    running mean over the last few steps of the last entry timed, and on the H100 at c468e17 (T = 0.7, batch 1) the
+    prior it gave closed the gate for a whole call where DDTree 8 ran 1.26x autoregressive decoding
+    (budget_sweep_h100_80gb_hbm3). Entries not timed keep the prediction."""
     menu = spec.menu
     base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
                           num_out=jnp.ones_like(state.num_out))
@@ -551,7 +557,7 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
         return ms_step, final
 
     modes = ["ar"] + [i for i in range(len(menu)) if budget_policy.is_speculative(menu, i)]
-    ms, prior, last_rate = {}, None, float("inf")
+    ms, prior, last_rate, observed = {}, None, float("inf"), {}
     decode_ms(loop, forced(len(menu)), 1)  # warm-up (on a GPU, a program's first call warms its command buffer)
     for n, mode in enumerate(modes):
         if on_progress is not None:
@@ -563,6 +569,7 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
             # an autoregressive step and no more than the entry before it, larger trees (dearer, each extra node
             # less likely) are not timed.
             tau = float(prior.observed_tokens) / max(float(prior.sequence_steps), 1.0)
+            observed[mode] = tau
             rate = tau / ms[mode]
             if (1 + min(menu[mode], depth)) / ms[mode] < 1.0 / ms["ar"] or (rate < 1.0 / ms["ar"]
                                                                             and rate <= last_rate):
@@ -578,9 +585,14 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
         on_progress("calibrate", len(modes), len(modes))
     batch = state.bonus.shape[0]
     context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
+    expected = None
+    if prior is not None:
+        expected = np.asarray(prior.expected, np.float32).copy()
+        for mode, tau in observed.items():
+            expected[mode] = tau
     return cost_models.make_point(batch, context, menu, ms, steps=CALIBRATION_CHUNKS * loop.steps,
                                   bin_ratio=None if prior is None else budget_policy.bin_ratio(prior),
-                                  expected=None if prior is None else np.asarray(prior.expected))
+                                  expected=expected)
 
 
 def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed,
