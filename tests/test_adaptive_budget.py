@@ -484,12 +484,40 @@ def test_calibration_priors_each_timed_entry_by_the_tokens_it_emitted(pair_f32, 
     state = engine.with_costs(state, spec, {"cost_ar": 1.0})
     emitted = {1: 9, 2: 14}  # tokens over 4 sequence-steps per drafting entry (MENU's budgets 4 and 16)
 
+    batch = state.bonus.shape[0]
+    assert batch >= 2
+    # Per-row predictions: row 0's gains (E - 1) half of every other row's.
+    rows = np.tile(np.asarray([1.0, 2.0, 3.0], np.float32), (batch, 1))
+    rows[0] = [1.0, 1.5, 2.0]
+
     def fake_decode_ms(loop, forced, chunks):
         entry = int(forced.policy.force)
         policy = forced.policy._replace(observed_tokens=jnp.int32(emitted.get(entry, 4)),
-                                        sequence_steps=jnp.int32(4), expected=jnp.asarray([1.0, 2.0, 2.5]))
+                                        sequence_steps=jnp.int32(4), expected=jnp.asarray([1.0, 2.0, 2.5]),
+                                        row_expected=jnp.asarray(rows))
         return 1.0, 4, forced._replace(policy=policy)
 
     monkeypatch.setattr(engine, "decode_ms", fake_decode_ms)
     point = engine.calibrate(type("Loop", (), {"steps": 2})(), state, spec, depth=drafter.cfg.depth)
     assert point["expected"] == pytest.approx([1.0, 9 / 4, 14 / 4])
+    # A static batch's prior: each entry's gain scaled by the slowest row's share of the mean row's.
+    mean_gain = (batch - 0.5) / batch
+    share = 0.5 / mean_gain
+    assert point["slowest"] == pytest.approx([1.0, 1 + (9 / 4 - 1) * share, 1 + (14 / 4 - 1) * share], rel=1e-5)
+
+
+def test_a_static_batch_starts_from_its_slowest_rows_prior():
+    """init_state seeds every row of a static batch (makespan) with the calibration's slowest-row prior (never above
+    the mean's), a refilled batch with the mean; the cached verdict of a static batch weighs the slowest row, so a
+    point whose mean row pays but whose slowest row does not runs the autoregressive program for generate only."""
+    menu = (0, 8)
+    static = bp.init_state(menu, batch=3, makespan=True, expected=[1.0, 3.0], slowest=[1.0, 1.5])
+    refilled = bp.init_state(menu, batch=3, makespan=False, expected=[1.0, 3.0], slowest=[1.0, 1.5])
+    np.testing.assert_allclose(np.asarray(static.row_expected), [[1.0, 1.5]] * 3)
+    np.testing.assert_allclose(np.asarray(refilled.row_expected), [[1.0, 3.0]] * 3)
+    np.testing.assert_allclose(np.asarray(static.expected), [1.0, 3.0])
+    model = cm.CostModel({"test": "slowest"}, path=None)
+    model.add(cm.make_point(4, 100.0, menu, {"ar": 1.0, 1: 2.0}, expected=[1.0, 3.0], slowest=[1.0, 2.0]))
+    assert engine.cached_refusal(model, menu, 4, 100.0) is None  # 3 tokens per 2 ms: 1.5x an AR step
+    refused = engine.cached_refusal(model, menu, 4, 100.0, static_batch=True)  # 2 per 2 ms: 1.0x
+    assert refused is not None and refused["decision"] == "autoregressive"

@@ -124,13 +124,17 @@ class PolicyState(NamedTuple):
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
-               context0=0.0, bin_ratio=None, expected=None, force: int = FORCE_POLICY, batch: int = 1,
+               context0=0.0, bin_ratio=None, expected=None, slowest=None, force: int = FORCE_POLICY, batch: int = 1,
                makespan: bool = False, chunk_steps: int = 1, depth: int = 1) -> PolicyState:
     """A fresh policy state. Costs in ms (any consistent unit); cost_verify [M] defaults to cost_ar for every entry
     (so that only the predictions decide); bin_ratio [NUM_BINS] the calibration prior (default 1: trust the
     drafter); expected [M] the gate's prior (default: optimistic, 1 + b, so that the first step drafts), also every
-    row's; makespan: a static batch (PolicyState.makespan); chunk_steps / depth: the log's room (steps a chunk, the
-    drafter's depth D)."""
+    row's; makespan: a static batch (PolicyState.makespan); slowest [M]: a static batch's starting prediction for
+    every row (default expected): the calibration's slowest row's (cost_model.make_point), since such a batch ends with
+    its slowest row and no row's own rate is known before its first chunk (on the H100 at c468e17, batch 64 greedy,
+    the mean row's prior drafted the first two chunks where DDTree 8 ran 0.77x autoregressive decoding: rows finished
+    after 51 batch steps at a mean of 35); chunk_steps / depth: the log's room (steps a chunk, the drafter's depth
+    D)."""
     m = len(menu)
     menu_arr = np.asarray(menu, np.float32)
     cost_verify = np.full((m,), cost_ar, np.float32) if cost_verify is None else np.asarray(cost_verify, np.float32)
@@ -147,10 +151,20 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
-        row_expected=jnp.broadcast_to(jnp.asarray(expected), (batch, m)).astype(jnp.float32),
+        row_expected=jnp.broadcast_to(jnp.asarray(_row_prior(expected, slowest, makespan, m)),
+                                      (batch, m)).astype(jnp.float32),
         endless=jnp.bool_(False),
         log_scores=jnp.full((chunk_steps, batch, max(max(menu), 0) + 1), -jnp.inf, jnp.float32),
         log_path=jnp.full((chunk_steps, batch, depth + 1), -1, jnp.int32), logged=jnp.int32(0))
+
+
+def _row_prior(expected, slowest, makespan: bool, m: int) -> np.ndarray:
+    if not makespan or slowest is None:
+        return expected
+    slowest = np.asarray(slowest, np.float32)
+    if slowest.shape != (m,):
+        raise ValueError(f"slowest must have one entry per menu budget ({m})")
+    return np.minimum(slowest, expected)
 
 
 def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> jnp.ndarray:

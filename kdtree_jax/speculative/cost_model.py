@@ -153,7 +153,8 @@ class CostModel:
             at, draft = vector(nearest)
         return {"cost_ar": float(at[-1]), "cost_draft": float(max(draft, 0.0)),
                 "cost_verify": at[:-1].tolist(), "cost_slope": slope.tolist(), "context0": float(context),
-                "bin_ratio": nearest.get("bin_ratio"), "expected": nearest.get("expected")}
+                "bin_ratio": nearest.get("bin_ratio"), "expected": nearest.get("expected"),
+                "slowest": nearest.get("slowest")}
 
 
 def _close(a: float, b: float, factor: float) -> bool:
@@ -161,7 +162,7 @@ def _close(a: float, b: float, factor: float) -> bool:
     return max(a, b) / min(a, b) <= factor
 
 
-def make_point(batch: int, context: float, menu, step_ms: dict, *, bin_ratio=None, expected=None,
+def make_point(batch: int, context: float, menu, step_ms: dict, *, bin_ratio=None, expected=None, slowest=None,
                steps: int = 0) -> dict:
     """A calibration point from measured step times: step_ms["ar"] (an autoregressive step, no drafter) and
     step_ms[i] for each drafting menu entry i (its whole step, the drafter included: cost_draft is 0 and a budget 0
@@ -182,4 +183,5 @@ def make_point(batch: int, context: float, menu, step_ms: dict, *, bin_ratio=Non
             "cost_verify": verify, "measured_ms": {str(k): v for k, v in step_ms.items()},
             "bin_ratio": None if bin_ratio is None else [float(x) for x in bin_ratio],
             "expected": None if expected is None else [float(x) for x in expected],
+            "slowest": None if slowest is None else [float(x) for x in slowest],
             "steps_per_timing": int(steps), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

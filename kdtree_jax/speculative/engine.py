@@ -543,7 +543,9 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
     emitted per sequence-step in its own run, not the policy's prediction at the run's end: the prediction is a
     running mean over the last few steps of the last entry timed, and on the H100 at c468e17 (T = 0.7, batch 1) the
     prior it gave closed the gate for a whole call where DDTree 8 ran 1.26x autoregressive decoding
-    (budget_sweep_h100_80gb_hbm3). Entries not timed keep the prediction."""
+    (budget_sweep_h100_80gb_hbm3). Entries not timed keep the prediction. `slowest` scales each entry's gain
+    (tokens per step less the bonus) by the slowest row's share of the mean row's in the last timed entry's per-row
+    predictions: a static batch's prior (budget_policy.init_state)."""
     menu = spec.menu
     base = state._replace(stop_ids=jnp.full_like(state.stop_ids, -1), active=jnp.ones_like(state.active),
                           num_out=jnp.ones_like(state.num_out))
@@ -585,14 +587,17 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
         on_progress("calibrate", len(modes), len(modes))
     batch = state.bonus.shape[0]
     context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
-    expected = None
+    expected = slowest = None
     if prior is not None:
         expected = np.asarray(prior.expected, np.float32).copy()
         for mode, tau in observed.items():
             expected[mode] = tau
+        gains = np.asarray(prior.row_expected, np.float32) - 1.0  # [B, M]
+        share = np.clip(gains.min(0) / np.maximum(gains.mean(0), 1e-6), 0.0, 1.0)
+        slowest = 1.0 + (expected - 1.0) * share
     return cost_models.make_point(batch, context, menu, ms, steps=CALIBRATION_CHUNKS * loop.steps,
                                   bin_ratio=None if prior is None else budget_policy.bin_ratio(prior),
-                                  expected=expected)
+                                  expected=expected, slowest=slowest)
 
 
 def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Request, spec: SpecConfig, *, seed,
@@ -754,15 +759,19 @@ def _loop_on_device() -> bool:
     return jax.default_backend() == "gpu" and runtime.command_buffers_configured()
 
 
-def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int, context: float) -> Optional[dict]:
+def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int, context: float,
+                   static_batch: bool = False) -> Optional[dict]:
     """When `model` (the cached cost model of these settings) has a point for this batch and context whose costs and
     acceptance prior close the gate (budget_policy.pays: no menu budget is predicted to beat an
     autoregressive step), the verdict (for stats); else None (the adaptive loop decides step by step). generate and
-    the server then run the plain autoregressive program."""
+    the server then run the plain autoregressive program. static_batch (generate): the prior is the slowest row's
+    (the point's `slowest`), as the adaptive loop's first chunk would take it (budget_policy.init_state)."""
     point = model.lookup(batch, context)
     if point is None or point.get("expected") is None:
         return None
     costs = model.costs(batch, context)
+    if static_batch and costs.get("slowest") is not None:
+        costs = {**costs, "expected": np.minimum(costs["slowest"], costs["expected"]).tolist()}
     rate = float(budget_policy.speculative_rate(budget_policy.init_state(menu, **costs), menu, context))
     if budget_policy.pays(rate):
         return None
@@ -913,7 +922,7 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
         model = cost_models.CostModel.load(cost_models.fingerprint(target, drafter, spec))
         if not calibrate:
             skipped = cached_refusal(model, spec.menu, len(req.prompts),
-                                     float(np.mean([p.size for p in req.prompts])))
+                                     float(np.mean([p.size for p in req.prompts])), static_batch=True)
         if skipped is not None:
             spec = dataclasses.replace(spec, menu=(), budget=0)
             req = req._replace(use_drafter=False, num_nodes=1)
