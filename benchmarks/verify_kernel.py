@@ -63,7 +63,7 @@ from kdtree_jax import profiling  # noqa: E402
 from kdtree_jax.ops import verify_attention  # noqa: E402
 from kdtree_jax.ops import ffi as vffi  # noqa: E402
 from kdtree_jax.ops.masks import ancestor_mask  # noqa: E402
-from kdtree_jax.ops.xla import verify_attention_xla  # noqa: E402
+from kdtree_jax.ops.xla import DEFAULT_CHUNK, verify_attention_xla  # noqa: E402
 
 H = 8
 WIDTH, LATENT = 576, 512
@@ -75,7 +75,7 @@ BS = [1, 8]
 POOL_MAX_BYTES = 12 << 30       # per (B, L) pool
 MAX_LAYERS = 21                 # calls per timed program <= layers - 1: no two calls are identical
 REF_FEW_CALLS_SCORES = 1 << 28  # above 2^28 scores (1 GiB of float32 per temporary) the XLA baseline runs 2 calls, not 4
-XLA_CHUNK = 16384               # --xla-chunk: positions a step of the chunked XLA baseline
+XLA_CHUNK = DEFAULT_CHUNK       # --xla-chunk: positions a step of the chunked XLA baseline
 LOOP_TARGET_S = 4e-3            # an in-loop program runs about this long (n calls)
 
 

@@ -19,7 +19,7 @@ import pytest
 from kdtree_jax.ops import verify_attention
 from kdtree_jax.ops import ffi as vffi
 from kdtree_jax.ops.masks import ancestor_mask, causal_mask, pack_mask_bits
-from kdtree_jax.ops.xla import verify_attention_xla
+from kdtree_jax.ops.xla import DEFAULT_CHUNK, verify_attention_xla
 
 needs_ffi = pytest.mark.skipif(not vffi.available(), reason="compiled extension not built")
 
@@ -266,11 +266,12 @@ def test_xla_baseline_matches_reference(shape):
             assert out.dtype == dtype and out.shape == (batch, num_queries, num_heads, latent)
             assert lse.dtype == jnp.float32 and lse.shape == (batch, num_queries, num_heads)
             check_against_reference(out, lse, ref_out, ref_lse, tol=1e-5 if dtype == jnp.float32 else 1e-2)
-    if num_queries == 16:  # the dispatch: impl="xla" is the dense form
-        out, lse = jitted("xla", scale, rope)(*case)
-        dense_out, dense_lse = xla_jitted(scale, rope, None)(*case)
-        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(dense_out, np.float32))
-        np.testing.assert_array_equal(np.asarray(lse), np.asarray(dense_lse))
+    if num_queries == 16:  # the dispatch: impl="xla" is the dense form, impl="xla_chunked" the chunked one
+        for impl, chunk in (("xla", None), ("xla_chunked", DEFAULT_CHUNK)):
+            out, lse = jitted(impl, scale, rope)(*case)
+            form_out, form_lse = xla_jitted(scale, rope, chunk)(*case)
+            np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(form_out, np.float32))
+            np.testing.assert_array_equal(np.asarray(lse), np.asarray(form_lse))
 
 
 def test_xla_baseline_rows_with_nothing_visible():

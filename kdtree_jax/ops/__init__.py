@@ -6,7 +6,9 @@ without touching the model. `impl`:
     baseline);
   - "xla": what a skilled JAX user writes without a custom kernel (ops/xla.py: bf16 gather from the pool, einsums
     with float32 accumulation, float32 softmax), dense over L; the baseline every kernel speed-up is quoted
-    against (`kdtree_jax.ops.xla.verify_attention_xla(..., chunk=N)` is its chunked, online-softmax form);
+    against, in whichever of its two forms is faster;
+  - "xla_chunked": the same, chunked over L (`ops.xla.DEFAULT_CHUNK` positions a step, online softmax): the other
+    form, reachable through the model (`kdtree_jax.ops.xla.verify_attention_xla(..., chunk=N)` takes any N);
   - "ffi": the compiled extension (CPU handler, CUDA kernel), see ops/ffi.py;
   - "auto": the extension where it is built, else the reference.
 """
@@ -18,9 +20,9 @@ import jax.numpy as jnp
 from kdtree_jax.ops import ffi
 from kdtree_jax.ops.ffi import SPLIT_POLICIES
 from kdtree_jax.ops.reference import mask_words, verify_attention_reference
-from kdtree_jax.ops.xla import verify_attention_xla
+from kdtree_jax.ops.xla import DEFAULT_CHUNK, verify_attention_xla
 
-IMPLS = ("auto", "reference", "xla", "ffi")
+IMPLS = ("auto", "reference", "xla", "xla_chunked", "ffi")
 
 
 def validate_verify_args(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, rope_dim: int) -> None:
@@ -72,9 +74,9 @@ def verify_attention(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, softmax
     if impl == "reference":
         return verify_attention_reference(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
                                           softmax_scale=softmax_scale, rope_dim=rope_dim)
-    if impl == "xla":
-        return verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,
-                                    softmax_scale=softmax_scale, rope_dim=rope_dim)
+    if impl in ("xla", "xla_chunked"):
+        return verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, softmax_scale=softmax_scale,
+                                    rope_dim=rope_dim, chunk=DEFAULT_CHUNK if impl == "xla_chunked" else None)
     # The compiled extension (ops/ffi.py) is optional: a checkout without a build runs "auto" on the reference.
     if ffi.available():
         return ffi.verify_attention_ffi(q, kv_pool, layer, kv_slots, kv_lens, tree_mask,

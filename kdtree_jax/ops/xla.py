@@ -15,7 +15,9 @@ Two formulations, chosen by the static `chunk`:
   - dense (`chunk=None`): all L positions at once, [B, T, H, L] float32 scores (what one writes first);
   - chunked (`chunk=int`): a `lax.scan` over fixed-size chunks of positions with an online-softmax merge
     (running max, running sum, rescaled float32 accumulator): bounded temporaries at long context and large T.
-The benchmarks time both and quote the faster one as the baseline (benchmarks/verify_kernel.py).
+The benchmarks time both and quote the faster one as the baseline (benchmarks/verify_kernel.py, verify_variants.py;
+benchmarks/decode_context.py times the whole step with each, as `verify_attention(impl="xla" / "xla_chunked")`,
+whose chunked form takes DEFAULT_CHUNK positions a step).
 
 Contract (DESIGN.md, "The kernel contract"; the same as ops/reference.py): out [B, T, H, Dc] in q's dtype,
 lse [B, T, H] float32 (natural log); any (Dc, Dr) with Dr = rope_dim; a row with nothing visible gives out = 0
@@ -28,6 +30,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+DEFAULT_CHUNK = 16384  # positions a step of verify_attention(impl="xla_chunked"); verify_kernel.py's --xla-chunk default
 
 
 def _visible(kv_lens, tree_mask, pos, max_len: int):
@@ -126,7 +130,8 @@ def verify_attention_xla(q, kv_pool, layer, kv_slots, kv_lens, tree_mask, *, sof
                          rope_dim: int = 64, chunk: int | None = None):
     """The XLA baseline of the verify-attention op: dense (`chunk=None`) or chunked over L (`chunk` positions
     a step, online softmax). Shapes as in the contract (validated by `kdtree_jax.ops.validate_verify_args`
-    when called through `verify_attention(..., impl="xla")`, which takes the dense form)."""
+    when called through `verify_attention(..., impl="xla")`, which takes the dense form, or impl="xla_chunked",
+    chunk DEFAULT_CHUNK)."""
     if chunk is not None and (isinstance(chunk, bool) or int(chunk) != chunk or chunk < 1):
         raise ValueError(f"chunk must be None (dense) or a positive int (positions per step); got {chunk!r}")
     latent_dim = q.shape[-1] - rope_dim
@@ -143,4 +148,4 @@ def xla_op(chunk: int | None = None, **kwargs):
     return functools.partial(verify_attention_xla, chunk=chunk, **kwargs)
 
 
-__all__ = ["verify_attention_xla", "xla_op"]
+__all__ = ["verify_attention_xla", "xla_op", "DEFAULT_CHUNK"]
