@@ -16,9 +16,12 @@ As many layers as asked (random bf16 weights made on the device); the KV pool fi
 random latent rows written straight into the pool at scattered slots, and random drafter context K/V;
 the cost does not depend on the values), then the jitted speculative step -- drafter, DDTree of T
 nodes, verify forward, acceptance, commit -- timed as the mean over K steps of one compiled
-`lax.while_loop` (the engine's own decode loop), with the FFI kernel ("auto") and with the XLA
-baseline attention (impl "xla", kdtree_jax/ops/xla.py: bf16 gather + einsums with float32 accumulation; the
-float32-HIGHEST reference is a correctness oracle, never a baseline), in the same run.
+`lax.while_loop` (the engine's own decode loop), with the FFI kernel ("auto") and with the fair XLA baseline
+attention, in the same run: kdtree_jax/ops/xla.py (bf16 gather from the pool + einsums with float32 accumulation,
+float32 softmax) in both its forms, dense over L (impl "xla") and chunked over L (impl "xla_chunked",
+ops.xla.DEFAULT_CHUNK positions a step, online softmax), each a step of its own (`--xla-forms`); at each (L, T) the
+faster step of the two is the baseline, as benchmarks/verify_kernel.py takes the faster form for the op alone. The
+float32-HIGHEST reference (ops/reference.py) is a correctness oracle, never a baseline: `--impls` refuses it.
 
 Per component, two ways. (1) Inside the step: one run of each step loop under the profiler, its kernels
 grouped by the named scopes the engine and model set (kdtree_jax/profiling.py): attention (the verify
@@ -88,6 +91,7 @@ from kdtree_jax.model.layers import rope_cos_sin
 from kdtree_jax.model.mla import AttentionBatch
 from kdtree_jax.model.transformer import DecoderLayer, Transformer
 from kdtree_jax.ops.masks import causal_mask
+from kdtree_jax.ops.xla import DEFAULT_CHUNK as XLA_CHUNK
 from kdtree_jax.profiling import profile_call
 from kdtree_jax.provenance import git_commit, smoke_dir
 from kdtree_jax.speculative import accept as acceptance
@@ -100,6 +104,49 @@ PROFILED_PARTS = {"attention_ms": "attention", "moe_ms": "moe", "dense_ms": "den
                   "head_ms": "head", "tree_accept_commit_ms": "tree_accept_commit"}
 TOPK = 8
 ITERS = 8  # rounds per component loop
+# The fair XLA baseline's forms (--xla-forms) and the kdtree_jax.ops impl that runs each inside the model.
+XLA_FORMS = {"dense": "xla", "chunked": "xla_chunked"}
+XLA_IMPLS = tuple(XLA_FORMS.values())
+
+
+def step_impls(impls: list[str], forms: list[str]) -> list[str]:
+    """--impls as the attention impls the steps run: 'xla', the fair XLA baseline, becomes one impl per form of
+    --xla-forms. The float32 oracle ('reference') is refused: a correctness check, never a baseline."""
+    for form in forms:
+        if form not in XLA_FORMS:
+            raise ValueError(f"--xla-forms: unknown form {form!r} (known: {', '.join(XLA_FORMS)})")
+    out = []
+    for impl in impls:
+        if impl == "reference":
+            raise ValueError("--impls: 'reference' is the float32-HIGHEST oracle (kdtree_jax/ops/reference.py), a "
+                             "correctness check, not a baseline; 'xla' times the fair XLA baseline")
+        if impl not in ("auto", "ffi", "xla"):
+            raise ValueError(f"--impls: unknown impl {impl!r} (known: auto, ffi, xla)")
+        for name in ([XLA_FORMS[f] for f in forms] if impl == "xla" else [impl]):
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def impl_label(impl: str, meta: dict) -> str:
+    """A row's attention as the tables name it."""
+    if impl == "xla":
+        return "XLA dense"
+    if impl == "xla_chunked":
+        return f"XLA chunked ({meta.get('xla_chunk', XLA_CHUNK)})"
+    if impl == "reference":
+        return "float32 oracle"
+    return impl
+
+
+def xla_baselines(by: dict) -> dict:
+    """(L, T) -> the fair XLA baseline's row there: the faster step of the XLA forms timed (rows keyed by
+    (L, T, impl))."""
+    best = {}
+    for (context, nodes, impl), r in by.items():
+        if impl in XLA_IMPLS and ((context, nodes) not in best or r["step_ms"] < best[(context, nodes)]["step_ms"]):
+            best[(context, nodes)] = r
+    return best
 
 
 def log(*a):
@@ -504,10 +551,18 @@ def main(argv=None):
                    help="also time the engine's chunked loop (kdtree_jax.speculative.engine.ChunkedLoop, --steps steps a "
                         "chunk, the next chunk enqueued before the host reads the last) over this many chunks, for the "
                         "first impl: the step as a decode pays it, the calls' cost included (0: off)")
-    p.add_argument("--impls", default="auto,xla", help="attention impls (kdtree_jax.ops.IMPLS); the step with 'auto' "
-                   "is compared with the one with 'xla', the fair XLA baseline")
+    p.add_argument("--impls", default="auto,xla",
+                   help="attention impls of the timed steps, comma-separated: auto (the extension's kernel, "
+                        "kdtree_jax.ops), ffi, xla (the fair XLA baseline, kdtree_jax/ops/xla.py: bf16 inputs, float32 "
+                        "accumulation; one step per form of --xla-forms). The step with 'auto' is compared with the "
+                        "faster XLA step. 'reference', the float32 oracle, is a correctness check and is refused")
+    p.add_argument("--xla-forms", default="dense,chunked",
+                   help="the XLA baseline's forms to time, comma-separated: dense (all of L at once, impl 'xla') and "
+                        f"chunked (over L, {XLA_CHUNK} positions a step, online softmax, impl 'xla_chunked'); the "
+                        "faster step is the baseline (default: both, as verify_kernel.py does for the op alone)")
     p.add_argument("--reference-contexts", default="all",
-                   help="contexts at which impls other than 'auto' also run ('all': every context)")
+                   help="contexts at which the impls other than 'auto' (the XLA baseline) also run ('all': every "
+                        "context)")
     p.add_argument("--deadline-s", type=float, default=0,
                    help="start no new point after this many seconds from the start, compilation included (0: none); "
                         "a compile it cuts short keeps running beside the timings, which the report then flags")
@@ -543,7 +598,10 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
     contexts = [64] if args.smoke else [int(c) for c in args.contexts.split(",")]
     node_list = [int(t) for t in args.nodes.split(",")]
-    impls = args.impls.split(",")
+    try:
+        impls = step_impls(args.impls.split(","), args.xla_forms.split(","))
+    except ValueError as e:
+        p.error(str(e))
     if args.layers != "fit" and not args.layers.isdigit():
         p.error(f"--layers must be a number or 'fit', got {args.layers!r}")
     cfg, dcfg, tp, dfull = rank_configs(args.smoke, 2 if args.smoke or args.layers == "fit" else int(args.layers))
@@ -602,6 +660,9 @@ def main(argv=None):
             "timing": f"step: mean over {args.steps} steps of one compiled decode loop, median of 3 runs after a "
                       f"warm-up; components: median of 5 calls of a {ITERS}-round jitted loop",
             "steps": args.steps, "engine_chunks": args.engine_chunks,
+            "xla_baseline": "kdtree_jax/ops/xla.py: bf16 gather + einsums, float32 accumulation and softmax; per "
+                            "(L, T) the faster step of its forms timed (impls " + ", ".join(
+                                i for i in impls if i in XLA_IMPLS) + ")", "xla_chunk": XLA_CHUNK,
             "compile_s": {}, "lower_s": {}, "moe_inputs": {}}
     rows = []
 
@@ -913,12 +974,12 @@ def write_markdown(path, meta, rows):
     for r in rows:
         f = r["floors"]
         if "step_over_floor" not in r:
-            lines.append(f"| {r['context']} | {r['nodes']} | {r['impl']} | – | {_f(r.get('step_ms'))} | – | "
+            lines.append(f"| {r['context']} | {r['nodes']} | {impl_label(r['impl'], meta)} | – | {_f(r.get('step_ms'))} | – | "
                          f"{_f(r.get('attention_ms'))} | – | – | – | – | – | – | – |"
                          + (f" errors: {'; '.join(r['errors'].values())[:300]}" if r.get("errors") else ""))
             continue
         lines.append(
-            f"| {r['context']} | {r['nodes']} | {r['impl']}{' *' if r.get('profile') else ''} | {r['tau']:.2f} | {r['step_ms']:.3f} ({r['step_floor_ms']:.3f}) | "
+            f"| {r['context']} | {r['nodes']} | {impl_label(r['impl'], meta)}{' *' if r.get('profile') else ''} | {r['tau']:.2f} | {r['step_ms']:.3f} ({r['step_floor_ms']:.3f}) | "
             f"{r['step_over_floor']:.2f} | {r['attention_ms']:.3f} ({f['attention_ms']:.3f}) {100 * r['attention_share']:.1f}% | "
             f"{r['moe_ms']:.3f} ({f['moe_ms']:.3f}) | {r['drafter_ms']:.3f} ({f['drafter_ms']:.3f}) | "
             f"{r['head_ms']:.3f} ({f['head_ms']:.3f}) | {r['tree_accept_commit_ms']:.3f} [{r['tree_build_ms']:.3f} / "
@@ -926,17 +987,25 @@ def write_markdown(path, meta, rows):
             f"{r['projected_61_layer_step_ms']:.1f} ({r['projected_61_layer_floor_ms']:.1f}) |")
     full = [r for r in rows if "step_over_floor" in r]
     by = {(r["context"], r["nodes"], r["impl"]): r for r in full}
-    base = "xla" if any(k[2] == "xla" for k in by) else "reference"  # results of older runs compared with the oracle
-    pairs = [(k, by[k], by.get((k[0], k[1], base))) for k in sorted(by) if k[2] == "auto"]
+    base = xla_baselines(by)
+    if base:
+        forms = [i for i in XLA_IMPLS if any(k[2] == i for k in by)]
+        title = ("Kernel vs the fair XLA baseline attention (kdtree_jax/ops/xla.py: bf16 gather + einsums, float32 "
+                 "accumulation and softmax; same run), at each L and T the faster step of its forms timed: "
+                 + " and ".join(impl_label(i, meta) for i in forms) + ". The float32 oracle is not a baseline")
+    else:  # results of older runs, which compared with the float32-HIGHEST oracle
+        base = {k[:2]: r for k, r in by.items() if k[2] == "reference"}
+        title = ("Kernel vs the float32-HIGHEST oracle as attention (kdtree_jax/ops/reference.py; an older run, "
+                 "not the fair XLA baseline)")
+    pairs = [(k, by[k], base.get(k[:2])) for k in sorted(by) if k[2] == "auto"]
     if any(ref for _, _, ref in pairs):
-        lines += ["", ("Kernel vs XLA baseline attention (impl xla: bf16 gather + einsums, float32 accumulation; same run)"
-                       if base == "xla" else "Kernel vs the float32 XLA reference attention (an older run; not the fair "
-                       "baseline)") + ": step ms, attention ms, and the step ratio.", "",
-                  "| L | T | step kernel | step XLA | XLA / kernel | attention kernel | attention XLA | "
-                  "61 layers kernel | 61 layers XLA |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", title + ": step ms, attention ms, and the step ratio.", "",
+                  "| L | T | step kernel | step XLA | XLA attention | XLA / kernel | attention kernel | attention XLA | "
+                  "61 layers kernel | 61 layers XLA |", "|---|---|---|---|---|---|---|---|---|---|"]
         for (c, t, _), a, ref in pairs:
             if ref:
-                lines.append(f"| {c} | {t} | {a['step_ms']:.3f} | {ref['step_ms']:.3f} | {ref['step_ms'] / a['step_ms']:.2f} | "
+                lines.append(f"| {c} | {t} | {a['step_ms']:.3f} | {ref['step_ms']:.3f} | {impl_label(ref['impl'], meta)} | "
+                             f"{ref['step_ms'] / a['step_ms']:.2f} | "
                              f"{a['attention_ms']:.3f} | {ref['attention_ms']:.3f} | {a['projected_61_layer_step_ms']:.1f} | "
                              f"{ref['projected_61_layer_step_ms']:.1f} |")
     profiled = [r for r in full if r.get("profile") and r.get("alone_ms")]
@@ -952,22 +1021,22 @@ def write_markdown(path, meta, rows):
                   "kernels inside the loop (% of the engine step); call = steps x (step - engine step). The profile is "
                   "of a one-step run of the loop, after the timings; the kernels outside the loop (set-up a call does "
                   "once) count 1/steps of the timed call a step, as in the timed step.", "",
-                  "| L | T | attention | " + " | ".join(n for _, n in names[1:])
+                  "| L | T | impl | attention | " + " | ".join(n for _, n in names[1:])
                   + " | other | idle | step | engine step (chunks) | its idle | call | kernels |",
-                  "|---|---|" + "---|" * (len(names) + 7)]
+                  "|---|---|---|" + "---|" * (len(names) + 7)]
         for r in profiled:
             cells = " | ".join(f"{r[k]:.3f} / {r['alone_ms'][k]:.3f}" if r["alone_ms"].get(k) is not None
                                else f"{r[k]:.3f} / –" for k, _ in names)
             chunked = "– | – | –" if r.get("engine_idle_ms") is None else (
                 f"{r['engine_step_ms']:.3f} ({r['engine_chunks']['chunks']}) | {r['engine_idle_ms']:.3f} "
                 f"({100 * r['engine_idle_ms'] / r['engine_step_ms']:.1f}%) | {r['call_ms']:.2f}")
-            lines.append(f"| {r['context']} | {r['nodes']} | {cells} | {r['other_kernels_ms']:.3f} | "
+            lines.append(f"| {r['context']} | {r['nodes']} | {impl_label(r['impl'], meta)} | {cells} | {r['other_kernels_ms']:.3f} | "
                          f"{r['idle_ms']:.3f} | {r['step_ms']:.3f} | {chunked} | "
                          f"{r['profile']['kernels_per_step']:.0f} |")
     shown = next((r for r in profiled if (r["context"], r["nodes"], r["impl"]) == (65536, 9, "auto")),
                  profiled[0] if profiled else None)
     if shown is not None and shown["profile"].get("top_kernels"):
-        lines += ["", f"Largest kernels per part at L = {shown['context']}, T = {shown['nodes']}, {shown['impl']} "
+        lines += ["", f"Largest kernels per part at L = {shown['context']}, T = {shown['nodes']}, {impl_label(shown['impl'], meta)} "
                   "(ms per step, launches per step; a kernel's instances in every layer added up):", ""]
         for part, top in shown["profile"]["top_kernels"].items():
             lines.append(f"- {part}: " + "; ".join(f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in top[:4]))
@@ -977,7 +1046,7 @@ def write_markdown(path, meta, rows):
                   "last -> the kernel that starts; ms per step, gaps per step; the profiled call runs on a fresh copy of "
                   "the state, and its gaps need not be the timed loop's: the idle columns above are those):", ""]
         for r in gapped:
-            lines.append(f"- L = {r['context']}, T = {r['nodes']}, {r['impl']}: " + "; ".join(
+            lines.append(f"- L = {r['context']}, T = {r['nodes']}, {impl_label(r['impl'], meta)}: " + "; ".join(
                 f"`{name}` {ms:.3f} ({n:g})" for name, ms, n in r["profile"]["idle_gaps"][:6]))
     kernel = [r for r in full if r["impl"] == "auto"]
     if kernel:

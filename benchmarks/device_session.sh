@@ -7,7 +7,8 @@
 # leaves, minus a margin, as its --deadline-s, and writes the rows it finished.
 #   env: SESSION_S (default 360), SD_LIMIT (0: skip spec_decode), DC_SKIP=1 (skip decode_context),
 #        PROFILE_SHAPES ("B T H L;..." : Nsight Compute on those verify-kernel shapes first, ffi/tools/ncu_verify.sh),
-#        DC_CONTEXTS, DC_NODES, DC_LAYERS (a number or fit), DC_IMPLS,
+#        DC_CONTEXTS, DC_NODES, DC_LAYERS (a number or fit), DC_IMPLS (default auto,xla: the kernel and the fair
+#        XLA baseline, both its forms; decode_context.py refuses the float32 oracle),
 #        DC_MEM_FRACTION (XLA's share of device memory, default 0.92),
 #        DC_EXTRA (more arguments), SKIP_BUILD=1 (a CPU dry run: OUT=/tmp/ds SKIP_BUILD=1 DC_EXTRA=--smoke bash ...)
 set -uo pipefail
@@ -44,7 +45,7 @@ left=$(( SESSION_S - ($(date +%s) - t_begin) ))
 # DC_LAYERS=fit: as many layers as the memory holds; XLA's default 75% pool would waste a quarter of it.
 stage decode_context $(( left > 30 ? left : 30 )) env XLA_PYTHON_CLIENT_MEM_FRACTION=${DC_MEM_FRACTION:-0.92} \
   python3 benchmarks/decode_context.py --layers ${DC_LAYERS:-4} --steps 8 \
-  --contexts ${DC_CONTEXTS:-4096,16384,65536,131072,200000} --nodes ${DC_NODES:-9,33} --impls ${DC_IMPLS:-auto,reference} \
+  --contexts ${DC_CONTEXTS:-4096,16384,65536,131072,200000} --nodes ${DC_NODES:-9,33} --impls ${DC_IMPLS:-auto,xla} \
   --reference-contexts all --deadline-s $(( left > 60 ? left - 25 : 30 )) --out "$OUT/decode_context_h200" ${DC_EXTRA:-}
 cat "$OUT/decode_context_h200.md" 2>/dev/null
 ls -la "$OUT"

@@ -190,13 +190,33 @@ def test_tree_shapes_smoke(tmp_path):
         assert d["predicted_tau_replay"] >= 1.0
 
 
-def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
+def test_decode_context_smoke(tmp_path, monkeypatch):  # 17-28 s on 2 busy cores
     import decode_context
 
+    import kdtree_jax.ops
+
+    # The XLA attention is the fair baseline (kdtree_jax/ops/xla.py, bf16 inputs, float32 accumulation) in both its
+    # forms, never the float32 oracle: tracing the oracle anywhere in the run fails it, and each form must be traced.
+    def oracle(*args, **kwargs):
+        raise AssertionError("decode_context traced the float32 oracle (ops/reference.py) as its XLA attention")
+
+    chunks = []
+
+    def xla(*args, chunk=None, **kwargs):
+        chunks.append(chunk)
+        return baseline(*args, chunk=chunk, **kwargs)
+
+    baseline = kdtree_jax.ops.verify_attention_xla
+    monkeypatch.setattr(kdtree_jax.ops, "verify_attention_reference", oracle)
+    monkeypatch.setattr(kdtree_jax.ops, "verify_attention_xla", xla)
     decode_context.main(["--smoke", "--steps", "2", "--nodes", "9", "--impls", "xla", "--profile", "all",
                          "--out", str(tmp_path / "dc")])
+    assert set(chunks) == {None, decode_context.XLA_CHUNK}, chunks  # the dense and the chunked form
     data = json.loads((tmp_path / "dc.json").read_text())
     assert data["rows"] and all("errors" not in r for r in data["rows"])
+    assert [r["impl"] for r in data["rows"]] == ["xla", "xla_chunked"]
+    assert data["meta"]["xla_chunk"] == decode_context.XLA_CHUNK and "float32 accumulation" in data["meta"]["xla_baseline"]
+    assert f"| XLA chunked ({decode_context.XLA_CHUNK}) *" in (tmp_path / "dc.md").read_text()
     row = data["rows"][0]
     assert {"step_ms", "attention_ms", "moe_ms", "drafter_ms", "head_ms", "tree_accept_commit_ms", "tau",
             "step_over_floor", "projected_61_layer_step_ms"} <= set(row)
@@ -226,10 +246,19 @@ def test_decode_context_smoke(tmp_path):  # 17-28 s on 2 busy cores
     assert (tmp_path / "dc.md").exists()
     # --render recomputes the derived figures from the JSON alone (no device work) and keeps reading notes.
     data["meta"]["notes"] = ["a note"]
+    # A kernel row beside them: it is compared with the faster XLA step, named by its form.
+    faster = min(data["rows"], key=lambda r: r["step_ms"])
+    data["rows"].append(dict(row, impl="auto", step_ms=faster["step_ms"] / 2))
     (tmp_path / "dc.json").write_text(json.dumps(data))
     decode_context.main(["--render", str(tmp_path / "dc")])
     assert json.loads((tmp_path / "dc.json").read_text())["rows"][0]["step_over_floor"] == row["step_over_floor"]
-    assert "a note" in (tmp_path / "dc.md").read_text()
+    md = (tmp_path / "dc.md").read_text()
+    assert "a note" in md and "Kernel vs the fair XLA baseline attention" in md and "oracle as attention" not in md
+    label = decode_context.impl_label(faster["impl"], data["meta"])
+    assert f"| {faster['step_ms']:.3f} | {label} | 2.00 |" in md
+    # The oracle is refused as a baseline (before any device work).
+    with pytest.raises(SystemExit):
+        decode_context.main(["--smoke", "--impls", "auto,reference", "--out", str(tmp_path / "no")])
 
 
 def test_decode_context_random_target_is_the_models_layout():
