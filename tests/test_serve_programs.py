@@ -165,3 +165,21 @@ def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():
         stream = TextStream(inner, ["→ ok\n" * 2, "ok\ndef"])
         pieces = [stream.feed([t]) for t in ids]
         assert stream.stopped and "".join(pieces) == text[:text.index("ok\ndef")]
+
+
+def test_the_server_calls_only_public_names_of_the_engine():
+    """serve/ reaches the engine's modules through their public names (engine.decode_chunk, admission.admit_group,
+    ...): a private one may change under it without notice."""
+    import ast
+    import glob
+
+    modules = {"engine", "admission", "budget_policy", "cost_model", "validation", "sampling", "step", "kv_pool"}
+    private = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "kdtree_jax", "serve", "*.py"))):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_")):
+                private.append(f"{os.path.basename(path)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not private, f"serve/ uses private names: {private}"

@@ -11,7 +11,7 @@ So a fixed-budget bucket (an adaptive one keeps its one program per menu entry: 
 compiles, at warm-up, a program per (rows, greedy): `rows` a power of two up to the batch, `greedy` when every live
 row is greedy without penalties. Each launch takes the smallest that holds its live rows: a chunk of k < batch rows
 gathers those rows' part of the state (their slot tables and lengths; the pool's pages and free list are shared, so
-the k-row program allocates from the batch's pool), runs the loop's own chunk program on it (engine._decode_chunk,
+the k-row program allocates from the batch's pool), runs the loop's own chunk program on it (engine.decode_chunk,
 traced into this one) and scatters it back, in one dispatch. A greedy program runs without the token counts (the
 state's counts stay as they were: only a row with a penalty reads its counts, and such a row keeps the full program
 while it lives; a row's counts are set afresh when it is admitted). Rows are batch-invariant (each row's step reads
@@ -74,7 +74,7 @@ def rows_chunk(leaves, loop_weights, state: LoopState, rows, *, structure, spec:
                steps: int) -> engine.ChunkOutput:
     """One chunk of rows `rows` [k] of the batch (the others untouched): -> the batch's ChunkOutput (a row not run
     emits nothing: its tokens are -1, its start its num_out)."""
-    sub = engine._decode_chunk(leaves, loop_weights, take_rows(state, rows), structure=structure, spec=spec,
+    sub = engine.decode_chunk(leaves, loop_weights, take_rows(state, rows), structure=structure, spec=spec,
                                steps=steps)
     full = put_rows(state, sub.state, rows)
     tokens = jnp.full((state.bonus.shape[0], sub.tokens.shape[1]), -1, jnp.int32).at[rows].set(sub.tokens)
@@ -110,7 +110,7 @@ class RowPrograms:
         if greedy:
             state = state._replace(counts=None)
         if k == self.batch:
-            return engine._decode_chunk.lower(self.full.leaves, self.full.loop_weights, state,
+            return engine.decode_chunk.lower(self.full.leaves, self.full.loop_weights, state,
                                               structure=self.full.structure, spec=spec, steps=self.full.steps)
         rows = jnp.arange(k, dtype=jnp.int32)
         return rows_chunk.lower(self.full.leaves, self.full.loop_weights, state, rows,

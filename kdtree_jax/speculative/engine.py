@@ -993,3 +993,8 @@ def generate(target: Transformer, drafter: Optional[Drafter], prompt_ids, *, max
     stats.update(chunk_steps=chunk_steps, host_syncs=host_syncs,
                  host_syncs_per_step=host_syncs / max(stats["steps"], 1), host_driven_loops=host_loops)
     return GenerateResult(tokens=tokens, stats=stats)
+
+
+# The chunk program under a public name, for code that traces it into a program of its own or lowers it for other
+# shapes (the server's row programs, serve/programs.py): the same jitted function, its traces counted as its own.
+decode_chunk = _decode_chunk
