@@ -20,9 +20,9 @@ load of any mix of settings compiles nothing: `compile_count()` counts XLA compi
 The bucket's cycle (one chunk stays in flight while any row is live: the host reads chunk i while the device runs
 chunk i + 1, so the device never waits for the host's reads, deliveries and admissions):
 
-    admit waiting requests into free rows: prefill each alone (a one-row pool as long as its prompt's bucket) and
-        copy it into its row, one dispatch of one program (engine.ChunkedLoop.admit), queued behind the chunk in
-        flight;
+    admit waiting requests into free rows: the prompts of one length bucket prefilled together (a k-row pool as long
+        as the bucket, k from a few group sizes: 1, 4, 16) and each copied into its row, one dispatch of one program
+        a group (admission.admit_group), queued behind the chunk in flight;
     launch the next chunk (at most `chunk_steps` steps, the state stays on the device): with a fixed budget, the
         smallest program that holds the live rows, greedy-only while every live row is greedy (programs.py);
     read the new rows' first tokens (their prefills ran before this chunk) and stream them;
@@ -67,7 +67,7 @@ import numpy as np
 from kdtree_jax import kv_pool
 from kdtree_jax.serve.programs import RowPrograms
 from kdtree_jax.sharding import replicate
-from kdtree_jax.speculative import budget_policy, cost_model, engine, validation
+from kdtree_jax.speculative import admission, budget_policy, cost_model, engine, validation
 from kdtree_jax.speculative.sampling import SamplingParams
 
 # --- compile counting ---------------------------------------------------------------------------------------------
@@ -167,6 +167,21 @@ def _counters(state: engine.LoopState):
     return state.accepted_hist + 0, state.cache.num_free + 0, policy
 
 
+def admit_group_sizes(batch: int, groups: Union[bool, tuple] = True) -> tuple:
+    """The admission group sizes (Settings.admit_groups): each is a program per prompt bucket, so few of them."""
+    if groups is True:
+        sizes, k = [], 1
+        while k <= batch:
+            sizes.append(k)
+            k *= 4
+    else:
+        sizes = list(groups) if groups else []
+    sizes = sorted(set(int(k) for k in sizes) | {1})
+    if sizes[-1] > batch:
+        raise ValueError(f"admission group sizes must be in [1, {batch}] (--max-batch); got {tuple(sizes)}")
+    return tuple(sizes)
+
+
 class _Stopped(Exception):
     """stop() came while the warm-up was measuring a cost model: the warm-up ends there."""
 
@@ -215,6 +230,11 @@ class Bucket:
         self.loop = engine.ChunkedLoop(target, self.drafter, self.spec, steps=s.chunk_steps)
         # Compiled ahead of time, as engine.generate does: the bucket owns its program.
         self.loop.compile(self.state)
+        # Admission: waiting prompts of one bucket go in together, in groups of these sizes (Settings.admit_groups).
+        self.plan = admission.AdmitPlan(self.loop.structure, self.loop.hidden_layers, self.spec,
+                                        admission.PREFILL_CHUNK, self.loop.mesh)
+        self.group_sizes = admit_group_sizes(self.batch, s.admit_groups)
+        self.admit_runs: collections.Counter = collections.Counter()  # group dispatches by (size, prompt bucket)
         # A fixed budget's programs by the live rows' count and settings (programs.py; an adaptive loop and a sharded
         # target keep the one program).
         self.programs = None
@@ -284,8 +304,7 @@ class Bucket:
                 raise _Stopped()
 
         try:
-            for row in range(self.batch):
-                self.state, _ = self.loop.admit(self.state, prompt, row, seed=0)
+            self._admit_prepared([self._prepare(prompt, row, None, 0) for row in range(self.batch)])
             return engine.calibrate(self.loop, self.state, self.spec, depth=self.drafter.cfg.depth,
                                     on_progress=progress)
         finally:
@@ -311,21 +330,74 @@ class Bucket:
     def idle(self) -> bool:
         return self.busy() == 0 and not self.inflight
 
-    def admit(self, reqs: list[Request]) -> None:
-        """Give each request a free row (the caller checked there are enough): prefill it alone and copy it in (one
-        dispatch each, queued behind the chunk in flight); `deliver_firsts` streams the first tokens once the next
-        chunk is launched, so the device runs that chunk while the host waits for the prefills and hands the tokens
-        out. The row takes the request's sampling settings and a random stream of its own from its seed (else its
-        id), so a seeded request's tokens do not depend on the batch it joins."""
+    def _prepare(self, prompt, row: int, max_tokens: Optional[int], seed: int,
+                 sampling: Optional[SamplingParams] = None) -> admission.Prepared:
+        return admission.prepare(self.state, prompt, row, max_tokens, seed, self.spec, self.loop.vocab_size, sampling)
+
+    def groups(self, count: int) -> list[int]:
+        """The admission group sizes that take `count` prompts of one bucket: the largest first."""
+        out = []
+        while count:
+            k = max(g for g in self.group_sizes if g <= count)
+            out.append(k)
+            count -= k
+        return out
+
+    def _admit_prepared(self, prepared: list) -> list:
+        """Admit prepared prompts (each with its own free row) in as few dispatches as the group sizes allow, each
+        bucket's prompts together, oldest first: -> [(first tokens on the device, index in them)] in their order."""
+        by_bucket: dict = {}
+        for i, p in enumerate(prepared):
+            by_bucket.setdefault(p.ids.size, []).append(i)
+        firsts = [None] * len(prepared)
+        for bucket, items in by_bucket.items():
+            for k in self.groups(len(items)):
+                group, items = items[:k], items[k:]
+                self.state, first = admission.admit_group(self.loop.leaves, self.plan, self.state,
+                                                          [prepared[i] for i in group])
+                self.admit_runs[(k, bucket)] += 1
+                for j, i in enumerate(group):
+                    firsts[i] = (first, j)
+        return firsts
+
+    def admit(self, reqs: list[Request]) -> list[Request]:
+        """Give the requests free rows, oldest first: each prompt prefilled with the others of its bucket in one
+        dispatch (a group: `groups`), queued behind the chunk in flight; `deliver_firsts` streams the first tokens once
+        the next chunk is launched, so the device runs that chunk while the host waits for the prefills and hands the
+        tokens out. The row takes the request's sampling settings and a random stream of its own from its seed (else
+        its id), so a seeded request's tokens do not depend on the batch it joins nor on its group. A request the
+        admission's checks refuse (admission.prepare) gets its error alone and takes no row: the next one does, and
+        the group goes in without it. -> the requests left waiting (no row for them)."""
         t = time.perf_counter()
-        for req, row in zip(reqs, self.free_rows()):
+        ready, rows = [], self.free_rows()
+        while reqs and len(ready) < len(rows):
+            req, reqs = reqs[0], reqs[1:]
             seed = (req.seed if req.seed is not None else req.id) & 0x7FFFFFFF
-            self.state, first = self.loop.admit(self.state, req.prompt, row, max_tokens=req.max_tokens, seed=seed,
-                                                sampling=req.sampling)
+            row = rows[len(ready)]
+            try:
+                prepared = self._prepare(req.prompt, row, req.max_tokens, seed, req.sampling)
+            except ValueError as e:
+                req.finished = True
+                self.sched.metrics.add("requests_error")
+                req.emit("error", f"admission refused the request: {' '.join(str(e).split())[:300]}")
+                continue
+            ready.append((req, row, prepared))
+        firsts = self._admit_prepared([p for _, _, p in ready])
+        for (req, row, _), (first, j) in zip(ready, firsts):
             self.owner[row] = req
-            self.firsts.append((req, row, first))
+            self.firsts.append((req, row, first, j))
         self.sched.spans.add("admit.dispatch", t)
         self.last_used = time.perf_counter()
+        return reqs
+
+    def compile_admission(self, prompt: list) -> None:
+        """Every admission group's program for `prompt`'s bucket (the warm-up's), by running it: each group size
+        admitted into the first rows, which are then emptied (jax's own cache keeps the programs)."""
+        for k in self.group_sizes:
+            firsts = self._admit_prepared([self._prepare(prompt, row, None, 0) for row in range(k)])
+            jax.block_until_ready(firsts[0][0])
+            for row in range(k):
+                self.state = self.loop.reset_row(self.state, row)
 
     def deliver_firsts(self) -> None:
         """Stream the first token of every row admitted since the last call (one read for all of them: it waits for
@@ -335,13 +407,13 @@ class Bucket:
         spans, firsts = self.sched.spans, self.firsts
         self.firsts = []
         t = time.perf_counter()
-        tokens = jax.device_get([first for _, _, first in firsts])
+        tokens = jax.device_get([first for _, _, first, _ in firsts])
         t = spans.add("admit.first_token_read", t)
-        for (req, row, _), token in zip(firsts, tokens):
+        for (req, row, _, j), token in zip(firsts, tokens):
             if self.owner[row] is not req or req.finished:  # cancelled meanwhile
                 continue
             self.sched.metrics.first_token(time.perf_counter() - req.submitted)
-            self._deliver(row, req, [int(token[0])])
+            self._deliver(row, req, [int(token[j])])
         spans.add("deliver", t)
 
     def _deliver(self, row: int, req: Request, ids: list) -> None:
@@ -432,6 +504,9 @@ class Settings:
     # those row counts (max_batch is always one), False: the one program for every row and setting.
     row_programs: Union[bool, tuple] = True
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
+    # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
+    # one); False: every prompt alone.
+    admit_groups: Union[bool, tuple] = True
 
 
 # What the adaptive budget's calibration decodes in every row (Settings.calibration_prompt: its tokens, the server's
@@ -589,8 +664,8 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def warmup(self) -> bool:
-        """Compile the bucket's programs (a 16-token prompt's prefill, the chunk program, row admission and
-        reset) and, with the adaptive budget, take its cost model from the cache or measure it, before serving, by
+        """Compile the bucket's programs (the chunk program, row admission of a 16-token prompt in every admission
+        group size, row reset) and, with the adaptive budget, take its cost model from the cache or measure it, before serving, by
         running one short request on the calling thread. False if stop() came first: it returns at the next safe point
         (between compiles, calibration timings and chunks), leaving the scheduler to be stopped."""
         done = threading.Event()
@@ -607,7 +682,10 @@ class Scheduler:
             self._warming = False
         if self._stop:
             return False
-        self._admit_waiting([req])  # the prefill's and row admission's compiles
+        bucket.compile_admission(req.prompt)  # every group size's program for the warm-up's prompt bucket
+        if self._stop:
+            return False
+        self._admit_waiting([req])
         while not done.is_set():
             if self._stop:
                 return False
@@ -665,11 +743,11 @@ class Scheduler:
         bucket.sweep_cancelled()
         # The chunk in flight is not read first: the prefills queue behind it and the next chunk behind them, so the
         # device never waits for the host; a row that chunk frees takes a request at the next iteration.
-        free = len(bucket.free_rows())
-        if free:
-            bucket.admit(waiting[:free])
-            self._update_gauges()  # /metrics shows the new rows before their first chunk
-        return waiting[free:]
+        if not bucket.free_rows():
+            return waiting
+        left = bucket.admit(waiting)
+        self._update_gauges()  # /metrics shows the new rows before their first chunk
+        return left
 
     def _get_bucket(self) -> Bucket:
         if self.bucket is None:

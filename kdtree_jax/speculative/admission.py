@@ -5,7 +5,7 @@ compiles after a prompt bucket's first admission."""
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +141,51 @@ def _adopt_row_state(state: LoopState, fresh: KVCache, fresh_dcache: Optional[Dr
                           counts=None if counts is None else state.counts.at[row].set(counts[0]))
 
 
+def _prefill_rows(target, drafter, ids, ints, floats, plan: AdmitPlan, dtype):
+    """The prompts ids [k, bucket] (zero padded; ints [k, 5], floats [k, 5] as `_admit` takes them, a row each)
+    prefilled together in a k-row pool: -> (the pool, the drafter's context (or None), the first tokens [k], the rows'
+    RowSampling, keys [k] and token counts [k, V] (or None))."""
+    n, seed = ints[:, 0], ints[:, 3]
+    length = ids.shape[1]
+    chunk = min(plan.chunk_size, length)
+    padded = round_up(length, chunk)
+    tokens = jnp.pad(ids, ((0, 0), (0, padded - length)))
+    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
+    # overflow, and its flag is carried into the batch's all the same. Its dtype: the batch pool's.
+    fresh = kv_pool.init_cache(target.cfg, ids.shape[0], padded, dtype=dtype)
+    if plan.mesh is not None:  # a sharded target: the pool lives whole on every device
+        fresh = jax.lax.with_sharding_constraint(fresh, NamedSharding(plan.mesh, PartitionSpec()))
+    last_logits, hidden = None, []
+    for start in range(0, padded, chunk):  # decode.prefill's chunks, in one program
+        num_valid = jnp.clip(n - start, 0, chunk).astype(jnp.int32)
+        logits, h, fresh = _forward_chunk(target, fresh, tokens[:, start:start + chunk], num_valid,
+                                          plan.hidden_layers, plan.impl)
+        hidden.append(h)
+        idx = n - 1 - start  # each prompt's last token lies in some chunk; its logits are picked there
+        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        here = ((idx >= 0) & (idx < chunk))[:, None]
+        last_logits = picked if last_logits is None else jnp.where(here, picked, last_logits)
+    dcache = None
+    if drafter is not None:
+        hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
+        dcache = drafter.extend_context(drafter.init_cache(ids.shape[0], length), hidden, n)
+    settings = sampling_ops.RowSampling(floats[:, 0], floats[:, 1], ints[:, 4], floats[:, 2], floats[:, 3],
+                                        floats[:, 4])
+    # Each row's own stream, from its seed: its tokens do not depend on the batch it joins.
+    keys = sampling_ops.row_keys(seed.astype(jnp.uint32))
+    counts = None
+    if plan.penalties:
+        counts = sampling_ops.count_tokens(jnp.where(jnp.arange(length)[None, :] < n[:, None], ids, -1),
+                                           target.cfg.vocab_size)
+    if plan.sampled:
+        first = sampling_ops.first_tokens(last_logits, settings, keys, counts)
+    else:
+        first = argmax_last(last_logits if counts is None else sampling_ops.penalize(last_logits, counts, settings))
+    if counts is not None:
+        counts = sampling_ops.add_tokens(counts, first[:, None])
+    return fresh, dcache, first, settings, keys, counts
+
+
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
     """One admission, one program (per plan and prompt bucket): the one-row pool, the prompt's prefill chunks, the
@@ -150,42 +195,10 @@ def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
     -> (the state, the first token [1])."""
     _TRACES["admit"] = _TRACES.get("admit", 0) + 1
     target, drafter = jax.tree.unflatten(plan.structure, leaves)
-    n, row, max_tokens, seed = ints[0], ints[1], ints[2], ints[3]
-    length = ids.shape[1]
-    chunk = min(plan.chunk_size, length)
-    padded = round_up(length, chunk)
-    tokens = jnp.pad(ids, ((0, 0), (0, padded - length)))
-    # Room for whole prefill chunks (a chunk takes its slots before the padding's are given back): the pool cannot
-    # overflow, and its flag is carried into the batch's all the same. Its dtype: the batch pool's.
-    fresh = kv_pool.init_cache(target.cfg, 1, padded, dtype=state.cache.pages.dtype)
-    if plan.mesh is not None:  # a sharded target: the pool lives whole on every device
-        fresh = jax.lax.with_sharding_constraint(fresh, NamedSharding(plan.mesh, PartitionSpec()))
-    last_logits, hidden = None, []
-    for start in range(0, padded, chunk):  # decode.prefill's chunks, in one program
-        num_valid = jnp.clip(n - start, 0, chunk).astype(jnp.int32)[None]
-        logits, h, fresh = _forward_chunk(target, fresh, tokens[:, start:start + chunk], num_valid,
-                                          plan.hidden_layers, plan.impl)
-        hidden.append(h)
-        idx = n - 1 - start  # the prompt's last token lies in some chunk; its logits are picked there
-        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[None, None, None], axis=1)[:, 0]
-        last_logits = picked if last_logits is None else jnp.where((idx >= 0) & (idx < chunk), picked, last_logits)
-    dcache = None
-    if drafter is not None:
-        hidden = jnp.concatenate(hidden, axis=2)[:, :, :length]
-        dcache = drafter.extend_context(drafter.init_cache(1, length), hidden, n[None])
-    settings = sampling_ops.RowSampling(floats[0:1], floats[1:2], ints[4:5], floats[2:3], floats[3:4], floats[4:5])
-    # The row's own stream, from its seed: its tokens do not depend on the batch it joins.
-    key = jax.random.key(seed.astype(jnp.uint32))
-    counts = None
-    if plan.penalties:
-        counts = sampling_ops.count_tokens(jnp.where(jnp.arange(length)[None, :] < n, ids, -1), target.cfg.vocab_size)
-    if plan.sampled:
-        first = sampling_ops.first_tokens(last_logits, settings, key[None], counts)
-    else:
-        first = argmax_last(last_logits if counts is None else sampling_ops.penalize(last_logits, counts, settings))
-    if counts is not None:
-        counts = sampling_ops.add_tokens(counts, first[:, None])
-    state = _adopt_row_state(state, fresh, dcache, row, first, max_tokens, settings, key, counts)
+    fresh, dcache, first, settings, keys, counts = _prefill_rows(target, drafter, ids, ints[None], floats[None], plan,
+                                                                 state.cache.pages.dtype)
+    row, max_tokens = ints[1], ints[2]
+    state = _adopt_row_state(state, fresh, dcache, row, first, max_tokens, settings, keys[0], counts)
     if plan.mesh is not None:
         # XLA would otherwise pick the outputs' shardings itself (the token counts come out split along the vocabulary,
         # as the lm head is): the chunk program, compiled for a state replicated on the mesh, would refuse them.
@@ -193,9 +206,18 @@ def _admit(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
     return state, first
 
 
-def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
-                seed: int, spec: SpecConfig, vocab_size: int, sampling: Optional[sampling_ops.SamplingParams] = None):
-    """The host's part of an admission: checks and the padded prompt, then one dispatch of `_admit`."""
+class Prepared(NamedTuple):
+    """One admission's inputs, checked on the host (`prepare`): the program's ids, ints and floats (`_admit`)."""
+
+    ids: np.ndarray  # [bucket] int32: the prompt, zero padded to prompt_bucket
+    ints: np.ndarray  # [5] int32: (prompt length, row, max_tokens, seed, top_k)
+    floats: np.ndarray  # [5] float32: (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty)
+
+
+def prepare(state: LoopState, prompt_ids, row: int, max_tokens: Optional[int], seed: int, spec: SpecConfig,
+            vocab_size: int, sampling: Optional[sampling_ops.SamplingParams] = None) -> Prepared:
+    """The host's part of an admission: the checks (a ValueError of one line says what is wrong with this prompt)
+    and the padded prompt. Nothing here touches the device."""
     prompt = validate_tokens(np.asarray(prompt_ids), vocab_size, "prompt_ids")
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError("prompt_ids must be one non-empty prompt")
@@ -206,8 +228,8 @@ def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: 
     max_tokens = max_new if max_tokens is None else int(max_tokens)
     if not 1 <= max_tokens <= max_new:
         raise ValueError(f"max_tokens must be in [1, {max_new}] (the loop's max_new_tokens); got {max_tokens}")
-    ids = np.zeros((1, prompt_bucket(n, max_len)), np.int32)
-    ids[0, :n] = prompt
+    ids = np.zeros((prompt_bucket(n, max_len),), np.int32)
+    ids[:n] = prompt
     p = sampling or sampling_ops.SamplingParams()
     if (p.sampled and not spec.sampled) or (p.penalised and not spec.penalties):
         raise ValueError(f"this loop was compiled without {'sampling' if p.sampled and not spec.sampled else 'penalties'}"
@@ -215,7 +237,80 @@ def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: 
     ints = np.array([n, row, max_tokens, seed & 0x7FFFFFFF, p.top_k], np.int32)
     floats = np.array([p.temperature, p.top_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty],
                       np.float32)
-    return _admit(leaves, state, ids, ints, floats, plan=plan)
+    return Prepared(ids, ints, floats)
+
+
+def admit_with_plan(leaves, plan: AdmitPlan, state: LoopState, prompt_ids, row: int, max_tokens: Optional[int],
+                seed: int, spec: SpecConfig, vocab_size: int, sampling: Optional[sampling_ops.SamplingParams] = None):
+    """The host's part of an admission (`prepare`), then one dispatch of `_admit`."""
+    p = prepare(state, prompt_ids, row, max_tokens, seed, spec, vocab_size, sampling)
+    return _admit(leaves, state, p.ids[None], p.ints, p.floats, plan=plan)
+
+
+# Several prompts admitted at once ----------------------------------------------------------------------------------
+# When several prompts wait and rows are free (the server under a burst), admitting them one program each runs k
+# prefills of one row: k dispatches of the host, and on a device that a short prompt leaves mostly idle, k times the
+# time of one. `_admit_group` prefills k prompts of one bucket together in a k-row pool and adopts each into its own
+# batch row, in one dispatch. Each row's prefill reads only its own pool row, so its tokens are the ones it gets
+# alone (the same first token, sampled from its own stream). One program per (k, bucket): the caller keeps the set of
+# k small (the server: 1 / 4 / 16).
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def _admit_group(leaves, state: LoopState, ids, ints, floats, *, plan: AdmitPlan):
+    """k admissions, one program (per plan, k and prompt bucket): ids [k, bucket], ints [k, 5], floats [k, 5] (a
+    `Prepared` each; the rows distinct). The state's policy (an adaptive loop's) is not an input: the caller keeps
+    its own (`admit_group`). -> (the state, the first tokens [k])."""
+    _TRACES["admit_group"] = _TRACES.get("admit_group", 0) + 1
+    target, drafter = jax.tree.unflatten(plan.structure, leaves)
+    fresh, dcache, first, settings, keys, counts = _prefill_rows(target, drafter, ids, ints, floats, plan,
+                                                                 state.cache.pages.dtype)
+
+    def adopt(i, st):
+        # Row i of the k-row pool seen as a one-row pool (its slot table row, its length; the pages shared).
+        one = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=True)  # noqa: E731
+        pool = fresh._replace(slot_table=one(fresh.slot_table), seq_lens=one(fresh.seq_lens))
+        context = None if dcache is None else DrafterCache(
+            jax.lax.dynamic_index_in_dim(dcache.k, i, axis=1, keepdims=True),
+            jax.lax.dynamic_index_in_dim(dcache.v, i, axis=1, keepdims=True), one(dcache.lens))
+        return _adopt_row_state(st, pool, context, ints[i, 1], one(first), ints[i, 2],
+                                sampling_ops.RowSampling(*(one(x) for x in settings)), keys[i],
+                                None if counts is None else one(counts))
+
+    state = jax.lax.fori_loop(0, ids.shape[0], adopt, state)
+    if plan.mesh is not None:  # as in _admit
+        state = jax.lax.with_sharding_constraint(state, NamedSharding(plan.mesh, PartitionSpec()))
+    return state, first
+
+
+def admit_group(leaves, plan: AdmitPlan, state: LoopState, prepared: list, program=None):
+    """Admit `prepared` (a `Prepared` each, of one prompt bucket, distinct rows) in one dispatch of `_admit_group`
+    (or of `program`, its ahead-of-time compile for these shapes). -> (the state, the first tokens [k] on the device).
+
+    The state's policy goes around the program, so the state that comes back holds the very policy arrays it was
+    given: an adaptive ChunkedLoop knows the state that way (ChunkedLoop._record: the policy's `force`) and its next
+    call continues the chain of calls without waiting for the device."""
+    buckets = {p.ids.size for p in prepared}
+    if len(buckets) != 1:
+        raise ValueError(f"an admission group is of one prompt bucket; got buckets {sorted(buckets)}")
+    rows = [int(p.ints[1]) for p in prepared]
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"an admission group's rows must be distinct; got {rows}")
+    ids = np.stack([p.ids for p in prepared])
+    ints = np.stack([p.ints for p in prepared])
+    floats = np.stack([p.floats for p in prepared])
+    policy = state.policy
+    run = program if program is not None else functools.partial(_admit_group, plan=plan)
+    new, first = run(leaves, state._replace(policy=None), ids, ints, floats)
+    return new._replace(policy=policy), first
+
+
+def lower_group(leaves, plan: AdmitPlan, state: LoopState, k: int, bucket: int):
+    """`_admit_group` lowered for k prompts of this bucket (state: the batch's, for its shapes)."""
+    ids = jax.ShapeDtypeStruct((k, bucket), jnp.int32)
+    ints = jax.ShapeDtypeStruct((k, 5), jnp.int32)
+    floats = jax.ShapeDtypeStruct((k, 5), jnp.float32)
+    return _admit_group.lower(leaves, state._replace(policy=None), ids, ints, floats, plan=plan)
 
 
 def admit_row(target: Transformer, drafter: Optional[Drafter], state: LoopState, row: int, prompt_ids, *,
