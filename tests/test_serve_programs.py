@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree
                                 reason="checkpoints/default is not there")
 
 SETTINGS = dict(max_batch=2, max_len=64, budget=4, chunk_steps=2)
+LONE = 8  # Settings.lone_chunk_steps' default: a lone row's chunk while nothing waits
 GREEDY, SAMPLED = [5, 6, 7, 8], [9, 10, 11]
 
 
@@ -51,10 +52,10 @@ def schedulers(pair):
         s.stop(drain=False, timeout=30)
 
 
-def _request(prompt, out, done, **settings):
+def _request(prompt, out, done, max_tokens=10, **settings):
     from kdtree_jax.serve import scheduler as sched
 
-    return sched.Request(prompt=prompt, max_tokens=10, emit=lambda kind, v: (
+    return sched.Request(prompt=prompt, max_tokens=max_tokens, emit=lambda kind, v: (
         out.extend(v) if kind == "tokens" else done.set()), **settings)
 
 
@@ -111,10 +112,11 @@ def test_the_smallest_program_runs_and_tokens_do_not_depend_on_it(schedulers):
         assert engine._TRACES.get("decode_chunk", 0) == traced  # every program was compiled at warm-up
         if key:
             used = s.bucket.programs.runs - runs
-            # alone: the greedy one-row program; the pair: the full batch's any-settings one; the sampled and the
-            # penalised request alone: one row of the any-settings program.
-            assert used[(1, True)] > 0 and used[(2, False)] > 0 and used[(1, False)] > 0
-            assert used[(2, True)] == 0
+            # alone: the greedy one-row program, a lone row's long chunk (nothing waits); the pair: the full batch's
+            # any-settings one; the sampled and the penalised request alone: one row of the any-settings program.
+            lone, short = LONE, SETTINGS["chunk_steps"]
+            assert used[(1, True, lone)] > 0 and used[(2, False, short)] > 0 and used[(1, False, lone)] > 0
+            assert used[(2, True, short)] == 0
     assert results[True] == results[False]
     alone, (greedy, sampled), sampled_alone, penalised = results[True]
     assert alone == [greedy] and sampled_alone == [sampled]  # a row's tokens whatever the batch and program
@@ -138,6 +140,33 @@ def test_a_live_row_keeps_a_chunk_in_flight_and_its_first_token_comes_after_the_
     while bucket.inflight:
         bucket.collect()
     assert len(out) == 10
+
+
+def test_a_lone_row_takes_the_long_chunk_only_while_nothing_waits(schedulers):
+    """A lone live row runs LONE steps a chunk while the queue is empty, the short chunk while a request waits, and
+    gets its tokens either way."""
+    from kdtree_jax.serve import scheduler as sched
+
+    s = schedulers[True]
+    bucket = s.bucket
+    out, done = [], threading.Event()
+    req = _request(GREEDY, out, done, max_tokens=s.max_tokens_for(len(GREEDY)))
+    assert s._admit_waiting([req]) == []
+    runs, step = bucket.programs.runs.copy(), int(bucket.state.step)
+    bucket.launch()
+    s._waiting.append(sched.Request(prompt=SAMPLED, max_tokens=4, emit=lambda kind, v: None))
+    try:
+        bucket.launch()
+    finally:
+        s._waiting.clear()
+    short = SETTINGS["chunk_steps"]
+    assert bucket.programs.runs - runs == {(1, True, LONE): 1, (1, True, short): 1}
+    assert int(bucket.state.step) - step == LONE + short  # the row is live throughout: every step ran
+    while not done.is_set():
+        s._step()
+    while bucket.inflight:
+        bucket.collect()
+    assert len(out) == req.max_tokens and out == _run(schedulers[False], (GREEDY, dict(max_tokens=req.max_tokens)))[0]
 
 
 def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():

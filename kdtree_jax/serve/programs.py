@@ -91,36 +91,52 @@ def row_sizes(batch: int) -> tuple:
 
 
 class RowPrograms:
-    """A fixed-budget bucket's chunk programs by (rows, greedy) (module docstring). `full` is the bucket's
-    engine.ChunkedLoop (every row, any settings); the rest are compiled by `compile`."""
+    """A fixed-budget bucket's chunk programs by (rows, greedy, steps) (module docstring). `full` is the bucket's
+    engine.ChunkedLoop (every row, any settings, full.steps a chunk); the rest are compiled by `compile`.
 
-    def __init__(self, full: engine.ChunkedLoop, batch: int, sizes: Optional[tuple] = None):
+    lone_steps (> full.steps; 0: none): the steps of a lone row's chunk while nothing waits for a row, a greedy and an
+    any-settings one-row program. Why: a chunk's fixed costs (the program's dispatch, the host's read and hand-over of
+    its tokens) are paid per chunk, and the server's short chunk (4 steps, for admission latency) pays them twice as
+    often per token as `python -m kdtree_jax.generate`'s 8: on the 2-core CPU a single stream ran at 0.95x the CLI's
+    tok/s with 4-step chunks and 1.02x with 8, and the CLI's own loop at 0.94x with 4 (one process, interleaved runs,
+    medians of 8; benchmarks/results/history/serve_host_cpu_*). A long chunk delays only a request that arrives while
+    it runs (it waits for that chunk, then the rows are two and the chunks short again)."""
+
+    def __init__(self, full: engine.ChunkedLoop, batch: int, sizes: Optional[tuple] = None, lone_steps: int = 0):
         if full.spec.menu:
             raise ValueError("an adaptive loop picks its own programs (engine.ChunkedLoop)")
         self.full, self.batch = full, batch
         self.sizes = tuple(sorted(set(sizes) | {batch})) if sizes is not None else row_sizes(batch)
         if self.sizes[-1] != batch or self.sizes[0] < 1:
             raise ValueError(f"row sizes must be in [1, {batch}]; got {self.sizes}")
+        self.lone_steps = int(lone_steps) if lone_steps and lone_steps > full.steps else 0
         self.greedy_spec = dataclasses.replace(full.spec, sampled=False, penalties=False)
-        self._compiled: dict = {}  # (rows, greedy) -> Compiled (the full batch's any-settings program: full)
-        self.runs: collections.Counter = collections.Counter()  # chunks launched by (rows, greedy)
+        self._compiled: dict = {}  # (rows, greedy, steps) -> Compiled (the full batch's any-settings program: full)
+        self.runs: collections.Counter = collections.Counter()  # chunks launched by (rows, greedy, steps)
 
-    def _lower(self, state: LoopState, k: int, greedy: bool):
+    def keys(self) -> list:
+        """Every program's (rows, greedy, steps)."""
+        keys = [(k, g, self.full.steps) for k in self.sizes for g in (True, False)]
+        if self.lone_steps:
+            keys += [(1, g, self.lone_steps) for g in (True, False)]
+        return keys
+
+    def _lower(self, state: LoopState, k: int, greedy: bool, steps: int):
         spec = self.greedy_spec if greedy else self.full.spec
         if greedy:
             state = state._replace(counts=None)
         if k == self.batch:
             return engine.decode_chunk.lower(self.full.leaves, self.full.loop_weights, state,
-                                              structure=self.full.structure, spec=spec, steps=self.full.steps)
+                                             structure=self.full.structure, spec=spec, steps=steps)
         rows = jnp.arange(k, dtype=jnp.int32)
         return rows_chunk.lower(self.full.leaves, self.full.loop_weights, state, rows,
-                                structure=self.full.structure, spec=spec, steps=self.full.steps)
+                                structure=self.full.structure, spec=spec, steps=steps)
 
     def compile(self, state: LoopState) -> None:
         """Every program but the full batch's any-settings one (the bucket's loop compiled it), in threads (XLA
         compiles outside the GIL)."""
-        keys = [(k, g) for k in self.sizes for g in (True, False) if (k, g) != (self.batch, False)]
-        keys = [key for key in keys if key not in self._compiled]
+        full = (self.batch, False, self.full.steps)
+        keys = [key for key in self.keys() if key != full and key not in self._compiled]
 
         def build(key):
             return self._lower(state, *key).compile()
@@ -128,27 +144,30 @@ class RowPrograms:
         with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1) or 1) as pool:
             self._compiled.update(zip(keys, pool.map(build, keys)))
 
-    def pick(self, live: int, greedy: bool) -> tuple:
-        """(rows the chunk computes, greedy) for `live` rows holding requests."""
+    def pick(self, live: int, greedy: bool, lone: bool = False) -> tuple:
+        """(rows the chunk computes, greedy, steps) for `live` rows holding requests; lone: nothing waits for a row
+        (a single live row then takes the long chunk)."""
+        if lone and live == 1 and self.lone_steps:
+            return 1, greedy, self.lone_steps
         k = next(k for k in self.sizes if k >= live)
-        return k, greedy
+        return k, greedy, self.full.steps
 
-    def __call__(self, state: LoopState, live_rows: list, greedy: bool) -> engine.ChunkOutput:
+    def __call__(self, state: LoopState, live_rows: list, greedy: bool, lone: bool = False) -> engine.ChunkOutput:
         """One chunk of the smallest program that holds `live_rows` (batch row indices holding requests)."""
-        k, greedy = self.pick(len(live_rows), greedy)
-        self.runs[(k, greedy)] += 1
-        if k == self.batch and not greedy:
+        k, greedy, steps = key = self.pick(len(live_rows), greedy, lone)
+        self.runs[key] += 1
+        if k == self.batch and not greedy and steps == self.full.steps:
             return self.full(state)
         counts = state.counts
         if greedy:
             state = state._replace(counts=None)
-        program = self._compiled[(k, greedy)]
+        program = self._compiled[key]
         if k == self.batch:
             out = program(self.full.leaves, self.full.loop_weights, state)
         else:
             rows = list(live_rows)
-            free = (r for r in range(self.batch) if r not in set(rows))
-            rows += [next(free) for _ in range(k - len(rows))]  # distinct rows: padding rows are free (inactive)
+            taken = set(rows)
+            rows += [r for r in range(self.batch) if r not in taken][:k - len(rows)]  # distinct: padding rows are free
             out = program(self.full.leaves, self.full.loop_weights, state, np.asarray(rows, np.int32))
         if greedy:
             out = out._replace(state=out.state._replace(counts=counts))

@@ -24,7 +24,8 @@ chunk i + 1, so the device never waits for the host's reads, deliveries and admi
         as the bucket, k from a few group sizes: 1, 4, 16) and each copied into its row, one dispatch of one program
         a group (admission.admit_group), queued behind the chunk in flight;
     launch the next chunk (at most `chunk_steps` steps, the state stays on the device): with a fixed budget, the
-        smallest program that holds the live rows, greedy-only while every live row is greedy (programs.py);
+        smallest program that holds the live rows, greedy-only while every live row is greedy, and a lone row's
+        chunk `lone_chunk_steps` long while nothing waits (programs.py);
     read the new rows' first tokens (their prefills ran before this chunk) and stream them;
     read the previous chunk: hand each live row its new tokens; a row that reached its max_tokens, or was cancelled
         (client gone, stop string), is reset (admission.reset_row: its KV slots back to the pool) and its row is free
@@ -239,7 +240,8 @@ class Bucket:
         # target keep the one program).
         self.programs = None
         if not self.spec.menu and sched.mesh is None and s.row_programs:
-            self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs)
+            self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs,
+                                        lone_steps=s.lone_chunk_steps)
             self.programs.compile(self.state)
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
@@ -449,7 +451,8 @@ class Bucket:
         if self.programs is not None:
             live = [r for r, req in enumerate(self.owner) if req is not None]
             greedy = all(not (req.sampling.sampled or req.sampling.penalised) for req in self.owner if req is not None)
-            out = self.programs(self.state, live, greedy)
+            # Nothing waiting for a row (len of a deque: no lock needed for a hint): a lone row may take a long chunk.
+            out = self.programs(self.state, live, greedy, lone=not self.sched._waiting)
         else:
             out = self.loop(self.state)
         self.state = out.state
@@ -503,6 +506,9 @@ class Settings:
     # A fixed budget's chunk programs by live rows (programs.py): True: every power of two below max_batch, a tuple:
     # those row counts (max_batch is always one), False: the one program for every row and setting.
     row_programs: Union[bool, tuple] = True
+    # With row programs: a lone live row's chunk while nothing waits for a row (programs.RowPrograms: the CLI's chunk,
+    # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
+    lone_chunk_steps: int = engine.DEFAULT_CHUNK_STEPS
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
     # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
     # one); False: every prompt alone.
