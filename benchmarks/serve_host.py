@@ -173,6 +173,13 @@ def loop_refill(target, drafter, requests: list, batch: int, max_len: int, chunk
             "chunk_ms": 1e3 * wall / chunks, "admission_host_s": admit_s, "outputs": tokens}
 
 
+def group_sizes(batch: int) -> tuple:
+    """The server's admission group sizes at this --max-batch (scheduler.admit_group_sizes; (1,) before it)."""
+    from kdtree_jax.serve import scheduler as sched
+
+    return sched.admit_group_sizes(batch) if hasattr(sched, "admit_group_sizes") else (1,)
+
+
 def cli_stream(args, checkpoint: str) -> dict:
     cmd = [sys.executable, "-m", "kdtree_jax.generate", "--prompt", args.prompt, "--max-new-tokens",
            str(args.stream_tokens), "--temperature", "0", "--repetition-penalty", "1", "--json",
@@ -205,8 +212,9 @@ def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
         seen = {}
         for r in requests + [{"prompt": stream_ids}]:
             seen.setdefault(prompt_bucket(len(r["prompt"]), args.max_len), r)
-        for r in seen.values():
-            asyncio.run(serve_load.run_level(url, [{"prompt": r["prompt"], "max_tokens": 4}], 1, model))
+        for r in seen.values():  # every prefill bucket and its admission groups
+            for k in group_sizes(args.max_batch):
+                asyncio.run(serve_load.run_level(url, [{"prompt": r["prompt"], "max_tokens": 4}] * k, k, model))
 
         def spans():
             m = parse(httpx.get(url + "/metrics", timeout=30).text)
@@ -302,6 +310,9 @@ def main(argv=None) -> int:
     for r in requests + [{"prompt": stream_ids}]:
         seen.setdefault(prompt_bucket(len(r["prompt"]), args.max_len), r)
     drv.run([{"prompt": r["prompt"], "max_tokens": 4} for r in seen.values()], 1)  # every prefill bucket
+    for r in seen.values():  # and its admission groups (a burst of k is admitted together)
+        for k in group_sizes(args.max_batch):
+            drv.run([{"prompt": r["prompt"], "max_tokens": 4}] * k, k)
     drv.run([{"prompt": stream_ids, "max_tokens": 4}] * (args.max_batch + 1), args.max_batch + 1)
     result["meta"]["scheduler_warmup_s"] = time.perf_counter() - t
     compiles = sched.compile_count()
