@@ -4,6 +4,7 @@ call, and where the decode thread's time goes.
     python benchmarks/serve_host.py                       # CPU defaults (the embedded pair, the server's defaults)
     python benchmarks/serve_host.py --no-http             # in-process only (no server subprocess, no HTTP client)
     python benchmarks/serve_host.py --smoke               # tiny: seconds, a temporary directory
+    python benchmarks/serve_host.py --stream-ab 8         # the single stream alone, interleaved A/B in one process
 
 Three comparisons, each against the same engine in the same process:
 
@@ -19,6 +20,11 @@ Three comparisons, each against the same engine in the same process:
    requests against a chunk's time (the loop's mean).
 3. The decode thread's profile (scheduler.HostSpans: seconds by phase, /metrics' decode_thread_seconds_total) for
    each scheduler run.
+
+`--stream-ab N` measures only the single stream, in N interleaved rounds in one process (a shared machine's load
+moves between runs minutes apart): generate as the CLI calls it and with the server's chunk length, the scheduler as
+it serves and without a lone row's long chunk (Settings.lone_chunk_steps = 0); it writes
+<out>/serve_host_ab_<device>_<commit>[_<label>].json with each one's median ratio to the CLI call's tok/s.
 
 Writes <out>/serve_host_<device>_<commit>[_<label>].json (default benchmarks/results/history; --smoke: a temporary
 directory) and prints a summary. `--report OUT.md RUN.json ...` writes the markdown table of several runs (before /
@@ -69,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", nargs="+", metavar=("OUT.md", "RUN.json"), default=None,
                    help="write OUT.md from these runs' JSONs (nothing is measured)")
     p.add_argument("--title", default="", help="with --report: the title's tail")
+    p.add_argument("--stream-ab", type=int, default=0, metavar="N",
+                   help="only the single stream, N interleaved rounds in one process: generate (the CLI's call and "
+                        "chunk) and with the server's chunk, the scheduler as it serves and without a lone row's "
+                        "long chunk; the median ratios to generate's tok/s")
     return p
 
 
@@ -296,6 +306,10 @@ def main(argv=None) -> int:
                        "loadavg_before": os.getloadavg()[0]}}
     print(f"[serve_host {args.label}: {result['meta']['commit']}]", file=sys.stderr, flush=True)
 
+    if args.stream_ab:
+        result["stream_ab"] = stream_ab(args, target, drafter, settings, stream_ids, recommended)
+        return _write(args, result, "ab")
+
     # -- the scheduler in-process ------------------------------------------------------------------------------
     metrics = Metrics()
     s = sched.Scheduler(target, drafter, settings, metrics)
@@ -354,18 +368,74 @@ def main(argv=None) -> int:
         result["http"] = http_runs(args, checkpoint, stream_ids, requests)
         print(f"  HTTP: stream {result['http']['stream']['tokens_per_s']:.1f} tok/s, c={args.concurrency} "
               f"{result['http']['concurrent']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    result["meta"]["loadavg_after"] = os.getloadavg()[0]
+    return _write(args, result)
 
+
+def _write(args, result: dict, kind: str = "") -> int:
+    result["meta"]["loadavg_after"] = os.getloadavg()[0]
     out_dir = args.out or (tempfile.mkdtemp(prefix="serve_host_smoke_") if args.smoke
                            else os.path.join(ROOT, "benchmarks", "results", "history"))
     os.makedirs(out_dir, exist_ok=True)
-    name = f"serve_host_{result['meta']['device']}_{result['meta']['commit'].replace('+', '_')}"
-    name += f"_{args.label}" if args.label else ""
+    name = f"serve_host{'_' + kind if kind else ''}_{result['meta']['device']}_"
+    name += result["meta"]["commit"].replace("+", "_") + (f"_{args.label}" if args.label else "")
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
-    print(summary(result))
+    print(ab_summary(result["stream_ab"]) if kind == "ab" else summary(result))
     print(f"wrote {os.path.join(out_dir, name)}.json", file=sys.stderr)
     return 0
+
+
+def stream_ab(args, target, drafter, settings, stream_ids: list, recommended: float) -> dict:
+    """The single stream, `args.stream_ab` interleaved rounds in this process (a shared machine's load moves between
+    runs minutes apart, less within a round): engine.generate as the CLI calls it (on_tokens: its 8-step chunks) and
+    with the server's chunk, the scheduler as it serves (a lone row's long chunk) and with lone_chunk_steps=0 (every
+    chunk the server's short one). -> tok/s per variant and round, the median ratio of each to the CLI call's."""
+    import dataclasses
+
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.speculative import engine
+
+    n = args.stream_tokens
+
+    def gen(steps=None):
+        return engine.generate(target, drafter, [stream_ids], max_new_tokens=n, tree_temperature=recommended,
+                               chunk_steps=steps, on_tokens=lambda row, ids: None).stats["tokens_per_second"]
+
+    drivers = {}
+    for name, lone in (("scheduler", settings.lone_chunk_steps), ("scheduler, short chunks only", 0)):
+        s = sched.Scheduler(target, drafter, dataclasses.replace(settings, lone_chunk_steps=lone), Metrics())
+        s.start(warmup=True)
+        s.ready.wait()
+        if s.warmup_error is not None:
+            raise s.warmup_error
+        drivers[name] = Driver(s)
+        drivers[name].run([{"prompt": stream_ids, "max_tokens": 4}], 1)
+    short = f"generate, {settings.chunk_steps}-step chunks"
+    gen(), gen(settings.chunk_steps)  # their compiles
+    runs: dict = {}
+    try:
+        for r in range(args.stream_ab):
+            row = {"generate (the CLI's call)": gen()}
+            for name, drv in drivers.items():
+                row[name] = drv.run([{"prompt": stream_ids, "max_tokens": n}], 1)["stream_tps"][0]
+            row[short] = gen(settings.chunk_steps)
+            for k, v in row.items():
+                runs.setdefault(k, []).append(v)
+            print(f"  round {r}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()), file=sys.stderr, flush=True)
+    finally:
+        for drv in drivers.values():
+            drv.s.stop(drain=False, timeout=60)
+    cli = np.array(runs["generate (the CLI's call)"])
+    return {"rounds": args.stream_ab, "tokens": n, "chunk_steps": settings.chunk_steps,
+            "lone_chunk_steps": settings.lone_chunk_steps, "tokens_per_s": runs,
+            "median_tokens_per_s": {k: float(np.median(v)) for k, v in runs.items()},
+            "median_ratio": {k: float(np.median(np.array(v) / cli)) for k, v in runs.items()}}
+
+
+def ab_summary(ab: dict) -> str:
+    return "\n".join(f"{k}: median {ab['median_tokens_per_s'][k]:.1f} tok/s, {ab['median_ratio'][k]:.3f}x the CLI "
+                     f"call's" for k in ab["tokens_per_s"])
 
 
 def write_report(path: str, runs: list, title: str = "") -> None:
