@@ -153,8 +153,9 @@ def slow_server():
 
     target = kdtree_jax.init_model(kdtree_jax.ModelConfig.preset("tiny"), seed=0)
     metrics = Metrics()
-    scheduler = sched.Scheduler(target, None, sched.Settings(max_batch=2, max_len=512, budget=0, chunk_steps=1),
-                                metrics)
+    # One step a chunk, also for a lone row (lone_chunk_steps=0): each delivery's sleep is then one token's.
+    scheduler = sched.Scheduler(target, None, sched.Settings(max_batch=2, max_len=512, budget=0, chunk_steps=1,
+                                                             lone_chunk_steps=0), metrics)
     jobs = []
     submit = scheduler.submit
 
