@@ -21,6 +21,8 @@ Three comparisons, each against the same engine in the same process:
 3. The decode thread's profile (scheduler.HostSpans: seconds by phase, /metrics' decode_thread_seconds_total) for
    each scheduler run.
 
+`--load-ab N` measures only the concurrency run in-process, in N interleaved rounds: the scheduler with admission
+groups against one admitting a prompt at a time (<out>/serve_host_load_ab_<device>_<commit>[_<label>].json).
 `--stream-ab N` measures only the single stream, in N interleaved rounds in one process (a shared machine's load
 moves between runs minutes apart): generate as the CLI calls it and with the server's chunk length, the scheduler as
 it serves and without a lone row's long chunk (Settings.lone_chunk_steps = 0); it writes
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", nargs="+", metavar=("OUT.md", "RUN.json"), default=None,
                    help="write OUT.md from these runs' JSONs (nothing is measured)")
     p.add_argument("--title", default="", help="with --report: the title's tail")
+    p.add_argument("--load-ab", type=int, default=0, metavar="N",
+                   help="only the concurrency run in-process, N interleaved rounds: the scheduler with admission "
+                        "groups and admitting one prompt at a time; throughput, TTFT p50 and their median ratios")
     p.add_argument("--stream-ab", type=int, default=0, metavar="N",
                    help="only the single stream, N interleaved rounds in one process: generate (the CLI's call and "
                         "chunk) and with the server's chunk, the scheduler as it serves and without a lone row's "
@@ -309,6 +314,9 @@ def main(argv=None) -> int:
     if args.stream_ab:
         result["stream_ab"] = stream_ab(args, target, drafter, settings, stream_ids, recommended)
         return _write(args, result, "ab")
+    if args.load_ab:
+        result["load_ab"] = load_ab(args, target, drafter, settings, requests)
+        return _write(args, result, "load_ab")
 
     # -- the scheduler in-process ------------------------------------------------------------------------------
     metrics = Metrics()
@@ -380,7 +388,8 @@ def _write(args, result: dict, kind: str = "") -> int:
     name += result["meta"]["commit"].replace("+", "_") + (f"_{args.label}" if args.label else "")
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
-    print(ab_summary(result["stream_ab"]) if kind == "ab" else summary(result))
+    print(ab_summary(result["stream_ab"]) if kind == "ab" else load_ab_summary(result["load_ab"]) if kind == "load_ab"
+          else summary(result))
     print(f"wrote {os.path.join(out_dir, name)}.json", file=sys.stderr)
     return 0
 
@@ -431,6 +440,67 @@ def stream_ab(args, target, drafter, settings, stream_ids: list, recommended: fl
             "lone_chunk_steps": settings.lone_chunk_steps, "tokens_per_s": runs,
             "median_tokens_per_s": {k: float(np.median(v)) for k, v in runs.items()},
             "median_ratio": {k: float(np.median(np.array(v) / cli)) for k, v in runs.items()}}
+
+
+def load_ab(args, target, drafter, settings, requests: list) -> dict:
+    """The concurrency run in-process, `args.load_ab` interleaved rounds: the scheduler with admission groups (as it
+    serves) and admitting one prompt at a time (Settings.admit_groups=False), each warmed up on every prompt bucket
+    and group. -> per variant and round: tok/s, TTFT p50 / p90 ms, group dispatches; the median ratios (groups / one
+    at a time) of the paired rounds."""
+    import dataclasses
+
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.speculative.admission import prompt_bucket
+
+    seen = {}
+    for r in requests:
+        seen.setdefault(prompt_bucket(len(r["prompt"]), args.max_len), r)
+    drivers = {}
+    for name, groups in (("groups", True), ("one at a time", False)):
+        s = sched.Scheduler(target, drafter, dataclasses.replace(settings, admit_groups=groups), Metrics())
+        s.start(warmup=True)
+        s.ready.wait()
+        if s.warmup_error is not None:
+            raise s.warmup_error
+        drv = drivers[name] = Driver(s)
+        for r in seen.values():
+            for k in sched.admit_group_sizes(args.max_batch, groups):
+                drv.run([{"prompt": r["prompt"], "max_tokens": 4}] * k, k)
+    runs: dict = {}
+    try:
+        for i in range(args.load_ab):
+            for name, drv in drivers.items():
+                before = drv.s.bucket.admit_runs.copy()
+                compiles = sched.compile_count()
+                res = drv.run(requests, args.concurrency)
+                row = runs.setdefault(name, {"tokens_per_s": [], "ttft_p50_ms": [], "ttft_p90_ms": [], "compiles": [],
+                                             "admissions": []})
+                for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p90_ms"):
+                    row[k].append(res[k])
+                row["compiles"].append(sched.compile_count() - compiles)
+                row["admissions"].append({f"{k}x{b}": n for (k, b), n in (drv.s.bucket.admit_runs - before).items()})
+            print(f"  round {i}: " + ", ".join(f"{name} {runs[name]['tokens_per_s'][-1]:.0f} tok/s TTFT p50 "
+                                               f"{runs[name]['ttft_p50_ms'][-1]:.0f} ms" for name in drivers),
+                  file=sys.stderr, flush=True)
+    finally:
+        for drv in drivers.values():
+            drv.s.stop(drain=False, timeout=60)
+    a, b = runs["groups"], runs["one at a time"]
+    return {"rounds": args.load_ab, "concurrency": args.concurrency, "runs": runs,
+            "median": {name: {k: float(np.median(v[k])) for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p90_ms")}
+                       for name, v in runs.items()},
+            "median_ratio": {k: float(np.median(np.array(a[k]) / np.array(b[k])))
+                             for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p90_ms")}}
+
+
+def load_ab_summary(ab: dict) -> str:
+    lines = [f"{name}: median {m['tokens_per_s']:.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, p90 "
+             f"{m['ttft_p90_ms']:.0f} ms" for name, m in ab["median"].items()]
+    r = ab["median_ratio"]
+    lines.append(f"groups / one at a time (paired rounds, median): tok/s {r['tokens_per_s']:.3f}x, TTFT p50 "
+                 f"{r['ttft_p50_ms']:.3f}x, p90 {r['ttft_p90_ms']:.3f}x")
+    return "\n".join(lines)
 
 
 def ab_summary(ab: dict) -> str:
