@@ -97,10 +97,10 @@ class RowPrograms:
     lone_steps (> full.steps; 0: none): the steps of a lone row's chunk while nothing waits for a row, a greedy and an
     any-settings one-row program. Why: a chunk's fixed costs (the program's dispatch, the host's read and hand-over of
     its tokens) are paid per chunk, and the server's short chunk (4 steps, for admission latency) pays them twice as
-    often per token as `python -m kdtree_jax.generate`'s 8: on the 2-core CPU a single stream ran at 0.95x the CLI's
-    tok/s with 4-step chunks and 1.02x with 8, and the CLI's own loop at 0.94x with 4 (one process, interleaved runs,
-    medians of 8; benchmarks/results/history/serve_host_cpu_*). A long chunk delays only a request that arrives while
-    it runs (it waits for that chunk, then the rows are two and the chunks short again)."""
+    often per token as `python -m kdtree_jax.generate`'s 8: on the 2-core CPU a single stream ran at 0.94x the CLI
+    call's tok/s with 4-step chunks and 0.99x with 8 (serve_host.py --stream-ab: one process, 8 interleaved rounds;
+    benchmarks/results/history/serve_host_cpu_ac80846.md). A long chunk delays only a request that arrives while it
+    runs (it waits for that chunk, then the rows are two and the chunks short again)."""
 
     def __init__(self, full: engine.ChunkedLoop, batch: int, sizes: Optional[tuple] = None, lone_steps: int = 0):
         if full.spec.menu:
