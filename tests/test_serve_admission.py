@@ -13,6 +13,7 @@ import os
 import threading
 
 import pytest
+from test_serve_programs import drive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "checkpoints", "default")
@@ -63,13 +64,7 @@ def _run(s, jobs):
         s.submit(sched.Request(prompt=prompt, max_tokens=settings.pop("max_tokens", 8), emit=emit, **settings))
         results.append(result)
         dones.append(done)
-    waiting = list(s._waiting)
-    s._waiting.clear()
-    while not all(d.is_set() for d in dones):
-        waiting = s._admit_waiting(waiting)
-        s._step()
-    while s.bucket.inflight:
-        s.bucket.collect()
+    drive(s, dones)
     return [(r["tokens"], r["end"]) for r in results]
 
 

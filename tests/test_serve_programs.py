@@ -68,6 +68,13 @@ def _run(s, *jobs):
         s.submit(_request(prompt, out, done, **settings))
         outs.append(out)
         dones.append(done)
+    drive(s, dones)
+    return outs
+
+
+def drive(s, dones):
+    """The scheduler's loop on this thread (admission, then a step) until every event in `dones` is set, then its
+    chunks in flight collected."""
     waiting = list(s._waiting)
     s._waiting.clear()
     while not all(d.is_set() for d in dones):
@@ -75,7 +82,6 @@ def _run(s, *jobs):
         s._step()
     while s.bucket.inflight:
         s.bucket.collect()
-    return outs
 
 
 def test_rows_taken_and_put_back_are_the_state(pair, schedulers):
