@@ -151,19 +151,22 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
         probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
         chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
         sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
-        row_expected=jnp.broadcast_to(jnp.asarray(_row_prior(expected, slowest, makespan, m)),
+        row_expected=jnp.broadcast_to(jnp.asarray(static_batch_prior(expected, slowest) if makespan else expected),
                                       (batch, m)).astype(jnp.float32),
         endless=jnp.bool_(False),
         log_scores=jnp.full((chunk_steps, batch, max(max(menu), 0) + 1), -jnp.inf, jnp.float32),
         log_path=jnp.full((chunk_steps, batch, depth + 1), -1, jnp.int32), logged=jnp.int32(0))
 
 
-def _row_prior(expected, slowest, makespan: bool, m: int) -> np.ndarray:
-    if not makespan or slowest is None:
+def static_batch_prior(expected, slowest) -> np.ndarray:
+    """A static batch's starting tokens per step per menu entry [M]: the slowest row's prior (`init_state`), never
+    above the mean row's `expected`; `expected` itself where the calibration gave no slowest row."""
+    expected = np.asarray(expected, np.float32)
+    if slowest is None:
         return expected
     slowest = np.asarray(slowest, np.float32)
-    if slowest.shape != (m,):
-        raise ValueError(f"slowest must have one entry per menu budget ({m})")
+    if slowest.shape != expected.shape:
+        raise ValueError(f"slowest must have one entry per menu budget ({expected.shape[0]})")
     return np.minimum(slowest, expected)
 
 

@@ -770,8 +770,8 @@ def cached_refusal(model: cost_models.CostModel, menu: Sequence[int], batch: int
     if point is None or point.get("expected") is None:
         return None
     costs = model.costs(batch, context)
-    if static_batch and costs.get("slowest") is not None:
-        costs = {**costs, "expected": np.minimum(costs["slowest"], costs["expected"]).tolist()}
+    if static_batch:
+        costs = {**costs, "expected": budget_policy.static_batch_prior(costs["expected"], costs.get("slowest"))}
     rate = float(budget_policy.speculative_rate(budget_policy.init_state(menu, **costs), menu, context))
     if budget_policy.pays(rate):
         return None
