@@ -1,0 +1,95 @@
+"""Where an adaptive decode's time goes beside the fixed program's, call by call (issue 42's 8-16% gap).
+
+    python benchmarks/adaptive_gap.py --batch 1,16 --out DIR
+
+For each batch size, blocks of generate calls alternate: DDTree b (fixed) and budget "auto" with costs that make
+every chunk pick entry b (generate(costs=...): the same tree, the adaptive program). Each generate's decode seconds
+are split on the host into: ChunkedLoop.__call__ (dispatch, per call), the entry lookup (_entry_for: a state of no
+earlier call waits for its policy's pick on the device), the reads of each chunk (jax.device_get) and the rest.
+Prints and writes <out>/adaptive_gap_<device>.json.
+"""
+import argparse, json, os, statistics, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kdtree_jax.runtime
+kdtree_jax.runtime.configure()
+import jax
+import numpy as np
+import kdtree_jax
+from kdtree_jax.speculative import engine
+from spec_decode import device_slug, heldout_prompts
+
+TIMERS = {}
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            TIMERS[name] = TIMERS.get(name, 0.0) + time.perf_counter() - t0
+            TIMERS[name + "#"] = TIMERS.get(name + "#", 0) + 1
+    return wrapper
+
+
+engine.ChunkedLoop.__call__ = timed("call", engine.ChunkedLoop.__call__)
+engine.ChunkedLoop._entry_for = timed("entry_for", engine.ChunkedLoop._entry_for)
+engine.ChunkedLoop._pick = timed("pick", engine.ChunkedLoop._pick)
+jax.device_get = timed("device_get", jax.device_get)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", default="1,16")
+    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--chunk-steps", type=int, default=8)
+    p.add_argument("--out", default="/tmp")
+    args = p.parse_args()
+    target, drafter, tok = kdtree_jax.load_checkpoint(os.path.join(os.path.dirname(__file__), "..", "checkpoints",
+                                                                   "default"), dtype="auto")
+    menu = (0, args.budget)
+    entry = menu.index(args.budget)
+    verify = [1.0] * len(menu)
+    for i in range(1, len(menu)):
+        verify[i] = 1.05 if i == entry else 50.0
+    costs = dict(cost_ar=1.0, cost_draft=0.05, cost_verify=verify, expected=[1.0, 3.0])
+    results = {}
+    for batch in [int(b) for b in args.batch.split(",")]:
+        prompts = [p.tolist() for p in heldout_prompts(tok, max(args.prompts, batch), 128)[0]]
+        batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        rows = []
+        for rnd in range(args.rounds):
+            for kind in ("fixed", "auto"):
+                kw = dict(max_new_tokens=96, chunk_steps=args.chunk_steps)
+                kw.update(budget=args.budget) if kind == "fixed" else kw.update(budget="auto", menu=menu, costs=costs)
+                engine.generate(target, drafter, batches[0], **kw)  # warm-up (its programs' first calls)
+                for b in batches:
+                    TIMERS.clear()
+                    t0 = time.perf_counter()
+                    res = engine.generate(target, drafter, b, **kw)
+                    wall = time.perf_counter() - t0
+                    s = res.stats
+                    rows.append(dict(kind=kind, round=rnd, decode_ms=s["decode_seconds"] * 1e3, wall_ms=wall * 1e3,
+                                     steps=s["steps"], tokens=sum(len(t) for t in res.tokens),
+                                     prefill_ms=s.get("prefill_seconds", 0) * 1e3,
+                                     **{k: (v * 1e3 if not k.endswith("#") else v) for k, v in TIMERS.items()},
+                                     picks=(s.get("budget_policy") or {}).get("budget_steps")))
+        summary = {}
+        for kind in ("fixed", "auto"):
+            rs = [r for r in rows if r["kind"] == kind]
+            med = lambda key: statistics.median(r.get(key, 0.0) for r in rs)
+            summary[kind] = {k: med(k) for k in ("decode_ms", "wall_ms", "steps", "call", "call#", "entry_for",
+                                                 "pick", "device_get", "device_get#", "prefill_ms")}
+            summary[kind]["tok_s"] = sum(r["tokens"] - len(r.get("picks") or []) * 0 for r in rs) / (
+                sum(r["decode_ms"] for r in rs) / 1e3)
+        results[batch] = {"rows": rows, "summary": summary}
+        print(f"batch {batch}:", json.dumps(summary, indent=1), flush=True)
+    name = f"adaptive_gap_{device_slug()}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump({"commit": os.environ.get("KDTREE_COMMIT"), "budget": args.budget, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
