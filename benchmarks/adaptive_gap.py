@@ -4,8 +4,9 @@
 
 For each batch size, blocks of generate calls alternate: DDTree b (fixed) and budget "auto" with costs that make
 every chunk pick entry b (generate(costs=...): the same tree, the adaptive program). Each generate's decode seconds
-are split on the host into: ChunkedLoop.__call__ (dispatch, per call), the entry lookup (_entry_for: a state of no
-earlier call waits for its policy's pick on the device), the reads of each chunk (jax.device_get) and the rest.
+are split on the host into: ChunkedLoop.__call__ (dispatch, per call; of it the compiled program's call and the pick's
+copy to the host), the entry lookup (_entry_for: a state of no earlier call waits for its policy's pick on the
+device), the reads of each chunk (jax.device_get) and the rest.
 Prints and writes <out>/adaptive_gap_<device>.json.
 """
 import argparse, json, os, statistics, sys, time
@@ -36,6 +37,9 @@ engine.ChunkedLoop.__call__ = timed("call", engine.ChunkedLoop.__call__)
 engine.ChunkedLoop._entry_for = timed("entry_for", engine.ChunkedLoop._entry_for)
 engine.ChunkedLoop._pick = timed("pick", engine.ChunkedLoop._pick)
 jax.device_get = timed("device_get", jax.device_get)
+jax.stages.Compiled.__call__ = timed("program", jax.stages.Compiled.__call__)
+_array = type(jax.numpy.zeros(()))
+_array.copy_to_host_async = timed("copy_async", _array.copy_to_host_async)
 
 
 def main():
@@ -81,7 +85,8 @@ def main():
             rs = [r for r in rows if r["kind"] == kind]
             med = lambda key: statistics.median(r.get(key, 0.0) for r in rs)
             summary[kind] = {k: med(k) for k in ("decode_ms", "wall_ms", "steps", "call", "call#", "entry_for",
-                                                 "pick", "device_get", "device_get#", "prefill_ms")}
+                                                 "pick", "program", "copy_async", "device_get", "device_get#",
+                                                 "prefill_ms")}
             summary[kind]["tok_s"] = sum(r["tokens"] - len(r.get("picks") or []) * 0 for r in rs) / (
                 sum(r["decode_ms"] for r in rs) / 1e3)
         results[batch] = {"rows": rows, "summary": summary}

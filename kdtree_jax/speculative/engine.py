@@ -166,10 +166,18 @@ def _remaining(state: LoopState):
     return state.out.shape[1] - state.accepted_hist.shape[0] - state.num_out
 
 
-@functools.partial(jax.jit, static_argnames=("menu", "steps"))
-def _entry_of_state(state: LoopState, *, menu, steps):
-    return budget_policy.next_entry(state.policy, menu, budget_policy.mean_context(state.cache.seq_lens, state.active),
-                                    steps, _remaining(state), state.active)
+@functools.partial(jax.jit, static_argnames=("menu", "steps", "limit"))
+def _first_entry(policy, seq_lens, active, num_out, *, menu, steps, limit):
+    # The few arrays the pick reads, not the whole state: a call's host time grows with its arguments.
+    return budget_policy.next_entry(policy, menu, budget_policy.mean_context(seq_lens, active), steps,
+                                    limit - num_out, active)
+
+
+def _entry_of_state(state: LoopState, *, menu, steps) -> int:
+    """The entry a state's own policy picks for its next chunk (the host waits for it)."""
+    limit = state.out.shape[1] - state.accepted_hist.shape[0]
+    return int(_first_entry(state.policy, state.cache.seq_lens, state.active, state.num_out, menu=menu, steps=steps,
+                            limit=limit))
 
 
 class _Call:
@@ -177,10 +185,10 @@ class _Call:
     pick once read: a call's host work is what an adaptive chunk pays over a fixed one (at batch 1 on a GPU the host's
     ~1.5 ms a call is most of an 8-step chunk's device time), so the record keeps what later calls look up."""
 
-    __slots__ = ("force", "chain", "entry", "next_entry", "key", "pick")
+    __slots__ = ("packed", "chain", "entry", "next_entry", "key", "pick")
 
-    def __init__(self, force, chain, entry: int, next_entry, key: int):
-        self.force = force  # the output state's policy.force: the array object that identifies that state
+    def __init__(self, packed, chain, entry: int, next_entry, key: int):
+        self.packed = packed  # the output state's policy.ints: the array object that identifies that state
         self.chain = chain  # the chain of calls it continues (one decode, one server bucket)
         self.entry = entry  # the entry it ran (admit / reset_row: the entry of the call before)
         self.next_entry = next_entry  # ChunkOutput.next_entry (admit / reset_row: None)
@@ -278,7 +286,7 @@ class ChunkedLoop:
 
     def _record(self, state: LoopState) -> Optional[_Call]:
         """This loop's record of the call whose output `state` is (or that admit / reset_row made it from), or None."""
-        return next((r for r in reversed(self._recent) if r.force is state.policy.force), None)
+        return next((r for r in reversed(self._recent) if r.packed is state.policy.ints), None)
 
     def _remember(self, call: _Call):
         self._recent.append(call)
@@ -290,7 +298,7 @@ class ChunkedLoop:
         `_record`."""
         known = known or self._record(state)
         if known is None:  # a state of no call of this loop: its own policy decides (it waits for the state)
-            return int(_entry_of_state(state, menu=self.spec.menu, steps=self.steps)), object()
+            return _entry_of_state(state, menu=self.spec.menu, steps=self.steps), object()
         for r in reversed(self._recent):
             if r.chain is not known.chain or r.next_entry is None:
                 continue
@@ -304,7 +312,7 @@ class ChunkedLoop:
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
         if self.spec.menu and (known := self._record(old)) is not None:
-            self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.key))
+            self._remember(_Call(new.policy.ints, known.chain, known.entry, None, known.key))
         return new
 
     def program(self, state: LoopState):
@@ -337,7 +345,7 @@ class ChunkedLoop:
         # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
         # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
         out.next_entry.copy_to_host_async()
-        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, key))
+        self._remember(_Call(out.state.policy.ints, chain, entry, out.next_entry, key))
         return out
 
     def reset_row(self, state: LoopState, row: int) -> LoopState:
