@@ -50,7 +50,14 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk-steps", type=int, default=8)
     p.add_argument("--out", default="/tmp")
+    p.add_argument("--frozen", action="store_true",
+                   help="auto without its chunk-end policy work (end_of_chunk and next_entry replaced by the forced "
+                        "entry): what that work costs, against the fixed program of the same process")
     args = p.parse_args()
+    if args.frozen:
+        from kdtree_jax.speculative import budget_policy
+        budget_policy.end_of_chunk = lambda policy, menu, entry, context: policy
+        budget_policy.next_entry = lambda policy, menu, *a, **k: jax.numpy.int32(1)
     target, drafter, tok = kdtree_jax.load_checkpoint(os.path.join(os.path.dirname(__file__), "..", "checkpoints",
                                                                    "default"), dtype="auto")
     menu = (0, args.budget)
@@ -91,7 +98,7 @@ def main():
                 sum(r["decode_ms"] for r in rs) / 1e3)
         results[batch] = {"rows": rows, "summary": summary}
         print(f"batch {batch}:", json.dumps(summary, indent=1), flush=True)
-    name = f"adaptive_gap_{device_slug()}.json"
+    name = f"adaptive_gap_{'frozen_' if args.frozen else ''}{device_slug()}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump({"commit": os.environ.get("KDTREE_COMMIT"), "budget": args.budget, "results": results}, f, indent=1)
 

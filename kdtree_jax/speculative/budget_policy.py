@@ -188,16 +188,20 @@ class PolicyState:
         return value != 0 if is_bool else value
 
     def _replace(self, **fields) -> "PolicyState":
+        # Each packed array is rebuilt whole, as one concatenation of its fields (XLA fuses it into one kernel; an
+        # in-place update per field was a kernel each, 11 at a chunk's end).
         layout = _layout(self.menu_size, self.batch)
-        stores = {"floats": self.floats, "ints": self.ints}
         logs = {k: fields.pop(k) for k in _LOGS if k in fields}
-        for name, value in fields.items():
-            if name not in layout:
-                raise AttributeError(f"PolicyState has no field {name!r}")
-            store, offset, shape, _ = layout[name]
-            size = int(np.prod(shape, dtype=np.int64))
-            flat = jnp.broadcast_to(jnp.asarray(value).astype(stores[store].dtype), shape).reshape(-1)
-            stores[store] = stores[store].at[offset:offset + size].set(flat)
+        unknown = set(fields) - set(layout)
+        if unknown:
+            raise AttributeError(f"PolicyState has no field {sorted(unknown)[0]!r}")
+        stores = {"floats": self.floats, "ints": self.ints}
+        for store in {layout[name][0] for name in fields}:
+            dtype = stores[store].dtype
+            parts = [jnp.broadcast_to(jnp.asarray(fields[name]).astype(dtype), shape).reshape(-1) if name in fields
+                     else stores[store][offset:offset + int(np.prod(shape, dtype=np.int64))]
+                     for name, (where, offset, shape, _) in layout.items() if where == store]
+            stores[store] = jnp.concatenate(parts)
         return PolicyState(stores["floats"], stores["ints"], logs.get("log_scores", self.log_scores),
                            logs.get("log_path", self.log_path), self.menu_size, self.batch)
 
