@@ -521,3 +521,34 @@ def test_a_static_batch_starts_from_its_slowest_rows_prior():
     assert engine.cached_refusal(model, menu, 4, 100.0) is None  # 3 tokens per 2 ms: 1.5x an AR step
     refused = engine.cached_refusal(model, menu, 4, 100.0, static_batch=True)  # 2 per 2 ms: 1.0x
     assert refused is not None and refused["decision"] == "autoregressive"
+
+
+@needs_default
+def test_the_first_chunks_entry_is_picked_on_the_host_as_the_device_picks_it(pair_f32, prompts, monkeypatch):
+    """engine.first_entry (the host's pick, CPU as the default device) equals the state's own pick on its device for
+    costs that lead to each kind of entry, and generate's first chunk runs it without the device's pick (which it
+    would wait for)."""
+    target, drafter, _ = pair_f32
+    spec = engine.SpecConfig(budget=max(MENU), max_new_tokens=24, menu=MENU)
+    req = validation.validate(target, drafter, prompts, max_new_tokens=24, budget=spec.budget, topk=spec.topk,
+                              tree_temperature=1.0, temperature=0.0, stop_ids=(), tree="ddtree")
+    state, _, _ = engine.setup(target, drafter, req, spec, seed=0, chunk_size=64, kv_dtype=None, num_moe=0, slots=0,
+                               chunk_steps=4)
+    picks = set()
+    for costs in ({"cost_ar": 1.0, "cost_verify": [1.0, 1.2, 1.6]},  # cheap trees: the largest
+                  {"cost_ar": 1.0, "cost_verify": [1.0, 1.2, 9.0]},  # dear large tree: budget 4
+                  {"cost_ar": 1.0, "cost_draft": 50.0, "cost_verify": [1.0, 1.2, 1.6]},  # autoregressive
+                  {"cost_ar": 1.0, "cost_verify": [1.0, 2.0, 3.0], "expected": [1.0, 2.5, 3.4],
+                   "slowest": [1.0, 1.5, 2.2]}):
+        device = engine._entry_of_state(engine.with_costs(state, spec, costs), menu=MENU, steps=4)
+        assert engine.first_entry(state, spec, costs, 4, makespan=True) == device
+        picks.add(device)
+    assert len(picks) >= 3
+
+    def no_wait(*args, **kwargs):
+        raise AssertionError("generate waited for the device's pick of its first chunk")
+
+    monkeypatch.setattr(engine, "_entry_of_state", no_wait)
+    costs = {"cost_ar": 1.0, "cost_verify": [1.0, 1.2, 1.6]}
+    auto = engine.generate(target, drafter, prompts, max_new_tokens=24, menu=MENU, costs=costs, chunk_steps=4)
+    assert sum(auto.stats["budget_policy"]["budget_steps"].values()) > 0

@@ -21,6 +21,7 @@ needs), admission.py (a new prompt in a batch row between chunks), stats.py (wha
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -180,6 +181,22 @@ def _entry_of_state(state: LoopState, *, menu, steps) -> int:
                             limit=limit))
 
 
+def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, makespan: bool) -> int:
+    """The entry an adaptive loop's first chunk on `state` runs when its policy is fresh from `costs` (as `with_costs`
+    makes it; makespan: a static batch), computed with the CPU as JAX's default device from the numbers the host
+    already has, the same function as the device's pick (`_first_entry`). On the H100 at e556a92, picking on the GPU
+    while the host waited cost ~1 ms of every adaptive generate call (benchmarks/adaptive_gap.py, B = 1 and 16)."""
+    seq_lens, active, num_out = jax.device_get((state.cache.seq_lens, state.active, state.num_out))
+    limit = state.out.shape[1] - state.accepted_hist.shape[0]
+    try:
+        where = jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS): the default device picks
+        where = contextlib.nullcontext()
+    with where:
+        policy = budget_policy.init_state(spec.menu, batch=state.bonus.shape[0], makespan=makespan, **costs)
+        return int(_first_entry(policy, seq_lens, active, num_out, menu=spec.menu, steps=steps, limit=limit))
+
+
 class _Call:
     """An adaptive ChunkedLoop's record of a call (or of admit / reset_row between calls). Mutable only to cache the
     pick once read: a call's host work is what an adaptive chunk pays over a fixed one (at batch 1 on a GPU the host's
@@ -252,7 +269,8 @@ class ChunkedLoop:
     def compile(self, state: LoopState):
         """Compile the chunk program(s) ahead (an adaptive loop: one per entry, in threads); later calls run them (jax's
         own cache would compile again on the first jitted call: an ahead-of-time compile does not fill it): -> the jax
-        Compiled of the entry this state starts with."""
+        Compiled a call on this state runs (an adaptive loop: where no call or `begin` has picked its entry, the
+        autoregressive entry's: the pick waits for the device, `program(state)` does that)."""
         if self.spec.menu:
             capacity = state.pending.hidden.shape[2]
             logged = state.policy.log_path.shape[0]
@@ -271,7 +289,10 @@ class ChunkedLoop:
         else:
             programs = [build(e) for e in missing]
         self._programs.update({(key, e): program for e, program in zip(missing, programs)})
-        entry = self._entry_for(state)[0] if self.spec.menu else None
+        entry = None
+        if self.spec.menu:
+            known = self._record(state)
+            entry = self._entry_for(state, known)[0] if known is not None else len(self.spec.menu)
         self.compiled = self._programs[(key, entry)]
         return self.compiled
 
@@ -308,6 +329,15 @@ class ChunkedLoop:
                 r.pick = int(r.next_entry)
             return r.pick, known.chain
         return known.entry, known.chain  # nothing of the chain done yet: the entry the chunk in flight runs
+
+    def begin(self, state: LoopState, entry: int) -> LoopState:
+        """`state` (of no call of this loop) starts with menu entry `entry`, which the caller picked (`first_entry`):
+        its first call runs that entry without waiting for the state's own pick on the device. -> state."""
+        key = self._key(_shapes(state))
+        if (key, len(self.spec.menu)) not in self._programs:
+            self.compile(state)
+        self._remember(_Call(state.policy.ints, object(), int(entry), None, key))
+        return state
 
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
@@ -700,6 +730,7 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
                                            str(jax.tree.map(lambda x: (x.shape, x.dtype), state))))
     if prepare is not None:  # the adaptive budget's costs, measured with these very programs (no compile)
         state = prepare(runner, state)
+        loop = runner.program(state)  # the entry its first chunk runs (prepare picked it)
     # The profiled call comes after the timed decode: a trace taken of a replayed CUDA graph left the graph's later
     # replays slower (the timed decode at 2x its step after one, spec_decode at 0ec9d93, H200). Its state is a copy
     # taken now (the loop donates its state).
@@ -800,7 +831,7 @@ def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call
     stats["budget_policy"]."""
     if costs is not None:
         info.update(calibrated=False, calibration_seconds=0.0, cost_model="given")
-        return _replicated_policy(target, with_costs(state, spec, costs))
+        return _begin(call, target, state, spec, costs)
     batch = state.bonus.shape[0]
     context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
     point = None if recalibrate else model.lookup(batch, context)
@@ -811,7 +842,13 @@ def _prepare_costs(target: Transformer, drafter: Drafter, spec: SpecConfig, call
         model.add(point)
         model.save()
     info.update(calibrated=measured, calibration_seconds=time.perf_counter() - t0, cost_model=str(model.path))
-    return _replicated_policy(target, with_costs(state, spec, model.costs(batch, context)))
+    return _begin(call, target, state, spec, model.costs(batch, context))
+
+
+def _begin(call, target: Transformer, state: LoopState, spec: SpecConfig, costs: dict) -> LoopState:
+    """The state with the policy's costs, registered with the ChunkedLoop `call` to start at the host's pick."""
+    state = _replicated_policy(target, with_costs(state, spec, costs))
+    return call.begin(state, first_entry(state, spec, costs, call.steps, makespan=True))
 
 
 def _replicated_policy(target: Transformer, state: LoopState) -> LoopState:
