@@ -1,6 +1,7 @@
 """Where an adaptive decode's time goes beside the fixed program's, call by call (issue 42's 8-16% gap).
 
-    python benchmarks/adaptive_gap.py --batch 1,16 --out DIR
+    python benchmarks/adaptive_gap.py --batch 1,16 --out DIR      # the default pair (H100: ~80 s)
+    python benchmarks/adaptive_gap.py --smoke                       # random tiny pair, CPU
 
 For each batch size, blocks of generate calls alternate: DDTree b (fixed) and budget "auto" with costs that make
 every chunk pick entry b (generate(costs=...): the same tree, the adaptive program). Each generate's decode seconds
@@ -9,15 +10,24 @@ copy to the host), the entry lookup (_entry_for: a state of no earlier call wait
 device), the reads of each chunk (jax.device_get) and the rest.
 Prints and writes <out>/adaptive_gap_<device>.json.
 """
-import argparse, json, os, statistics, sys, time
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import kdtree_jax.runtime
 kdtree_jax.runtime.configure()
 import jax
-import numpy as np
 import kdtree_jax
 from kdtree_jax.speculative import engine
-from spec_decode import device_slug, heldout_prompts
+from spec_decode import device_slug, heldout_prompts, smoke_pair  # noqa: E402
 
 TIMERS = {}
 
@@ -43,23 +53,32 @@ _array.copy_to_host_async = timed("copy_async", _array.copy_to_host_async)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", default="1,16")
-    p.add_argument("--budget", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--chunk-steps", type=int, default=8)
-    p.add_argument("--out", default="/tmp")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", default="1,16", help="batch sizes, comma-separated")
+    p.add_argument("--budget", type=int, default=8, help="the fixed budget, and the entry auto is made to pick")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts of 128 tokens (whole batches of them)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating blocks of fixed and auto calls")
+    p.add_argument("--chunk-steps", type=int, default=8, help="steps a chunk")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens each call decodes")
+    p.add_argument("--out", default=None, help="directory of the json (default benchmarks/results; --smoke: a "
+                                               "temporary directory)")
     p.add_argument("--frozen", action="store_true",
                    help="auto without its chunk-end policy work (end_of_chunk and next_entry replaced by the forced "
                         "entry): what that work costs, against the fixed program of the same process")
+    p.add_argument("--smoke", action="store_true", help="random tiny pair on the CPU, small sizes")
     args = p.parse_args()
+    if args.smoke:
+        args.batch, args.budget, args.prompts, args.rounds, args.max_new_tokens = "2", 4, 2, 1, 12
     if args.frozen:
         from kdtree_jax.speculative import budget_policy
         budget_policy.end_of_chunk = lambda policy, menu, entry, context: policy
         budget_policy.next_entry = lambda policy, menu, *a, **k: jax.numpy.int32(1)
-    target, drafter, tok = kdtree_jax.load_checkpoint(os.path.join(os.path.dirname(__file__), "..", "checkpoints",
-                                                                   "default"), dtype="auto")
+    if args.smoke:
+        target, drafter, tok = smoke_pair()
+    else:
+        target, drafter, tok = kdtree_jax.load_checkpoint(os.path.join(ROOT, "checkpoints", "default"), dtype="auto")
+    out = args.out or (tempfile.mkdtemp(prefix="adaptive_gap_") if args.smoke else os.path.join(ROOT, "benchmarks",
+                                                                                                 "results"))
     menu = (0, args.budget)
     entry = menu.index(args.budget)
     verify = [1.0] * len(menu)
@@ -68,12 +87,12 @@ def main():
     costs = dict(cost_ar=1.0, cost_draft=0.05, cost_verify=verify, expected=[1.0, 3.0])
     results = {}
     for batch in [int(b) for b in args.batch.split(",")]:
-        prompts = [p.tolist() for p in heldout_prompts(tok, max(args.prompts, batch), 128)[0]]
+        prompts = [p.tolist() for p in heldout_prompts(tok, max(args.prompts, batch), 16 if args.smoke else 128)[0]]
         batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         rows = []
         for rnd in range(args.rounds):
             for kind in ("fixed", "auto"):
-                kw = dict(max_new_tokens=96, chunk_steps=args.chunk_steps)
+                kw = dict(max_new_tokens=args.max_new_tokens, chunk_steps=args.chunk_steps)
                 kw.update(budget=args.budget) if kind == "fixed" else kw.update(budget="auto", menu=menu, costs=costs)
                 engine.generate(target, drafter, batches[0], **kw)  # warm-up (its programs' first calls)
                 for b in batches:
@@ -99,8 +118,11 @@ def main():
         results[batch] = {"rows": rows, "summary": summary}
         print(f"batch {batch}:", json.dumps(summary, indent=1), flush=True)
     name = f"adaptive_gap_{'frozen_' if args.frozen else ''}{device_slug()}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump({"commit": os.environ.get("KDTREE_COMMIT"), "budget": args.budget, "results": results}, f, indent=1)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"commit": os.environ.get("KDTREE_COMMIT"), "device": device_slug(), "budget": args.budget,
+                   "frozen": args.frozen, "results": results}, f, indent=1)
+    print(f"wrote {os.path.join(out, name)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
