@@ -96,6 +96,30 @@ def test_chat_stop_seed_and_the_room_left(app_client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("pieces", [["héllo, STOP and the rest"], ["héllo, ST", "OP and the rest"]])
+def test_usage_counts_the_tokens_up_to_the_stop_string(app_client, monkeypatch, pieces):
+    """A chunk hands a request every token its steps made, so tokens past a stop string arrive with it: the text is
+    cut at the stop, and completion_tokens counts the tokens up to it only, whole and streamed alike. The scheduler
+    hands over a fixed answer (byte tokens: 'é' is two) in these pieces."""
+    client, scheduler = app_client
+
+    def submit(job):
+        for piece in pieces:
+            job.emit("tokens", list(piece.encode()))
+        job.emit("done", "length")
+
+    monkeypatch.setattr(scheduler, "submit", submit)
+    kept = len("héllo, ".encode())
+    r = _chat(client, max_tokens=64, stop="STOP").json()
+    assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]) == ("héllo, ", "stop")
+    assert r["usage"]["completion_tokens"] == kept
+    assert r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + kept
+    chunks = [json.loads(e) for e in _events(_chat(client, max_tokens=64, stop="STOP", stream=True,
+                                                   stream_options={"include_usage": True}))[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "héllo, "
+    assert chunks[-1]["usage"]["completion_tokens"] == kept
+
+
 def test_penalties_change_the_answer_in_the_same_program(app_client):
     """presence_penalty / frequency_penalty are each request's own settings (one compiled program for all)."""
     client, _ = app_client

@@ -24,6 +24,7 @@ wrong method, 429 for a full queue, 500 for a failed decode, 503 while shutting 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import json
 import time
@@ -146,6 +147,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._kept = 0  # once stopped: the tokens up to the stop string (_tokens_for)
         self._base, self._base_text = 0, ""  # ids[:_base] decode to _base_text, whatever follows them
         self._longest = max((len(s) for s in stops), default=0)
 
@@ -171,10 +173,25 @@ class TextStream:
         cut = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         if cut:
             text, self.stopped = text[:min(cut)], True
+            self._kept = self._tokens_for(len(text))
         else:
             hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[:len(text) - hold]
         return self._new(text)
+
+    @property
+    def completion_tokens(self) -> int:
+        """usage.completion_tokens: every token, unless a stop string cut the text; then only those up to it."""
+        return self._kept if self.stopped else len(self.ids)
+
+    def _tokens_for(self, length: int) -> int:
+        """The fewest leading tokens whose text holds the text's first `length` characters (a trailing partial
+        character does not count). A stop string is not returned and OpenAI counts the tokens up to the stop: the
+        tokens a chunk brought past it (the stop string's own, and what the decode ran on to in that chunk) are not
+        the answer's, and the token whose text reaches the stop's start is (even when the stop starts inside it).
+        Once per stopped request, so whole decodes in a bisection cost little."""
+        decode, ids = self.tokenizer.decode, self.ids
+        return bisect.bisect_left(range(len(ids) + 1), length, key=lambda n: len(decode(ids[:n]).rstrip("\ufffd")))
 
     def finish(self) -> str:
         """The rest of the text at the end (what was held back, unless it is a stop string's start that never
@@ -411,8 +428,8 @@ def create_app(scheduler: "sched.Scheduler", tokenizer, metrics, *, model_name: 
         text = TextStream(tokenizer, stops)
 
         def usage() -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
-                    "total_tokens": len(ids) + len(text.ids)}
+            return {"prompt_tokens": len(ids), "completion_tokens": text.completion_tokens,
+                    "total_tokens": len(ids) + text.completion_tokens}
 
         async def pieces():
             """(text, None) as tokens arrive, then (rest, finish_reason); raises ApiError if the decode failed, the
