@@ -4,7 +4,8 @@
 #   budget_sweep_h200.*       each fixed budget's tok/s beside auto's and AR's per (batch, temperature, context)
 #   spec_decode_h200.*        spec_decode.py with auto in its budgets, static batches and continuous batching (--refill)
 #   generate_auto.json        the CLI's first run with --budget auto (calibration included)
-#   KDTREE_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_adaptive.sh
+#   KDTREE_COMMIT=<hash from your checkout> bash benchmarks/gpu_adaptive.sh   (git on the device copy can name an older
+#   commit: this session's runs at 2b798dc-1ee1b64 said f295d9e)
 # env: STAGES (default "sweep refill": the rest is a second call's), SESSION_S (default 570), SWEEP_ARGS (default
 #      "--budgets 0,8,16,32": the default menu's six entries compile ~2x as long, and 3 timed passes a decoder fit only
 #      with four), REFILL_ARGS, OVERHEAD_BATCH / OVERHEAD_MENU / OVERHEAD_ARGS (e.g. "--profile": each row's kernels per

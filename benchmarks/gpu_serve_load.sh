@@ -4,7 +4,7 @@
 # pair in bfloat16; then the leak check (1,000 requests, 10% of them disconnecting mid-stream). Results under $OUT:
 # serve_load_<device>.{json,md,png} (serve_load_h200.* on an H200) and logs.tgz (wheel install, build, servers).
 #
-#   KDTREE_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_serve_load.sh      # carry: [".device_wheels"]
+#   KDTREE_COMMIT=<hash from your checkout, not git on the device copy> bash benchmarks/gpu_serve_load.sh      # carry: [".device_wheels"]
 #
 # The device image has no fastapi/uvicorn/pydantic: they travel as cp312 wheels in the gitignored .device_wheels/
 # (fetch them here with `bash benchmarks/gpu_serve_load.sh --fetch-wheels`) and are installed into /tmp/serve_site.
