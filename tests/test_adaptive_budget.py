@@ -553,33 +553,3 @@ def test_the_first_chunks_entry_is_picked_on_the_host_as_the_device_picks_it(pai
     auto = engine.generate(target, drafter, prompts, max_new_tokens=24, menu=MENU, costs=costs, chunk_steps=4)
     assert sum(auto.stats["budget_policy"]["budget_steps"].values()) > 0
 
-
-def test_policy_state_packs_its_fields_and_replaces_one_at_a_time():
-    """PolicyState stores its small fields in two packed arrays: each reads back what init_state was given, _replace
-    changes the named fields only (inside jit too), and the state is four leaves through jax.tree."""
-    policy = bp.init_state(MENU, cost_ar=2.0, cost_draft=0.25, cost_verify=[2.0, 3.0, 5.0], cost_slope=[0.1, 0.2, 0.3, 0.4],
-                           context0=7.0, expected=[1.0, 2.0, 3.0], slowest=[1.0, 1.5, 2.0], force=1, batch=3,
-                           makespan=True, chunk_steps=2, depth=4)
-    assert len(jax.tree.leaves(policy)) == 4
-    np.testing.assert_allclose(np.asarray(policy.cost_verify), [2.0, 3.0, 5.0])
-    np.testing.assert_allclose(np.asarray(policy.cost_slope), [0.1, 0.2, 0.3, 0.4])
-    np.testing.assert_allclose(np.asarray(policy.row_expected), [[1.0, 1.5, 2.0]] * 3)
-    assert float(policy.cost_draft) == 0.25 and float(policy.context0) == 7.0 and int(policy.force) == 1
-    assert bool(policy.makespan) and not bool(policy.endless) and policy.log_path.shape == (2, 3, 5)
-    assert policy.makespan.dtype == jnp.bool_ and policy.chosen.dtype == jnp.int32
-
-    @jax.jit
-    def bump(p):
-        return p._replace(chosen=p.chosen.at[2].add(5), endless=True, expected=p.expected * 2)
-
-    after = bump(policy)
-    np.testing.assert_array_equal(np.asarray(after.chosen), [0, 0, 5, 0])
-    np.testing.assert_allclose(np.asarray(after.expected), [2.0, 4.0, 6.0])
-    assert bool(after.endless) and bool(after.makespan) and int(after.force) == 1
-    for name in ("cost_ar", "cost_verify", "cost_slope", "bin_pred", "bin_acc", "row_expected", "since_draft",
-                 "probe_every", "observed_tokens", "sequence_steps", "logged"):
-        np.testing.assert_array_equal(np.asarray(getattr(after, name)), np.asarray(getattr(policy, name)), err_msg=name)
-    again = jax.tree.unflatten(jax.tree.structure(after), jax.tree.leaves(after))
-    np.testing.assert_array_equal(np.asarray(again.chosen), [0, 0, 5, 0])
-    with pytest.raises(AttributeError):
-        policy._replace(no_such_field=1)

@@ -48,8 +48,7 @@ Pure functions on the loop's carry (`PolicyState`); engine.py / step.py call the
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,123 +86,41 @@ PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes
 FORCE_POLICY = -1
 
 
-# PolicyState's fields: (name, dtype, shape in terms of M = len(menu) and B = batch rows). All but the two logs
-# travel packed in two flat arrays (PolicyState.floats / .ints), since every leaf of the loop's state is an argument
-# and a donated output of each chunk call: on the H100 at 2b798dc, with these 19 fields as 19 leaves, an adaptive
-# call's dispatch took 2.2 ms of host time against the fixed program's 1.2 (B = 1, benchmarks/adaptive_gap.py).
-_PACKED = (
-    ("cost_ar", "f", ()),  # an autoregressive step (no drafter); costs are per step of the whole batch, ms
-    ("cost_draft", "f", ()),  # the drafter and the tree (0 where cost_verify holds whole steps)
-    ("cost_verify", "f", ("M",)),  # the rest of a drafted step per menu entry (a budget 0 entry: cost_ar)
-    ("cost_slope", "f", ("M+1",)),  # ms per context token of the mean active row (entries, then AR)
-    ("context0", "f", ()),  # the mean context the costs were measured at
-    ("bin_pred", "f", ("bins",)),  # decayed sums of predicted acceptance probabilities
-    ("bin_acc", "f", ("bins",)),  # decayed counts of accepted nodes
-    ("expected", "f", ("M",)),  # running mean of predicted tokens per sequence per menu entry
-    ("predicted_tokens", "f", ()),  # sum over drafted steps and active rows of E(chosen budget)
+class PolicyState(NamedTuple):
+    """The policy's part of the loop's carry (all on device, tiny). Costs are per step of the whole batch, ms."""
+
+    cost_ar: jnp.ndarray  # [] f32 an autoregressive step (no drafter)
+    cost_draft: jnp.ndarray  # [] f32 the drafter and the tree (0 where cost_verify holds whole steps)
+    cost_verify: jnp.ndarray  # [M] f32 the rest of a drafted step per menu entry (a budget 0 entry: cost_ar)
+    cost_slope: jnp.ndarray  # [M + 1] f32 ms per context token of the mean active row (entries, then AR)
+    context0: jnp.ndarray  # [] f32 the mean context the costs were measured at
+    bin_pred: jnp.ndarray  # [NUM_BINS] f32 decayed sums of predicted acceptance probabilities
+    bin_acc: jnp.ndarray  # [NUM_BINS] f32 decayed counts of accepted nodes
+    expected: jnp.ndarray  # [M] f32 running mean of predicted tokens per sequence per menu entry
+    since_draft: jnp.ndarray  # [] int32 steps since the last drafted step
+    probe_every: jnp.ndarray  # [] int32 a closed gate's probe interval, in chunks
+    force: jnp.ndarray  # [] int32 FORCE_POLICY, or the menu entry (or len(menu): AR) every chunk takes (calibration)
+    chosen: jnp.ndarray  # [M + 1] int32 steps per menu entry drafted, then steps without the drafter
+    predicted_tokens: jnp.ndarray  # [] f32 sum over drafted steps and active rows of E(chosen budget)
+    observed_tokens: jnp.ndarray  # [] int32 the tokens those rows emitted (counts: exact on a long-running server)
+    sequence_steps: jnp.ndarray  # [] int32 active rows summed over drafted steps
     # A static batch ends with its slowest row: `next_entry` then minimises the predicted time to finish every row
-    # (from each row's own running prediction) instead of maximising the batch's tokens per ms (continuous
-    # batching, where a finished row takes the next request).
-    ("row_expected", "f", ("B", "M")),  # running mean of each row's predicted tokens per menu entry
-    ("since_draft", "i", ()),  # steps since the last drafted step
-    ("probe_every", "i", ()),  # a closed gate's probe interval, in chunks
-    ("force", "i", ()),  # FORCE_POLICY, or the menu entry (or len(menu): AR) every chunk takes (calibration)
-    ("chosen", "i", ("M+1",)),  # steps per menu entry drafted, then steps without the drafter
-    ("observed_tokens", "i", ()),  # the tokens those rows emitted (counts: exact on a long-running server)
-    ("sequence_steps", "i", ()),  # active rows summed over drafted steps
-    ("makespan", "b", ()),  # a static batch (see row_expected)
+    # (from each row's own running prediction) instead of maximising the batch's tokens per ms (continuous batching,
+    # where a finished row takes the next request).
+    makespan: jnp.ndarray  # [] bool
+    row_expected: jnp.ndarray  # [B, M] f32 running mean of each row's predicted tokens per menu entry
     # Calibration's timing runs (engine.decode_ms): each chunk starts with every row active and its output empty, so
     # that no row runs out of tokens, in the program rather than by new arrays from the host between chunks (a new
-    # buffer in a call's input costs an update of its command buffer on a GPU: the chunks timed that way came out up
-    # to 2x what the decode paid for an autoregressive step on the H200, budget_sweep_h200 at f457516).
-    ("endless", "b", ()),
-    ("logged", "i", ()),  # steps logged in this chunk
-)
-# The drafted steps of the chunk in flight, absorbed at its end (`absorb`): a step writes its tree's scores and its
-# accepted path (`log_step`, two in-place writes) instead of updating the calibration and the predictions itself
-# (~20 more ops a step, each a kernel on a GPU). log_scores [S, B, max(menu) + 1] f32: each node's drafter score,
-# -inf where not verified; the root (node 0) 0 for an active row, -inf for an inactive one. log_path [S, B, D + 1]
-# int32: the accepted node indices (-1 padding).
-_LOGS = ("log_scores", "log_path")
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(m: int, batch: int) -> dict:
-    """{field: (packed array "floats" / "ints", offset, shape, is bool)} for a menu of m entries and `batch` rows."""
-    sizes = {"M": m, "M+1": m + 1, "bins": NUM_BINS, "B": batch}
-    offsets, layout = {"f": 0, "i": 0}, {}
-    for name, kind, dims in _PACKED:
-        shape = tuple(sizes[d] for d in dims)
-        store = "f" if kind == "f" else "i"
-        layout[name] = ("floats" if store == "f" else "ints", offsets[store], shape, kind == "b")
-        offsets[store] += int(np.prod(shape, dtype=np.int64))
-    return layout
-
-
-@jax.tree_util.register_pytree_node_class
-class PolicyState:
-    """The policy's part of the loop's carry (all on device, tiny): the fields of _PACKED and _LOGS, read as
-    attributes (`policy.expected`) and replaced as a NamedTuple's (`policy._replace(force=...)`), stored as four
-    arrays (the comment above _PACKED). Build one with `init_state`."""
-
-    __slots__ = ("floats", "ints", "log_scores", "log_path", "menu_size", "batch")
-
-    def __init__(self, floats, ints, log_scores, log_path, menu_size: int, batch: int):
-        self.floats, self.ints, self.log_scores, self.log_path = floats, ints, log_scores, log_path
-        self.menu_size, self.batch = menu_size, batch
-
-    @classmethod
-    def of(cls, *, log_scores, log_path, **fields) -> "PolicyState":
-        """Pack every field of _PACKED (arrays, numbers, or traced values inside jit)."""
-        m, batch = int(np.shape(fields["cost_verify"])[0]), int(np.shape(fields["row_expected"])[0])
-        layout = _layout(m, batch)
-        if set(fields) != set(layout):
-            raise TypeError(f"PolicyState fields missing or unknown: {sorted(set(layout) ^ set(fields))}")
-        traced = any(isinstance(v, jax.core.Tracer) for v in fields.values())
-        xp = jnp if traced else np
-        parts = {"floats": [], "ints": []}
-        for name, (store, _, shape, _) in layout.items():
-            dtype = np.float32 if store == "floats" else np.int32
-            value = xp.asarray(fields[name])
-            parts[store].append(xp.broadcast_to(value.astype(dtype), shape).reshape(-1))
-        floats, ints = (xp.concatenate(parts[s]) for s in ("floats", "ints"))
-        return cls(jnp.asarray(floats), jnp.asarray(ints), log_scores, log_path, m, batch)
-
-    def tree_flatten(self):
-        return (self.floats, self.ints, self.log_scores, self.log_path), (self.menu_size, self.batch)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
-
-    def __getattr__(self, name):  # only for names that are no slot: the fields
-        if name.startswith("_") or name in PolicyState.__slots__:
-            raise AttributeError(name)
-        where = _layout(self.menu_size, self.batch).get(name)
-        if where is None:
-            raise AttributeError(f"PolicyState has no field {name!r}")
-        store, offset, shape, is_bool = where
-        size = int(np.prod(shape, dtype=np.int64))
-        value = getattr(self, store)[offset:offset + size].reshape(shape)
-        return value != 0 if is_bool else value
-
-    def _replace(self, **fields) -> "PolicyState":
-        # Each packed array is rebuilt whole, as one concatenation of its fields (XLA fuses it into one kernel; an
-        # in-place update per field was a kernel each, 11 at a chunk's end).
-        layout = _layout(self.menu_size, self.batch)
-        logs = {k: fields.pop(k) for k in _LOGS if k in fields}
-        unknown = set(fields) - set(layout)
-        if unknown:
-            raise AttributeError(f"PolicyState has no field {sorted(unknown)[0]!r}")
-        stores = {"floats": self.floats, "ints": self.ints}
-        for store in {layout[name][0] for name in fields}:
-            dtype = stores[store].dtype
-            parts = [jnp.broadcast_to(jnp.asarray(fields[name]).astype(dtype), shape).reshape(-1) if name in fields
-                     else stores[store][offset:offset + int(np.prod(shape, dtype=np.int64))]
-                     for name, (where, offset, shape, _) in layout.items() if where == store]
-            stores[store] = jnp.concatenate(parts)
-        return PolicyState(stores["floats"], stores["ints"], logs.get("log_scores", self.log_scores),
-                           logs.get("log_path", self.log_path), self.menu_size, self.batch)
+    # buffer in a call's input costs an update of its command buffer on a GPU: the chunks timed that way came out up to
+    # 2x what the decode paid for an autoregressive step on the H200, budget_sweep_h200 at f457516).
+    endless: jnp.ndarray  # [] bool
+    # The drafted steps of the chunk in flight, absorbed at its end (`absorb`): a step writes its tree's scores and
+    # its accepted path (`log_step`, two in-place writes) instead of updating the calibration and the predictions
+    # itself (~20 more ops a step, each a kernel on a GPU).
+    log_scores: jnp.ndarray  # [S, B, max(menu) + 1] f32 each node's drafter score, -inf where not verified; the root
+    # (node 0) 0 for an active row, -inf for an inactive one
+    log_path: jnp.ndarray  # [S, B, D + 1] int32 the accepted node indices (-1 padding)
+    logged: jnp.ndarray  # [] int32 steps logged in this chunk
 
 
 def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=None, cost_slope=None,
@@ -226,14 +143,17 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
     expected = 1.0 + menu_arr if expected is None else np.asarray(expected, np.float32)
     if cost_verify.shape != (m,) or cost_slope.shape != (m + 1,) or expected.shape != (m,):
         raise ValueError(f"cost_verify and expected must have one entry per menu budget ({m}), cost_slope {m + 1}")
-    return PolicyState.of(
-        cost_ar=cost_ar, cost_draft=cost_draft, cost_verify=cost_verify, cost_slope=cost_slope, context0=context0,
-        bin_pred=np.full((NUM_BINS,), PRIOR_WEIGHT, np.float32), bin_acc=PRIOR_WEIGHT * ratio, expected=expected,
-        since_draft=0, probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=force,
-        chosen=np.zeros((m + 1,), np.int32), predicted_tokens=0.0, observed_tokens=0, sequence_steps=0,
-        makespan=makespan, row_expected=np.broadcast_to(static_batch_prior(expected, slowest) if makespan else expected,
-                                                        (batch, m)),
-        endless=False,
+    return PolicyState(
+        cost_ar=jnp.float32(cost_ar), cost_draft=jnp.float32(cost_draft), cost_verify=jnp.asarray(cost_verify),
+        cost_slope=jnp.asarray(cost_slope), context0=jnp.float32(context0),
+        bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
+        expected=jnp.asarray(expected), since_draft=jnp.int32(0),
+        probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
+        chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
+        sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
+        row_expected=jnp.broadcast_to(jnp.asarray(static_batch_prior(expected, slowest) if makespan else expected),
+                                      (batch, m)).astype(jnp.float32),
+        endless=jnp.bool_(False),
         log_scores=jnp.full((chunk_steps, batch, max(max(menu), 0) + 1), -jnp.inf, jnp.float32),
         log_path=jnp.full((chunk_steps, batch, depth + 1), -1, jnp.int32), logged=jnp.int32(0))
 

@@ -202,10 +202,10 @@ class _Call:
     pick once read: a call's host work is what an adaptive chunk pays over a fixed one (at batch 1 on a GPU the host's
     ~1.5 ms a call is most of an 8-step chunk's device time), so the record keeps what later calls look up."""
 
-    __slots__ = ("packed", "chain", "entry", "next_entry", "key", "pick")
+    __slots__ = ("force", "chain", "entry", "next_entry", "key", "pick")
 
-    def __init__(self, packed, chain, entry: int, next_entry, key: int):
-        self.packed = packed  # the output state's policy.ints: the array object that identifies that state
+    def __init__(self, force, chain, entry: int, next_entry, key: int):
+        self.force = force  # the output state's policy.force: the array object that identifies that state
         self.chain = chain  # the chain of calls it continues (one decode, one server bucket)
         self.entry = entry  # the entry it ran (admit / reset_row: the entry of the call before)
         self.next_entry = next_entry  # ChunkOutput.next_entry (admit / reset_row: None)
@@ -307,7 +307,7 @@ class ChunkedLoop:
 
     def _record(self, state: LoopState) -> Optional[_Call]:
         """This loop's record of the call whose output `state` is (or that admit / reset_row made it from), or None."""
-        return next((r for r in reversed(self._recent) if r.packed is state.policy.ints), None)
+        return next((r for r in reversed(self._recent) if r.force is state.policy.force), None)
 
     def _remember(self, call: _Call):
         self._recent.append(call)
@@ -336,13 +336,13 @@ class ChunkedLoop:
         key = self._key(_shapes(state))
         if (key, len(self.spec.menu)) not in self._programs:
             self.compile(state)
-        self._remember(_Call(state.policy.ints, object(), int(entry), None, key))
+        self._remember(_Call(state.policy.force, object(), int(entry), None, key))
         return state
 
     def _carried(self, old: LoopState, new: LoopState) -> LoopState:
         """`new` (made from `old` between chunks) continues `old`'s chain of calls."""
         if self.spec.menu and (known := self._record(old)) is not None:
-            self._remember(_Call(new.policy.ints, known.chain, known.entry, None, known.key))
+            self._remember(_Call(new.policy.force, known.chain, known.entry, None, known.key))
         return new
 
     def program(self, state: LoopState):
@@ -375,7 +375,7 @@ class ChunkedLoop:
         # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
         # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
         out.next_entry.copy_to_host_async()
-        self._remember(_Call(out.state.policy.ints, chain, entry, out.next_entry, key))
+        self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, key))
         return out
 
     def reset_row(self, state: LoopState, row: int) -> LoopState:
