@@ -102,6 +102,24 @@ def test_the_gate_asks_for_a_margin_and_a_chunk_keeps_its_entry_unless_another_i
     assert entry(far, current=1, active=jnp.asarray([False, True])) == 2
 
 
+
+def test_a_static_batch_switches_only_where_the_switch_pays_for_itself():
+    """A static batch keeps its drafting entry for a tail that autoregressive steps would finish under SWITCH_COST_MS
+    sooner (the other program's first call costs more), and still switches where the saving is larger; continuous
+    batching keeps the relative rule alone."""
+    rows = jnp.full((2, 3), 1.3, jnp.float32).at[:, 0].set(1.0)  # budget 4 (1.5 ms a step) emits 1.3 a step
+
+    def entry(left, makespan=True):
+        policy = _policy(expected=(1.0, 1.3, 1.3), batch=2, makespan=makespan)._replace(row_expected=rows)
+        return int(bp.next_entry(policy, MENU, 0.0, 8, jnp.asarray([left, left]), jnp.asarray([True, True]),
+                                 current=1))
+
+    # 3 tokens: 3 ms autoregressive against 3 / 1.3 * 1.5 = 3.46 ms (13% slower, but 0.46 ms).
+    assert entry(3) == 1
+    assert entry(3, makespan=False) == len(MENU)
+    # 60 tokens: 60 ms against 69.2 ms.
+    assert entry(60) == len(MENU)
+
 def test_a_probe_that_loses_doubles_the_interval_one_that_pays_resets_it():
     lost = _policy(expected=(1.0, 1.05, 1.1))._replace(probe_every=jnp.int32(40))
     assert int(bp.end_of_chunk(lost, MENU, 1, 0.0).probe_every) == 80

@@ -31,7 +31,8 @@ for the chunk after the one in flight (it reads each chunk's tokens anyway), so 
    extra cost at PROBE_SHARE of the autoregressive time.
 2. Which budget: the argmax over the menu's budgets of E(b) / (c_draft + c_verify(b)); a chunk keeps the entry the
    chunk before it ran unless the argmax is predicted SWITCH_MARGIN faster (on a GPU the first call of another
-   program costs milliseconds of host time).
+   program costs milliseconds of host time), and in a static batch unless it finishes the batch SWITCH_COST_MS
+   sooner (a batch's last few tokens never pay for a switch).
    The policy cannot be slower than autoregressive decoding by more than its probes (PROBE_SHARE) plus what wrong
    predictions cost for a chunk: a chunk speculates only when its predicted rate beats an autoregressive step's by
    GATE_MARGIN (so the costs may be that far off), and the calibration corrects the predictions after every drafted
@@ -79,6 +80,13 @@ GATE_MARGIN = 0.1
 # program after another one ran costs 2-7 ms of host time more than a repeat (its command buffer's update), several
 # chunks' worth of a few-percent gain (probe at d941d29, batch 16: 8.5 and 3.6 ms against ~1.7).
 SWITCH_MARGIN = 0.05
+# A static batch switches only where the switch saves more than this (ms of its predicted rest): the lower end of
+# that first call's measured cost above (2-7 ms, H200). A batch's last few tokens save fractions of a millisecond by
+# any switch. On the H100 at 1ee1b64 auto lost 5-9% to the fixed budget it mostly ran in the cells where its static
+# batches also ran autoregressive chunks (greedy B = 4: 24 of 176 steps, 0.91x DDTree 8; T = 0.7 B = 1: 34 of 674,
+# 0.95x; which chunks those were was not traced) and none where they never switched (greedy B = 1: 1.00x;
+# budget_sweep_h100_80gb_hbm3). Not yet measured on a GPU with this rule.
+SWITCH_COST_MS = 2.0
 PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
 PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes
 # PolicyState.force: the policy decides; i in [0, len(menu)): menu entry i (a budget 0 entry: autoregressive); len(menu):
@@ -226,7 +234,8 @@ def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, re
     due), else autoregressive. The best: in a static batch (policy.makespan, `remaining` [B] tokens each row has left,
     `active` [B]), the least predicted time to finish every active row, max over rows of remaining / E_row(b) steps at
     c_draft + c_verify(b) each, against max remaining steps at c_ar; otherwise the most predicted tokens per ms.
-    current: the (static) entry of the chunk that ends here, kept unless the choice is SWITCH_MARGIN faster."""
+    current: the (static) entry of the chunk that ends here, kept unless the choice is SWITCH_MARGIN faster (and, in a
+    static batch, finishes it SWITCH_COST_MS sooner)."""
     m = len(menu)
     if not speculative_entries(menu).any():
         return jnp.int32(m)
@@ -247,7 +256,11 @@ def next_entry(policy: PolicyState, menu: Sequence[int], context, steps: int, re
         # due still drafts); and a chunk after the last active row runs it again (no switch for a chunk of no steps)
         rate_of = lambda e: jnp.where(e == m, 1.0 / c_ar, rates[jnp.minimum(e, m - 1)])  # noqa: E731
         current_entry = jnp.int32(current if is_speculative(menu, current) else m)
-        keep = (rate_of(current_entry) >= (1.0 - SWITCH_MARGIN) * rate_of(chosen)) & ~(probe & (current_entry == m))
+        keep = rate_of(current_entry) >= (1.0 - SWITCH_MARGIN) * rate_of(chosen)
+        if remaining is not None:  # a static batch's rest under each entry, in ms: a switch must pay for itself
+            finish_of = lambda e: jnp.where(e == m, work * c_ar, finish[jnp.minimum(e, m - 1)])  # noqa: E731
+            keep = keep | (policy.makespan & (finish_of(current_entry) - finish_of(chosen) < SWITCH_COST_MS))
+        keep = keep & ~(probe & (current_entry == m))
         if active is not None:
             keep = keep | ~active.any()
         chosen = jnp.where(keep, current_entry, chosen)
