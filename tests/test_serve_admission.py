@@ -93,7 +93,7 @@ def test_a_group_admission_gives_each_request_what_it_gets_alone(schedulers):
         used = s.bucket.admit_runs - runs
         if groups:
             assert used == {(4, 16): 1, (1, 32): 1}  # one dispatch for the first four
-            assert admission._TRACES.get("admit_group", 0) == traced + 1  # the (1, 32) program: a new bucket
+            assert admission._TRACES.get("admit_group", 0) == traced  # the warm-up compiled the (1, 32) program
         else:
             assert used == {(1, 16): 4, (1, 32): 1}
     assert out[True] == out[False]
@@ -119,3 +119,28 @@ def test_a_fault_in_one_prompt_of_a_group_is_its_own_one_line_error(schedulers, 
     assert s.bucket.admit_runs - runs == {(4, 16): 1}
     assert [o for i, o in enumerate(out) if i != 1] == _run(schedulers[False], [(p, {}) for p in good])
     assert s.bucket.busy() == 0 and _run(s, [(good[0], {})])[0][1] == ("done", "length")
+
+
+def test_the_warm_up_compiles_every_prompt_buckets_admission(schedulers):
+    """After the warm-up, a prompt of any length a row takes is admitted (alone or in a group) by a program compiled
+    then: nothing compiles while serving, and the tokens are those of the same prompt admitted
+    by the jitted program (the scheduler that admits every prompt alone, warmed up the same way, is its reference)."""
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.speculative import admission
+
+    grouped = schedulers[True]
+    longest = grouped.longest_prompt()
+    assert grouped.max_tokens_for(longest) >= 1 > grouped.max_tokens_for(longest + 1)
+    bucket = grouped.bucket
+    max_len = bucket.state.cache.max_len
+    buckets = {admission.prompt_bucket(n, max_len) for n in range(1, longest + 1)}
+    assert len(buckets) >= 3
+    assert set(bucket.admit_programs) == {(k, b) for b in buckets - {16} for k in bucket.group_sizes}
+    compiles = sched.compile_count()  # XLA's compiles (a trace the warm-up's lowering made is not one)
+    long_prompts = [list(range(100, 100 + n)) for n in (40, 41, 42, 43, longest)]
+    jobs = [(p, {"max_tokens": 4}) for p in long_prompts]
+    together = _run(grouped, [(p, dict(s)) for p, s in jobs])
+    assert sched.compile_count() == compiles
+    assert bucket.admit_runs[(4, admission.prompt_bucket(40, max_len))] >= 1
+    alone = _run(schedulers[False], [(p, dict(s)) for p, s in jobs])
+    assert together == alone and all(end[0] == "done" for _, end in together)

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=1024,
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
-                        "(larger requests get a 400); the pool holds max-batch x max-len positions")
+                        "(larger requests get a 400); the pool holds max-batch x max-len positions, and the warm-up "
+                        "compiles admission for every power-of-two prompt length up to it")
     p.add_argument("--budget", type=budget_argument, default="auto",
                    help="DDTree nodes a step verifies besides the root. 'auto': the adaptive budget: every decode "
                         "step picks its budget from {0, 4, 8, 16, 32, 64} (capped at what the drafter's depth and "
