@@ -22,10 +22,8 @@ argmax either way (sampling.accept_rows).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import jax
@@ -138,11 +136,7 @@ class RowPrograms:
         full = (self.batch, False, self.full.steps)
         keys = [key for key in self.keys() if key != full and key not in self._compiled]
 
-        def build(key):
-            return self._lower(state, *key).compile()
-
-        with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1) or 1) as pool:
-            self._compiled.update(zip(keys, pool.map(build, keys)))
+        self._compiled.update(engine.compile_in_threads(lambda key: self._lower(state, *key).compile(), keys))
 
     def pick(self, live: int, greedy: bool, lone: bool = False) -> tuple:
         """(rows the chunk computes, greedy, steps) for `live` rows holding requests; lone: nothing waits for a row

@@ -54,10 +54,8 @@ reports the steps per budget, the steps without the drafter and the predicted vs
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 import threading
 import time
 import traceback
@@ -416,13 +414,8 @@ class Bucket:
             n = buckets[-1] + 1
         pairs = [(k, b) for b in buckets if b != ran for k in self.group_sizes if (k, b) not in self.admit_programs]
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-
-        def build(pair):
-            return pair, admission.lower_group(self.loop.leaves, self.plan, shapes, *pair).compile()
-
-        if pairs:
-            with concurrent.futures.ThreadPoolExecutor(min(len(pairs), os.cpu_count() or 1)) as pool:
-                self.admit_programs.update(pool.map(build, pairs))
+        self.admit_programs.update(engine.compile_in_threads(
+            lambda pair: admission.lower_group(self.loop.leaves, self.plan, shapes, *pair).compile(), pairs))
 
     def deliver_firsts(self) -> None:
         """Stream the first token of every row admitted since the last call (one read for all of them: it waits for

@@ -162,9 +162,24 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
     return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active, following)
 
 
+def _limit(state: LoopState) -> int:
+    """The output count at which a row stops: out's width less the loop's (static)."""
+    return state.out.shape[1] - state.accepted_hist.shape[0]
+
+
 def _remaining(state: LoopState):
-    """[B] tokens each row may still emit (a row stops at out's width less the loop's)."""
-    return state.out.shape[1] - state.accepted_hist.shape[0] - state.num_out
+    """[B] tokens each row may still emit."""
+    return _limit(state) - state.num_out
+
+
+def compile_in_threads(build, keys) -> dict:
+    """{key: build(key)} over `keys`, in parallel threads where there are several (XLA compiles outside the GIL): an
+    adaptive loop's chunk program per menu entry, the server's row and admission programs."""
+    keys = list(keys)
+    if len(keys) <= 1:
+        return {key: build(key) for key in keys}
+    with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1)) as pool:
+        return dict(zip(keys, pool.map(build, keys)))
 
 
 @functools.partial(jax.jit, static_argnames=("menu", "steps", "limit"))
@@ -176,9 +191,8 @@ def _first_entry(policy, seq_lens, active, num_out, *, menu, steps, limit):
 
 def _entry_of_state(state: LoopState, *, menu, steps) -> int:
     """The entry a state's own policy picks for its next chunk (the host waits for it)."""
-    limit = state.out.shape[1] - state.accepted_hist.shape[0]
     return int(_first_entry(state.policy, state.cache.seq_lens, state.active, state.num_out, menu=menu, steps=steps,
-                            limit=limit))
+                            limit=_limit(state)))
 
 
 def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, makespan: bool) -> int:
@@ -187,14 +201,13 @@ def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, 
     already has, the same function as the device's pick (`_first_entry`). On the H100 at e556a92, picking on the GPU
     while the host waited cost ~1 ms of every adaptive generate call (benchmarks/adaptive_gap.py, B = 1 and 16)."""
     seq_lens, active, num_out = jax.device_get((state.cache.seq_lens, state.active, state.num_out))
-    limit = state.out.shape[1] - state.accepted_hist.shape[0]
     try:
         where = jax.default_device(jax.devices("cpu")[0])
     except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS): the default device picks
         where = contextlib.nullcontext()
     with where:
         policy = budget_policy.init_state(spec.menu, batch=state.bonus.shape[0], makespan=makespan, **costs)
-        return int(_first_entry(policy, seq_lens, active, num_out, menu=spec.menu, steps=steps, limit=limit))
+        return int(_first_entry(policy, seq_lens, active, num_out, menu=spec.menu, steps=steps, limit=_limit(state)))
 
 
 class _Call:
@@ -280,15 +293,8 @@ class ChunkedLoop:
         key = self._key(_shapes(state))
         missing = [e for e in self.entries() if (key, e) not in self._programs]
 
-        def build(entry):
-            return self.lower(state, entry).compile()
-
-        if len(missing) > 1:  # XLA compiles outside the GIL
-            with concurrent.futures.ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
-                programs = list(pool.map(build, missing))
-        else:
-            programs = [build(e) for e in missing]
-        self._programs.update({(key, e): program for e, program in zip(missing, programs)})
+        built = compile_in_threads(lambda entry: self.lower(state, entry).compile(), missing)
+        self._programs.update({(key, e): program for e, program in built.items()})
         entry = None
         if self.spec.menu:
             known = self._record(state)
@@ -702,8 +708,7 @@ def one_step_left(state: LoopState) -> LoopState:
     the same work as any (positions come from the caches, not from the output count). Profiles take one step this
     way: where a command buffer replays a captured loop, the trace held the kernels of about one iteration of the
     eight the loop ran (114 a step against the step's ~870, Kimi-K2 rank on an H200, jaxlib 0.11.2, 23f2872)."""
-    limit = state.out.shape[1] - state.accepted_hist.shape[0]
-    return state._replace(num_out=jnp.full_like(state.num_out, limit - 1))
+    return state._replace(num_out=jnp.full_like(state.num_out, _limit(state) - 1))
 
 
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
