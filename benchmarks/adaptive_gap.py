@@ -12,6 +12,10 @@ entry: the adaptive program, the same steps):
   pick's copy to the host, the first chunk's pick (`_entry_for`: a state no call has made asks its own policy), the
   reads of each chunk's tokens (jax.device_get) and the rest. --frozen: auto without its chunk-end policy work
   (end_of_chunk and next_entry replaced by the entry), what that work costs.
+- --trace: after the timed blocks, --traced generate calls of each kind under jax.profiler: per call, the host time of
+  each part of generate (annotated here: setup, compile, the costs' preparation, the chunks' run, the stats) and
+  its largest host events, and in the decode's window (ChunkedLoop.run) the device's busy and idle time and its
+  largest idle gaps with the host part that ran across each.
 - --chained: --calls chained chunk calls of each program on one long decode (no generate around them: every row
   active throughout), as ChunkedLoop.run chains them, the wall ms a chunk, then the same calls under jax.profiler and
   the host's events with the largest time a call (CUDA driver calls, XLA's thunks, PJRT's execute).
@@ -44,6 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import kdtree_jax  # noqa: E402
+from kdtree_jax import profiling  # noqa: E402
 from kdtree_jax.speculative import budget_policy, engine  # noqa: E402
 from spec_decode import device_slug, greedy_loop_state, heldout_prompts, smoke_pair  # noqa: E402
 
@@ -68,6 +73,76 @@ def install_timers() -> None:
     jax.stages.Compiled.__call__ = timed("program", jax.stages.Compiled.__call__)
     array = type(jnp.zeros(()))
     array.copy_to_host_async = timed("copy_async", array.copy_to_host_async)
+
+
+# generate's parts, annotated in --trace (module, attribute): each call shows as "kd:<attribute>" on the host.
+PARTS = (("engine", "setup"), ("engine", "_run_loop"), ("engine", "_prepare_costs"), ("engine", "first_entry"),
+         ("engine", "generate_stats"), ("engine", "_host_driven_loops"), ("engine", "chunked_loop"),
+         ("ChunkedLoop", "compile"), ("ChunkedLoop", "run"), ("ChunkedLoop", "__call__"), ("ChunkedLoop", "begin"),
+         ("kv_pool", "check_overflow"))
+
+
+def annotate_parts() -> None:
+    def annotated(name, fn):
+        def wrapper(*a, **k):
+            with jax.profiler.TraceAnnotation(f"kd:{name}"):
+                return fn(*a, **k)
+        return wrapper
+
+    for owner, name in PARTS:
+        obj = {"engine": engine, "ChunkedLoop": engine.ChunkedLoop, "kv_pool": engine.kv_pool}[owner]
+        setattr(obj, name, annotated(name, getattr(obj, name)))
+
+
+def traced_calls(target, drafter, batch, kw, calls: int, top: int) -> dict:
+    """`calls` generate calls under the profiler (module docstring, --trace)."""
+    trace_dir = tempfile.mkdtemp(prefix="adaptive_gap_trace_")
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(calls):
+        with jax.profiler.TraceAnnotation("kd:generate"):
+            engine.generate(target, drafter, batch, **kw)
+    jax.profiler.stop_trace()
+    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    host, parts, runs = collections.defaultdict(float), collections.defaultdict(float), []
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if ev.name.startswith("kd:"):
+                    parts[ev.name] += (ev.end_ns - ev.start_ns) / 1e6 / calls
+                    if ev.name == "kd:run":
+                        runs.append((ev.start_ns, ev.end_ns))
+                elif not any(w in ev.name for w in SKIP):
+                    host[f"{line.name[:20]} | {ev.name[:80]}"] += (ev.end_ns - ev.start_ns) / 1e6 / calls
+    annotations = [(ev.start_ns, ev.end_ns, ev.name) for plane in jax.profiler.ProfileData.from_file(path).planes
+                   if not plane.name.startswith("/device:") for line in plane.lines for ev in line.events
+                   if ev.name.startswith("kd:") and ev.name not in ("kd:generate", "kd:run", "kd:_run_loop")]
+    kernels, _ = profiling.kernel_events(path)
+    on_device = bool(kernels) and jax.default_backend() == "gpu"
+    windows = []
+    for lo, hi in runs:
+        inside = [(k[0], max(k[1], lo), min(k[2], hi)) for k in kernels if k[2] > lo and k[1] < hi]
+        gaps, end = [], lo
+        for _, start, stop in sorted(inside, key=lambda e: e[1]):
+            if start > end:
+                gaps.append((start - end, end, start))
+            end = max(end, stop)
+        if hi > end:
+            gaps.append((hi - end, end, hi))
+
+        def during(t0, t1):  # the innermost annotated host part overlapping the gap's middle
+            mid = (t0 + t1) / 2
+            names = [(e - s, n) for s, e, n in annotations if s <= mid <= e]
+            return min(names)[1] if names else "-"
+        windows.append({"run_ms": (hi - lo) / 1e6,
+                        "busy_ms": profiling.busy_ns(inside) / 1e6 if on_device else None,
+                        "gaps_over_20us": sum(1 for g in gaps if g[0] > 2e4),
+                        "largest_gaps": [(round(g / 1e6, 3), during(t0, t1), round((t0 - lo) / 1e6, 3))
+                                         for g, t0, t1 in sorted(gaps, reverse=True)[:8]]})
+    return {"parts_ms_per_call": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "host_events_ms_per_call": sorted(((k, round(v, 4)) for k, v in host.items()), key=lambda kv: -kv[1])[:top],
+            "decode_windows": windows}
 
 
 def generate_calls(target, drafter, tokenizer, args) -> dict:
@@ -99,12 +174,25 @@ def generate_calls(target, drafter, tokenizer, args) -> dict:
                                        "device_get", "device_get#")}
         results[batch] = {"rows": rows, "summary": summary}
         print(f"batch {batch}: " + json.dumps(summary), flush=True)
+        if args.trace:
+            results[batch]["traced"] = {}
+            for kind in ("fixed", "auto"):
+                kw = dict(max_new_tokens=args.max_new_tokens, chunk_steps=args.chunk_steps)
+                kw.update(budget=args.budget) if kind == "fixed" else kw.update(budget="auto", menu=menu, costs=costs)
+                traced = results[batch]["traced"][kind] = traced_calls(target, drafter, batches[0], kw, args.traced,
+                                                                      args.top)
+                print(f"== batch {batch}, {kind}, traced: parts ms a call {json.dumps(traced['parts_ms_per_call'])}")
+                for w in traced["decode_windows"]:
+                    print(f"  decode window {w['run_ms']:.3f} ms, device busy {w['busy_ms']}, "
+                          f"{w['gaps_over_20us']} gaps > 20 us; largest (ms, host part, at ms): {w['largest_gaps']}")
+                for k, ms in traced["host_events_ms_per_call"][:12]:
+                    print(f"  {ms:8.4f} ms  {k}")
     return results
 
 
 # The host's waits for a chunk's tokens and this script's own frames: not dispatch work.
 SKIP = ("device_get", "asarray", "_value", "__array__", "adaptive_gap.py", "tree_map", "genexpr",
-        "block_until_ready")
+        "block_until_ready", "stop_trace", "threading.py")
 
 
 def host_events(path: str) -> dict:
@@ -178,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens each generate call decodes")
     p.add_argument("--frozen", action="store_true",
                    help="auto without its chunk-end policy work (end_of_chunk and next_entry replaced by the entry)")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace --traced generate calls of each kind: host parts, device idle gaps in the decode")
+    p.add_argument("--traced", type=int, default=3, help="--trace: generate calls traced per kind")
     p.add_argument("--chained", action="store_true",
                    help="chained chunk calls of each program and their host events, instead of generate calls")
     p.add_argument("--calls", type=int, default=20, help="--chained: chunk calls timed and traced")
@@ -194,6 +285,8 @@ def main(argv=None) -> int:
         target, drafter, tokenizer = kdtree_jax.load_checkpoint(os.path.join(ROOT, "checkpoints", "default"),
                                                                 dtype="auto")
     args.batches = [int(b) for b in args.batch.split(",")]
+    if args.trace:
+        annotate_parts()
     if args.frozen:
         budget_policy.end_of_chunk = lambda policy, menu, entry, context: policy
         budget_policy.next_entry = lambda policy, menu, *a, **k: jnp.int32(1)
@@ -201,7 +294,7 @@ def main(argv=None) -> int:
     out = args.out or (tempfile.mkdtemp(prefix="adaptive_gap_") if args.smoke else
                        os.path.join(ROOT, "benchmarks", "results"))
     os.makedirs(out, exist_ok=True)
-    mode = "_chained" if args.chained else "_frozen" if args.frozen else ""
+    mode = "_chained" if args.chained else "_frozen" if args.frozen else "_traced" if args.trace else ""
     path = os.path.join(out, f"adaptive_gap{mode}_{device_slug()}.json")
     with open(path, "w") as f:
         json.dump({"commit": os.environ.get("KDTREE_COMMIT"), "device": device_slug(), "budget": args.budget,

@@ -11,7 +11,8 @@
 #      with four), REFILL_ARGS, OVERHEAD_BATCH / OVERHEAD_MENU / OVERHEAD_ARGS (e.g. "--profile": each row's kernels per
 #      step, where a drafting entry's 8-16% over its fixed program at batch 1-16 has to be found, budget_sweep_h100 at
 #      c468e17). SKIP_BUILD=1 on a machine where the extension is already built (a warm one after gpu_peers.sh).
-#      STAGES=autotune: two sweeps of the AR-only cells, programs compiled one at a time against 8 at once.
+#      STAGES=gap: adaptive_gap.py at batch 1 and 16 with --trace (the host's parts of a generate call, the device's
+#      idle gaps in its decode). STAGES=autotune: two sweeps of the AR-only cells, programs compiled one at a time against 8 at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,8 @@ stage() {  # stage NAME SECONDS COMMAND...
   grep -v '^{' "$OUT/$name.log" | tr '\r' '\n' | grep -v 'it/s\]' | tail -8
 }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+has gap && stage gap 200 python3 benchmarks/adaptive_gap.py --batch 1,16 --rounds 1 --trace --out "$OUT" \
+  && grep -v '^ ' "$OUT/gap.stdout" | head -4 && grep -A3 'traced' "$OUT/gap.stdout" | cut -c1-400
 has generate && stage generate 120 python3 -m kdtree_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 128
 has sweep && stage sweep 400 python3 benchmarks/budget_sweep.py --out "$OUT" --deadline-s 380 ${SWEEP_ARGS:---budgets 0,8,16,32} && head -40 "$OUT"/budget_sweep_*.md
 has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --refill 64 --temperatures 0 \
@@ -43,9 +46,9 @@ has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --re
 # The same autoregressive program decoded 15-18% apart in one sweep (budget_sweep_h100_80gb_hbm3 at 1ee1b64: the
 # AR decoder's copy, compiled in the parallel precompile, against auto's verdict's, compiled alone): the sweep's
 # AR and auto cells with every program compiled one at a time, then 8 at once, each with its own compilation cache.
-has autotune && for t in 1 8; do stage "autotune_threads$t" 300 python3 benchmarks/budget_sweep.py --out "$OUT/threads$t" \
+has autotune && for t in 1 8; do stage "autotune_threads$t" ${AUTOTUNE_S:-300} python3 benchmarks/budget_sweep.py --out "$OUT/threads$t" \
   --batch 16,64 --temperatures 0,0.7 --budgets 0,8 --repeats 5 --precompile-threads $t \
-  --cache-dir "/tmp/jax_cache_threads$t" --deadline-s 280 && grep '^| 128' "$OUT"/threads$t/budget_sweep_*.md; done
+  --cache-dir "/tmp/jax_cache_threads$t" --deadline-s $(( ${AUTOTUNE_S:-300} - 20 )) && grep '^| 128' "$OUT"/threads$t/budget_sweep_*.md; done
 has overhead && stage overhead 120 python3 benchmarks/adaptive_overhead.py --batch ${OVERHEAD_BATCH:-16} \
   --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" ${OVERHEAD_ARGS:-} && cat "$OUT"/adaptive_overhead_*.md
 ls -la "$OUT"
