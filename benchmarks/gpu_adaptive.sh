@@ -12,7 +12,7 @@
 #      step, where a drafting entry's 8-16% over its fixed program at batch 1-16 has to be found, budget_sweep_h100 at
 #      c468e17). SKIP_BUILD=1 on a machine where the extension is already built (a warm one after gpu_peers.sh).
 #      STAGES=gap: adaptive_gap.py at batch 1 and 16 with --trace (the host's parts of a generate call, the device's
-#      idle gaps in its decode). STAGES=autotune: two sweeps of the AR-only cells, programs compiled one at a time against 8 at once.
+#      idle gaps in its decode). STAGES=autotune (AUTOTUNE_ARGS, AUTOTUNE_S a sweep): two sweeps of the AR-only cells, programs compiled one at a time against 8 at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -47,7 +47,7 @@ has refill && stage refill 150 python3 benchmarks/spec_decode.py --batch 16 --re
 # AR decoder's copy, compiled in the parallel precompile, against auto's verdict's, compiled alone): the sweep's
 # AR and auto cells with every program compiled one at a time, then 8 at once, each with its own compilation cache.
 has autotune && for t in 1 8; do stage "autotune_threads$t" ${AUTOTUNE_S:-300} python3 benchmarks/budget_sweep.py --out "$OUT/threads$t" \
-  --batch 16,64 --temperatures 0,0.7 --budgets 0,8 --repeats 5 --precompile-threads $t \
+  ${AUTOTUNE_ARGS:---batch 16,64 --temperatures 0,0.7 --budgets 0,8 --repeats 5} --precompile-threads $t \
   --cache-dir "/tmp/jax_cache_threads$t" --deadline-s $(( ${AUTOTUNE_S:-300} - 20 )) && grep '^| 128' "$OUT"/threads$t/budget_sweep_*.md; done
 has overhead && stage overhead 120 python3 benchmarks/adaptive_overhead.py --batch ${OVERHEAD_BATCH:-16} \
   --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" ${OVERHEAD_ARGS:-} && cat "$OUT"/adaptive_overhead_*.md
