@@ -171,17 +171,17 @@ def loop_refill(target, drafter, requests: list, batch: int, max_len: int, chunk
     loop.compile(empty())
     prompts = [r["prompt"] for r in requests]
 
-    def admit(state, row, prompt, i):
-        return loop.admit(state, prompt, row, max_tokens=requests[i]["max_tokens"], seed=i)
+    def admit(state, row, prompt, i, max_tokens):
+        return loop.admit(state, prompt, row, max_tokens=max_tokens, seed=i)
 
-    refill_pass(loop, empty(), prompts[:batch + 1], admit, max_new)  # warm-up: every program the pass runs
+    counts = [r["max_tokens"] for r in requests]
+    refill_pass(loop, empty(), prompts[:batch + 1], admit, counts[:batch + 1])  # warm-up: every program the pass runs
     seen = {}
     from kdtree_jax.speculative.admission import prompt_bucket
     for r in requests:  # every prefill bucket compiled before the clock
         seen.setdefault(prompt_bucket(len(r["prompt"]), max_len), r)
-    refill_pass(loop, empty(), [r["prompt"] for r in seen.values()] + [prompts[0]] * batch,
-                lambda st, row, p, i: loop.admit(st, p, row, max_tokens=4, seed=i), max_new)
-    tokens, final, wall, chunks, admit_s = refill_pass(loop, empty(), prompts, admit, max_new)
+    refill_pass(loop, empty(), [r["prompt"] for r in seen.values()] + [prompts[0]] * batch, admit, 4)
+    tokens, final, wall, chunks, admit_s = refill_pass(loop, empty(), prompts, admit, counts)
     n = sum(len(t) for t in tokens)
     steps = int(final.step)
     return {"wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "chunks": chunks, "steps": steps,

@@ -321,24 +321,29 @@ def run_config(target, drafter, prompt_batches, *, tree, budget, topk, temperatu
 # prompt instead. Here N prompts stream through B rows of one loop state: between chunks of the chunked loop, each
 # row whose sequence is done takes the next waiting prompt, prefilled alone and copied in (engine.ChunkedLoop.admit:
 # one dispatch of one program, the server's admission path), so nothing compiles after the warm-up.
-def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_tokens: int):
+def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_tokens):
     """Stream `prompts` through the rows of `state` (every row free): -> (tokens per prompt, the final state, wall
     seconds from the first admission to the last token on the host, chunks, host seconds spent admitting).
 
-    admit(state, row, prompt, i) -> (state, first token [1]): prompts[i] in batch row `row`. The host keeps one
+    max_new_tokens: the tokens each prompt decodes (the first included), one count for all or a list of one per
+    prompt; none above the loop's own max_new_tokens. admit(state, row, prompt, i, max_tokens) -> (state, first
+    token [1]): prompts[i] in batch row `row`, to stop after max_tokens tokens. The host keeps one
     chunk in flight: it launches chunk c + 1 before it reads chunk c, and a row that chunk c shows done takes its
     next prompt in the state chunk c + 1 returns (the state is donated chunk to chunk), so the admission's prefill
     and copy queue behind chunk c + 1 and the device does not wait for the host. The price: a finished row idles
     through the rest of its chunk and the next one (the occupancy figure of the report says how much that costs).
     """
     batch = state.bonus.shape[0]
+    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    # Every row's output ends at the loop's max_new_tokens (a row's own count moves its start back: admission.py).
+    limit = state.out.shape[1] - state.accepted_hist.shape[0]
     waiting = collections.deque(range(len(prompts)))
     owner = [None] * batch  # the prompt each row decodes (None: free)
     tokens = [[] for _ in prompts]
     done = [False] * len(prompts)
     firsts = []  # (prompt, its first token on the device) admitted since the last read
     admit_seconds = [0.0]
-    max_chunks = len(prompts) * (-(-max_new_tokens // loop.steps) + 2) + 2  # a bug's bound, far beyond any run
+    max_chunks = len(prompts) * (-(-max(counts) // loop.steps) + 2) + 2  # a bug's bound, far beyond any run
 
     def fill(state, rows):
         t = time.perf_counter()
@@ -346,7 +351,7 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
             if not waiting:
                 break
             i = waiting.popleft()
-            state, first = admit(state, row, prompts[i], i)
+            state, first = admit(state, row, prompts[i], i, counts[i])
             owner[row] = i
             firsts.append((i, first))
         admit_seconds[0] += time.perf_counter() - t
@@ -368,7 +373,7 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
         for row, i in enumerate(current_owners):
             if i is None or done[i]:
                 continue
-            end = min(int(num_out[row]), max_new_tokens)  # a step may write past max_new_tokens: not output
+            end = min(int(num_out[row]), limit)  # a step may write past max_new_tokens: not output
             tokens[i] += chunk_tokens[row, :max(end - int(start[row]), 0)].tolist()
             if not active[row]:
                 done[i], owner[row] = True, None
@@ -387,16 +392,21 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
 
 def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk, temperature, top_k, top_p, seed,
                max_new_tokens, impl, tree_temperature: float = 1.0, chunk_steps: int = DEFAULT_CHUNK_STEPS,
-               row_invariant: bool = False, calibrate: bool = False):
+               row_invariant: bool = False, calibrate: bool = False, max_len: int | None = None):
     """One decoder in refill mode: `prompts` (more than `batch`) through `batch` rows, chunks of `chunk_steps`
-    steps. An untimed warm-up (the first batch + 1 prompts through the same rows) compiles the prefill, the admission
-    and the chunk program; then the timed pass. -> (stats, tokens per prompt). Prompt i's first token is sampled with
+    steps; max_new_tokens: every prompt's output length, or a list of one per prompt (the loop's out buffer and the
+    pool's room are the largest's); max_len: the pool's positions a row (a server's --max-len; default: what the
+    longest prompt and output need). An untimed warm-up (the first batch + 1 prompts through the same rows, then one
+    prompt of each prefill bucket they leave out) compiles the prefill, the admission and the chunk program; then
+    the timed pass. -> (stats, tokens per prompt). Prompt i's first token is sampled with
     seed + i (T > 0); the steps share the loop's random stream (seed).
     budget "auto": the adaptive budget, its costs from the cost model that the static run of this decoder found or
     measured (same batch size and prompt length), else (or with calibrate) measured now with the first `batch`
     prompts in the rows, before the warm-up; stats["budget_policy"] is what the policy did in the timed pass."""
     use = None if tree == "ar" else drafter
     tree, budget = ("ddtree", 0) if tree == "ar" else (tree, budget)
+    counts = max_new_tokens  # each row stops at its own count (admit); the loop's is the largest
+    max_new_tokens = counts if isinstance(counts, int) else max(counts)
     req = validation.validate(target, use, prompts[:batch], max_new_tokens=max_new_tokens, budget=budget, topk=topk,
                               tree_temperature=tree_temperature, temperature=temperature, stop_ids=(), tree=tree,
                               top_k=top_k, top_p=top_p)
@@ -415,7 +425,11 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     depth = req.depth if req.use_drafter else 0
     longest = max(len(p) for p in prompts)
     chunk = min(admission.PREFILL_CHUNK, validation.round_up(longest, 16))
-    max_len = validation.round_up(validation.round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
+    needed = validation.round_up(validation.round_up(longest, chunk) + max_new_tokens + req.num_nodes + depth + 1, 64)
+    if max_len is not None and max_len < needed:
+        raise ValueError(f"max_len {max_len} holds no {longest}-token prompt, {max_new_tokens} new tokens and a "
+                         f"{req.num_nodes}-node tree (it needs {needed})")
+    max_len = max_len or needed
     moe = [layer.mlp for layer in target.layers if layer.is_moe]
 
     costs = {}  # budget "auto": the policy's costs (set below, after the compile)
@@ -433,8 +447,8 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
     loop = engine.chunked_loop(target, use, spec, min(chunk_steps, max_new_tokens))
     settings = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
 
-    def admit(state, row, prompt, i):
-        return loop.admit(state, prompt, row, seed=seed + i, sampling=settings)
+    def admit(state, row, prompt, i, max_tokens):
+        return loop.admit(state, prompt, row, max_tokens=max_tokens, seed=seed + i, sampling=settings)
 
     t0 = time.perf_counter()
     loop.compile(empty_state())  # a hit when the static run of this decoder just compiled it (generate's loop)
@@ -444,11 +458,19 @@ def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk
                                    calibrate=calibrate)
         costs.update(calibration.pop("costs"))
     # The warm-up admits into a fresh state, into the state an admission returns and into the one a chunk returns
-    # (jax keys its programs on where the arguments live, and these differ): every program the timed pass runs.
-    refill_pass(loop, empty_state(), prompts[:batch + 1], admit, max_new_tokens)
+    # (jax keys its programs on where the arguments live, and these differ), then one prompt of each prefill bucket
+    # those left out (admission compiles a program per bucket): every program the timed pass runs.
+    warm = list(range(min(batch + 1, len(prompts))))
+    buckets = {admission.prompt_bucket(len(prompts[i]), max_len) for i in warm}
+    for i, prompt in enumerate(prompts):
+        if admission.prompt_bucket(len(prompt), max_len) not in buckets:
+            buckets.add(admission.prompt_bucket(len(prompt), max_len))
+            warm.append(i)
+    refill_pass(loop, empty_state(), [prompts[i] for i in warm], admit,
+                counts if isinstance(counts, int) else [counts[i] for i in warm])
     warmup_seconds = time.perf_counter() - t0
     compiles = compile_count()
-    tokens, final, wall, chunks, admit_seconds = refill_pass(loop, empty_state(), prompts, admit, max_new_tokens)
+    tokens, final, wall, chunks, admit_seconds = refill_pass(loop, empty_state(), prompts, admit, counts)
     compiles = compile_count() - compiles
     kv_pool.check_overflow(final.cache)
     hist = np.asarray(final.accepted_hist).astype(np.int64)
@@ -491,7 +513,7 @@ def refill_costs(loop: engine.ChunkedLoop, state, spec, prompts: list, admit, *,
     point = None if calibrate else model.lookup(batch, context)
     if point is None:
         for row, prompt in enumerate(prompts):
-            state, _ = admit(state, row, prompt, row)
+            state, _ = admit(state, row, prompt, row, None)
         model.add(engine.calibrate(loop, state, spec, depth=drafter.cfg.depth))
         model.save()
     return {"costs": model.costs(batch, context), "calibrated": point is None,

@@ -102,6 +102,24 @@ def test_spec_decode_smoke_adaptive_budget(tmp_path, monkeypatch):
     assert "Adaptive budget (`auto`)" in _one(tmp_path, "spec_decode_smoke_*.md").read_text()
 
 
+def test_refill_with_a_max_tokens_per_prompt():
+    """run_refill / refill_pass with one max_tokens per prompt (serve_load.py's loop baseline: each request its own):
+    each prompt gets exactly its own count, the first tokens of what it gets with the largest count for all (the same
+    loop: the pool's room is the largest's), and a prompt bucket first seen after the rows' first fill compiles in the
+    warm-up, not in the timed pass."""
+    target, drafter, _ = spec_decode.smoke_pair()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 9, 12, 7, 20, 6)]  # 20: the 32-token bucket, row 4
+    counts = [1, 5, 2, 7, 3, 4]
+    kwargs = dict(batch=2, tree="ar", budget=0, topk=4, temperature=0.0, top_k=0, top_p=1.0, seed=0, impl="auto",
+                  chunk_steps=2)
+    stats, each = spec_decode.run_refill(target, drafter, prompts, max_new_tokens=counts, **kwargs)
+    _, longest = spec_decode.run_refill(target, drafter, prompts, max_new_tokens=max(counts), **kwargs)
+    assert [len(t) for t in each] == counts and stats["new_tokens"] == sum(counts)
+    assert each == [t[:n] for t, n in zip(longest, counts)]
+    assert stats["compiles_after_warmup"] == 0
+
+
 def test_verify_kernel_smoke_and_resume(tmp_path):
     """The sweep script end to end on the FFI op (its CPU handler here), then --resume measuring only what is missing."""
     out = str(tmp_path / "vk")
