@@ -4,6 +4,7 @@
     python benchmarks/serve_load.py --requests 128 --concurrency 1,8,32,128 --max-batch 16
     python benchmarks/serve_load.py --smoke                          # 4 requests at 1 and 2; a temp dir
     python benchmarks/serve_load.py --leak-requests 1000 --disconnect-fraction 0.1   # + the slot-leak check
+    python benchmarks/serve_load.py --no-loop-baseline                # without the engine's loop on the same requests
 
 For each mode (speculative: the checkpoint's DDTree settings; autoregressive: `--no-speculative`) the script starts
 a local server on a free loopback port and warms it up (one request per prompt-length bucket, so that the measurement
@@ -25,16 +26,31 @@ server is idle again, /metrics must show every KV pool slot free and no busy row
 the check less free slots after). Compiles are counted from the end of the warm-up to the end of the run (levels and
 leak check): a server that compiles nothing under load has 0.
 
+Loop baseline (on unless --no-loop-baseline; issue 45 item 3: the server at the loop's speed): once the servers have
+stopped (on a GPU they hold its memory), a subprocess (so that this process never takes device memory) loads the same
+checkpoint and dtype and runs the same request list through the engine's own decode loop: spec_decode.run_refill
+(continuous batching, --max-batch rows refilled between chunks of the server's --chunk-steps, --max-len positions a
+row, each request its own max_tokens, greedy; per mode the program its server ran: autoregressive, or speculative with
+the server's budget, autoregressive too where the server's cached cost model refused speculation), then the first
+--loop-stream-requests requests each alone through engine.generate, as the CLI decodes them. Warm-ups are untimed;
+the report counts the compiles in the timed parts. The report's section: per mode, server / loop throughput at each
+level (target >= 0.85 from --target-concurrency up), the server's concurrency-1 requests against generate alone on
+the same requests (target >= 0.90), and TTFT p50 at --target-concurrency in the loop's chunks (wall / chunks; target
+<= 2). Tokens are completion tokens, the first included, on every side.
+
 Bounded: each request has a timeout (--request-timeout; a request that fails or times out is counted as an error,
 not waited for), the servers a start-up limit (--start-timeout), and --deadline-s stops starting levels (keeping
---leak-reserve-s for the leak check) and leak requests once it has passed; SIGTERM (`timeout`) ends the run early.
-Either way the rows measured so far are written, and the servers are stopped.
+--leak-reserve-s for the leak check and --loop-reserve-s for the loop baseline) and leak requests (keeping
+--loop-reserve-s) once it has passed; the loop baseline is skipped with less than half its reserve left and stopped at
+the deadline (keeping the parts it finished); SIGTERM (`timeout`) ends the run early. Either way the rows measured so
+far are written, and the servers are stopped.
 
 The client runs in this process on the same machine: on a 2-core CPU it takes some of the server's CPU time (more
 at high concurrency). On a GPU the client keeps JAX from reserving device memory in its own process; the servers,
 which run at once, each reserve XLA's usual share unless XLA_PYTHON_CLIENT_MEM_FRACTION (inherited) is below 0.5.
 Writes <out>/serve_load_<device>.{json,md,png} (--smoke: a temporary directory) with the date, device and commit
-($KDTREE_COMMIT when set), and the servers' logs to --log-dir (default: a temporary directory, never --out).
+($KDTREE_COMMIT when set), and the servers' and the loop baseline's logs to --log-dir (default: a temporary
+directory, never --out).
 """
 
 from __future__ import annotations
@@ -116,9 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "check sends no more requests; what was measured is written")
     p.add_argument("--leak-reserve-s", type=float, default=0.0,
                    help="seconds before --deadline-s kept for the leak check: levels stop starting then")
+    p.add_argument("--no-loop-baseline", action="store_true",
+                   help="skip the loop baseline: after the levels and the leak check, with the servers stopped, the "
+                        "same requests through the engine's own decode loop in a subprocess (spec_decode.run_refill "
+                        "at --max-batch rows; engine.generate of the first --loop-stream-requests alone), each mode's "
+                        "server against it")
+    p.add_argument("--loop-stream-requests", type=int, default=4,
+                   help="the loop baseline's single streams: the first N requests, each through engine.generate alone "
+                        "as the CLI decodes it (a loop compiled per max_tokens, untimed: hence a few)")
+    p.add_argument("--loop-reserve-s", type=float, default=120.0,
+                   help="seconds before --deadline-s kept for the loop baseline: levels (with --leak-reserve-s before "
+                        "it) and leak requests stop that much earlier; with less than half of it left the baseline is "
+                        "skipped, and it is stopped at the deadline (its finished parts are kept)")
+    p.add_argument("--loop-worker", default=None, help=argparse.SUPPRESS)  # the loop baseline's subprocess
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
                    help="directory for serve_load_<device>.{json,md,png}")
-    p.add_argument("--log-dir", default=None, help="directory for the servers' logs (default: a temporary one)")
+    p.add_argument("--log-dir", default=None, help="directory for the servers' and the loop baseline's logs (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="4 requests at concurrency 1 and 2, short outputs; writes to a "
                                                         "temporary directory")
     return p
@@ -332,6 +361,9 @@ def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int,
         "tau": emitted / steps if steps else float("nan"),
         "compiles_during": int(after["compiles_total"] - before["compiles_total"]),
         "texts": [r.get("text") for r in results],
+        # per request, for the loop baseline's single streams (the same requests alone through engine.generate)
+        "completion_tokens": [r.get("tokens") for r in results],
+        "latencies_s": [r.get("end") for r in results],
     }
     if errors:
         row["first_errors"] = errors[:3]
@@ -413,6 +445,7 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
 
     out = {mode: {"mode": mode, "startup_s": float("nan"), "server": None, "rows": []} for mode in modes}
     notes = []
+    interrupted = False
     servers = {}
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="serve_load_logs_")  # server logs are not results
     os.makedirs(log_dir, exist_ok=True)
@@ -437,10 +470,13 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
                 if "error" in results[0]:
                     raise SystemExit(f"error: the {mode} server's warm-up request failed: {results[0]['error']}")
             warm[mode] = metrics(url)["compiles_total"]
-            out[mode].update(startup_s=time.perf_counter() - t0, server=model)
+            out[mode].update(startup_s=time.perf_counter() - t0, server=model, program=served_program(url))
             print(f"[{mode}: ready (load, compile, warm-up) {out[mode]['startup_s']:.1f} s after the start]",
                   file=sys.stderr, flush=True)
-        stop_levels = None if deadline is None else deadline - (args.leak_reserve_s if leak_requests else 0)
+        # The loop baseline runs after the leak check, which runs after the levels: each keeps its time back.
+        loop_reserve = 0 if args.no_loop_baseline else args.loop_reserve_s
+        leak_deadline = None if deadline is None else deadline - loop_reserve
+        stop_levels = None if deadline is None else leak_deadline - (args.leak_reserve_s if leak_requests else 0)
         for c in levels:
             if stop_levels is not None and time.monotonic() > stop_levels:
                 notes.append(f"Deadline: concurrency {c} and after were not measured.")
@@ -453,13 +489,15 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
             c = args.leak_concurrency or max(levels)
             for mode in modes:
                 url, model = servers[mode][1], out[mode]["server"]["id"]
-                out[mode]["leak"] = leak_check(mode, url, model, leak_requests, c, args.request_timeout, deadline)
+                out[mode]["leak"] = leak_check(mode, url, model, leak_requests, c, args.request_timeout,
+                                               leak_deadline)
                 if out[mode]["leak"]["sent"] < len(leak_requests):
                     notes.append(f"Deadline: the {mode} leak check sent {out[mode]['leak']['sent']} of "
                                  f"{len(leak_requests)} requests.")
     except Interrupted as e:
         notes.append(f"Interrupted ({e}): the rows above are what was measured before it.")
         print(f"[interrupted ({e}): writing what was measured]", file=sys.stderr, flush=True)
+        interrupted = True
     finally:
         for mode, (proc, url, _) in servers.items():
             if mode in warm and proc.poll() is None:
@@ -480,7 +518,192 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
             out[mode]["server_log"] = log
     for mode in modes:
         out[mode]["rows"].sort(key=lambda r: r["concurrency"])
-    return [out[mode] for mode in modes], notes
+    return [out[mode] for mode in modes], notes, interrupted
+
+
+def served_program(url: str) -> str:
+    """What the server's decode loop runs: "autoregressive" (--no-speculative, no drafter, or the adaptive budget whose
+    cached cost model refused speculation on this device: /health's bucket says "decision": "autoregressive"),
+    "adaptive" (--budget auto) or "budget N"."""
+    import httpx
+
+    health = httpx.get(url + "/health", timeout=30).json()
+    bucket = (health.get("budget_policy") or {}).get("buckets", {}).get("batch", {})
+    if health.get("decoding") == "autoregressive" or bucket.get("decision") == "autoregressive":
+        return "autoregressive"
+    return "adaptive" if health.get("budget") == "auto" else f"budget {health.get('budget')}"
+
+
+def loop_baseline(args, requests: list[dict], results: list[dict], deadline: float | None, notes: list) -> dict:
+    """The same requests through the engine's own decode loop, in a subprocess (loop_worker) started once the servers
+    have stopped (on a GPU they hold its memory; this process takes none): -> its results (what it finished when the
+    deadline or a signal stopped it), {} when skipped. Each mode's loop runs the program its server ran
+    (served_program)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left < args.loop_reserve_s / 2:
+            notes.append(f"Deadline: {max(left, 0):.0f} s left, under half of --loop-reserve-s "
+                         f"{args.loop_reserve_s:.0f}: the loop baseline was skipped.")
+            print("[deadline: skipping the loop baseline]", file=sys.stderr, flush=True)
+            return {}
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT
+    from kdtree_jax.serve.scheduler import Settings
+
+    work = tempfile.mkdtemp(prefix="serve_load_loop_")
+    config = {"checkpoint": args.checkpoint or DEFAULT_CHECKPOINT, "dtype": args.dtype, "max_batch": args.max_batch,
+              "max_len": args.max_len, "chunk_steps": args.chunk_steps or Settings.chunk_steps,
+              "budget": "auto" if args.budget is None else args.budget, "calibrate": args.calibrate,
+              "topk": 4,  # the server's default: launch_server passes no --topk
+              "programs": {m["mode"]: m.get("program") or m["mode"] for m in results},
+              "requests": [{"prompt": r["prompt"], "max_tokens": r["max_tokens"]} for r in requests],
+              "stream_requests": min(args.loop_stream_requests, len(requests)),
+              "out": os.path.join(work, "loop.json")}
+    with open(os.path.join(work, "config.json"), "w") as f:
+        json.dump(config, f)
+    log_path = os.path.join(args.log_dir, "serve_load_loop.log")
+    print(f"[loop baseline: the same requests through the engine's loop in a subprocess (log: {log_path}) ...]",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--loop-worker",
+                                 os.path.join(work, "config.json")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=_SERVER_ENV or None)
+    stopped = None
+    try:
+        proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 1.0))
+    except subprocess.TimeoutExpired:
+        stopped = "the deadline"
+    except Interrupted as e:
+        stopped = str(e)
+    if stopped is not None:
+        proc.kill()
+        proc.wait()
+        notes.append(f"The loop baseline was stopped by {stopped} after {time.perf_counter() - t0:.0f} s: the parts "
+                     "it had not finished are missing.")
+    elif proc.returncode != 0:
+        notes.append(f"The loop baseline exited with {proc.returncode} (its log: {log_path}).")
+        with open(log_path) as f:
+            print("".join(f.readlines()[-15:]), file=sys.stderr, flush=True)
+    result = {}
+    if os.path.exists(config["out"]):
+        with open(config["out"]) as f:
+            result = json.load(f)
+    result.update(exit=proc.returncode, wall_s=time.perf_counter() - t0, log=log_path,
+                  stream_requests=config["stream_requests"], chunk_steps=config["chunk_steps"])
+    return result
+
+
+def loop_worker(config_path: str) -> int:
+    """The loop baseline's subprocess: loads the server's checkpoint and dtype, then per mode (a) its requests through
+    spec_decode.run_refill at the server's rows, pool positions, chunk steps and program (greedy; warm-up untimed,
+    nothing compiles in the timed pass), and (b) the first `stream_requests` of them each alone through
+    engine.generate as the CLI decodes it (each call timed once after untimed ones that compile that max_tokens' loop).
+    Tokens are completion tokens, the first (the prefill's) included, as the server's usage counts them. Writes its
+    JSON after each part, so a run stopped early keeps what it finished."""
+    with open(config_path) as f:
+        cfg = json.load(f)
+    # First: it sets XLA's flags for the decode loop before JAX starts (runtime.configure), as the server and the CLI
+    # do; without them a GPU's loop would run from the host.
+    import spec_decode
+    from kdtree_jax.generate import load_models
+    from kdtree_jax.serve.scheduler import compile_count
+    from kdtree_jax.speculative import engine
+
+    target, drafter, _, description, recommended = load_models(cfg["checkpoint"], cfg["dtype"])
+    prompts = [r["prompt"] for r in cfg["requests"]]
+    counts = [r["max_tokens"] for r in cfg["requests"]]
+    out = {"device": device_name(), "pair": description, "refill": {}, "stream": {}}
+
+    def save():
+        with open(cfg["out"] + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(cfg["out"] + ".tmp", cfg["out"])
+
+    def say(line):
+        print(line, file=sys.stderr, flush=True)
+
+    for mode, program in cfg["programs"].items():
+        t0 = time.perf_counter()
+        stats, tokens = spec_decode.run_refill(
+            target, drafter, prompts, batch=cfg["max_batch"], tree="ar" if program == "autoregressive" else "ddtree",
+            budget=cfg["budget"], topk=cfg["topk"], temperature=0.0, top_k=0, top_p=1.0, seed=0,
+            max_new_tokens=counts, impl="auto", tree_temperature=recommended, chunk_steps=cfg["chunk_steps"],
+            calibrate=cfg["calibrate"] and program != "autoregressive", max_len=cfg["max_len"])
+        wall = stats["timed_seconds"]
+        out["refill"][mode] = {
+            "program": program, "tokens": stats["new_tokens"], "wall_s": wall,
+            "tokens_per_s": stats["tokens_per_second"], "chunks": stats["chunks"], "chunk_steps": stats["chunk_steps"],
+            "chunk_ms": 1e3 * wall / stats["chunks"], "tau": stats["tau"], "occupancy": stats["occupancy"],
+            "compiles": stats["compiles_after_warmup"], "each_its_max_tokens": [len(t) for t in tokens] == counts,
+            "setup_s": time.perf_counter() - t0 - wall}
+        if "budget_policy" in stats:
+            policy = stats["budget_policy"]
+            out["refill"][mode].update(budget_steps=policy["budget_steps"],
+                                       steps_without_drafter=policy["steps_without_drafter"])
+        save()
+        say(f"  loop {mode} ({program}): {stats['tokens_per_second']:.1f} tok/s, a chunk "
+            f"{out['refill'][mode]['chunk_ms']:.1f} ms, compiles {stats['compiles_after_warmup']}")
+    for mode in cfg["programs"] if cfg["stream_requests"] else []:
+        # As the CLI runs each mode (--budget 0, or the server's budget), whatever program the server's batch ran.
+        use, budget = (None, 0) if mode == "autoregressive" else (drafter, cfg["budget"])
+        calls = []
+        for r in cfg["requests"][:cfg["stream_requests"]]:
+            def call():  # on_tokens: the CLI streams, and so decodes in its chunks
+                return engine.generate(target, use, [r["prompt"]], max_new_tokens=r["max_tokens"], budget=budget,
+                                       topk=cfg["topk"], tree_temperature=recommended, on_tokens=lambda row, ids: False)
+
+            # Untimed until a call compiles nothing: a call that measures the cost model can change the next one's
+            # program (the cached model's verdict may then be autoregressive).
+            for _ in range(3):
+                compiles = compile_count()
+                call()
+                if compile_count() == compiles:
+                    break
+            compiles = compile_count()
+            t = time.perf_counter()
+            res = call()
+            calls.append({"tokens": len(res.tokens[0]), "wall_s": time.perf_counter() - t,
+                          "compiles": compile_count() - compiles, "decoding": res.stats["decoding"]})
+        tokens, wall = sum(c["tokens"] for c in calls), sum(c["wall_s"] for c in calls)
+        out["stream"][mode] = {"requests": len(calls), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                               "compiles": sum(c["compiles"] for c in calls), "calls": calls}
+        save()
+        say(f"  generate alone, {mode}: {len(calls)} requests at {tokens / wall:.1f} tok/s")
+    return 0
+
+
+def loop_comparison(data: dict, c: int) -> dict:
+    """Issue 45 item 3's targets from the loop baseline: per mode, server / loop throughput at each level (target
+    >= 0.85 at concurrency >= c), the server's single stream (concurrency 1, on the requests generate decoded alone)
+    / generate's (target >= 0.90), and the server's TTFT p50 at concurrency c in the loop's chunks (target <= 2)."""
+    loop = data.get("loop") or {}
+    out = {}
+    for mode in data["modes"]:
+        name, rows = mode["mode"], {r["concurrency"]: r for r in mode["rows"]}
+        t = {}
+        refill = loop.get("refill", {}).get(name)
+        if refill:
+            t["throughput"] = [{"concurrency": k, "server_tokens_per_s": r["tokens_per_s"], "ratio":
+                                r["tokens_per_s"] / refill["tokens_per_s"],
+                                "met": bool(r["tokens_per_s"] >= 0.85 * refill["tokens_per_s"]) if k >= c else None}
+                               for k, r in sorted(rows.items())]
+            if c in rows:
+                chunks = rows[c]["ttft_p50_ms"] / refill["chunk_ms"]
+                t["ttft_chunks"] = {"concurrency": c, "ttft_p50_ms": rows[c]["ttft_p50_ms"],
+                                    "chunk_ms": refill["chunk_ms"], "chunks": chunks, "met": bool(chunks <= 2)}
+        stream = loop.get("stream", {}).get(name)
+        if stream and 1 in rows:
+            n = stream["requests"]
+            alone = zip(rows[1].get("completion_tokens", [])[:n], rows[1].get("latencies_s", [])[:n])
+            pairs = [(k, s) for k, s in alone if k is not None]
+            if len(pairs) == n and n:
+                server = sum(k for k, _ in pairs) / sum(s for _, s in pairs)
+                t["single_stream"] = {"requests": n, "server_tokens_per_s": server,
+                                      "generate_tokens_per_s": stream["tokens_per_s"],
+                                      "ratio": server / stream["tokens_per_s"],
+                                      "met": bool(server >= 0.9 * stream["tokens_per_s"])}
+        out[name] = t
+    return out
 
 
 def targets(data: dict, c: int) -> dict:
@@ -575,6 +798,7 @@ def write_markdown(path: str, data: dict) -> None:
                 f"{k} {v} (busy rows {t['busy_rows_after_leak_check'][k]})" for k, v in t["leaked_slots"].items())
                 + " (target 0).")
         lines.append("")
+    lines += loop_lines(data)
     if data.get("notes"):
         lines += data["notes"] + [""]
     exits = {mode["mode"]: mode.get("server_exit") for mode in data["modes"]}
@@ -585,6 +809,65 @@ def write_markdown(path: str, data: dict) -> None:
         lines.append(f"![throughput and latency]({os.path.basename(path)[:-3]}.png)")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _verdict(met) -> str:
+    return "-" if met is None else "met" if met else "not met"
+
+
+def loop_lines(data: dict) -> list:
+    """The report's loop-baseline section: each mode's server against the engine's own loop (loop_comparison)."""
+    loop, by_mode = data.get("loop"), data.get("loop_targets")
+    if not loop:
+        return []
+    m = data["meta"]
+    c = m.get("target_concurrency", 16)
+    lines = [
+        "The server against the engine's own loop (issue 45 item 3): the same requests in the same call, after the "
+        f"servers stopped, in a subprocess ({loop['wall_s']:.0f} s with its load and compiles): "
+        f"`spec_decode.run_refill` (continuous batching: {m['max_batch']} rows refilled between chunks of "
+        f"{loop['chunk_steps']} steps, {m['max_len']} positions a row, greedy, each request its own max_tokens, the "
+        f"program its server ran) and the first {loop['stream_requests']} requests each alone through "
+        "`engine.generate`, as the CLI decodes them (the CLI's settings for the mode). "
+        "Tokens are completion tokens, the first (the prefill's) included, on every side; tok/s = tokens / wall: the "
+        "loop's from its first admission to its last token read (prefills included), generate's the sum of its "
+        "calls' walls (prefill included; each timed after untimed calls that compile its loop), the server's from "
+        "the first request sent to the last answer (single stream: the sum of those requests' latencies at "
+        "concurrency 1). A chunk's time = the loop's wall / its chunks. Compiles: XLA compiles in the timed parts.",
+        "",
+        "| mode | loop program | loop tok/s | loop tokens | chunk ms | compiles | concurrency | server tok/s | "
+        "server tokens | server / loop | target >= 0.85 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in data["modes"]:
+        refill = loop.get("refill", {}).get(mode["mode"])
+        if not refill:
+            lines.append(f"| {mode['mode']} | not measured | | | | | | | | | |")
+            continue
+        rows = {r["concurrency"]: r for r in mode["rows"]}
+        for t in by_mode[mode["mode"]]["throughput"]:
+            r = rows[t["concurrency"]]
+            lines.append(f"| {mode['mode']} | {refill['program']} | {refill['tokens_per_s']:.1f} | "
+                         f"{refill['tokens']} | {refill['chunk_ms']:.1f} | {refill['compiles']} | {t['concurrency']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['tokens']} | {t['ratio']:.2f} | {_verdict(t['met'])} |")
+    lines += ["", "| mode | requests | generate alone tok/s | decoding | compiles | server, concurrency 1, those "
+              "requests tok/s | server / generate | target >= 0.90 |", "|---|---|---|---|---|---|---|---|"]
+    for mode in data["modes"]:
+        stream, t = loop.get("stream", {}).get(mode["mode"]), by_mode[mode["mode"]].get("single_stream")
+        if not stream:
+            lines.append(f"| {mode['mode']} | not measured | | | | | | |")
+            continue
+        decoding = "/".join(sorted({call["decoding"] for call in stream["calls"]}))
+        server = (f"{t['server_tokens_per_s']:.1f} | {t['ratio']:.2f} | {_verdict(t['met'])}" if t else
+                  "not measured | | ")
+        lines.append(f"| {mode['mode']} | {stream['requests']} | {stream['tokens_per_s']:.1f} | {decoding} | "
+                     f"{stream['compiles']} | {server} |")
+    lines += ["", f"TTFT p50 at concurrency {c} in the loop's chunks (target <= 2):"]
+    for mode in data["modes"]:
+        t = by_mode[mode["mode"]].get("ttft_chunks")
+        lines.append(f"- {mode['mode']}: " + (
+            f"{t['ttft_p50_ms']:.0f} ms = {t['chunks']:.2f} chunks of {t['chunk_ms']:.1f} ms: {_verdict(t['met'])}."
+            if t else f"not measured (no concurrency {c} level, or no loop run)."))
+    return lines + [""]
 
 
 def plot(path: str, data: dict) -> None:
@@ -626,13 +909,18 @@ def device_name() -> str:
 def main(argv=None) -> int:
     t_start = time.monotonic()
     args = build_parser().parse_args(argv)
+    if args.loop_worker:
+        return loop_worker(args.loop_worker)
     if args.smoke:
         args.requests, args.concurrency, args.max_new_tokens, args.prompt_len = 4, "1,2", "4,8", "8,16"
+        args.loop_stream_requests = min(args.loop_stream_requests, 2)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.requests < 1 or any(c < 1 for c in levels):
         raise SystemExit("error: --requests and every --concurrency must be >= 1")
     if args.leak_requests < 0 or not 0 <= args.disconnect_fraction <= 1:
         raise SystemExit("error: --leak-requests must be >= 0 and --disconnect-fraction in [0, 1]")
+    if args.loop_stream_requests < 0 or args.loop_reserve_s < 0:
+        raise SystemExit("error: --loop-stream-requests and --loop-reserve-s must be >= 0")
     modes = args.modes.split(",")
     if not set(modes) <= {"speculative", "autoregressive"}:
         raise SystemExit(f"error: --modes takes speculative and/or autoregressive; got {args.modes}")
@@ -657,8 +945,15 @@ def main(argv=None) -> int:
     device = device_name()
     slug = "smoke" if args.smoke else ("cpu" if device.startswith("CPU") else
                                        device.lower().replace("nvidia", "").strip().replace(" ", "_"))
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="serve_load_logs_")  # the loop baseline's log goes there too
     load_before = os.getloadavg()
-    results, notes = measure(modes, args, requests, leak_requests, levels, deadline)
+    results, notes, interrupted = measure(modes, args, requests, leak_requests, levels, deadline)
+    loop = {}
+    if not args.no_loop_baseline and not interrupted:
+        try:
+            loop = loop_baseline(args, requests, results, deadline, notes)
+        except Interrupted as e:  # outside its wait for the subprocess (which it stops itself)
+            notes.append(f"Interrupted ({e}) while starting or reading the loop baseline.")
     load_after = os.getloadavg()
     data = {
         "meta": {"date": datetime.date.today().isoformat(), "device": device, "commit": provenance.git_commit(),
@@ -669,6 +964,8 @@ def main(argv=None) -> int:
                  "budget": args.budget if args.budget is not None else "the server's default (auto)",
                  "calibrate": args.calibrate,
                  "leak_requests": args.leak_requests, "disconnect_fraction": args.disconnect_fraction,
+                 "target_concurrency": args.target_concurrency, "loop_baseline": not args.no_loop_baseline,
+                 "loop_stream_requests": args.loop_stream_requests, "loop_reserve_s": args.loop_reserve_s,
                  "deadline_s": args.deadline_s, "wall_s": time.monotonic() - t_start,
                  # other work on the machine takes the server's cores: the 1-minute load average around the run
                  "loadavg_before": load_before[0], "loadavg_after": load_after[0]},
@@ -681,6 +978,9 @@ def main(argv=None) -> int:
                  for x, y in zip(rows[0][c]["texts"], rows[1][c]["texts"]) if x is not None and y is not None]
         data["compared_outputs"], data["identical_outputs"] = len(pairs), sum(x == y for x, y in pairs)
     data["targets"] = targets(data, args.target_concurrency)
+    if loop:
+        data["loop"] = loop
+        data["loop_targets"] = loop_comparison(data, args.target_concurrency)
     base = os.path.join(out_dir, f"serve_load_{slug}")
     with open(base + ".json", "w") as f:
         json.dump(data, f, indent=1)

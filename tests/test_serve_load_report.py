@@ -110,6 +110,45 @@ def test_a_levels_adaptive_budget_from_two_scrapes(tmp_path):
         tmp_path / "r.md").read_text()
 
 
+def test_loop_baseline_targets_and_report(tmp_path):
+    """Issue 45 item 3 from the loop baseline's results: each mode's server / loop throughput by level (the target
+    from --target-concurrency up), the server's concurrency-1 requests against generate alone on the same requests,
+    and TTFT p50 in the loop's chunks; the report's section, and no section without a baseline."""
+    sl = _serve_load()
+    data = _data([_row("speculative", 1, 300, 2.0), _row("speculative", 16, 3000, 3.0)],
+                 [_row("autoregressive", 1, 250, 2.5), _row("autoregressive", 16, 1800, 3.5)])
+    data["meta"]["target_concurrency"] = 16
+    for mode in data["modes"]:  # concurrency 1: 8 requests, 12 tokens in 0.1 s each: 120 tok/s on the first 2
+        mode["rows"][0].update(completion_tokens=[12] * 8, latencies_s=[0.1] * 8)
+    stream = {"requests": 2, "tokens": 24, "wall_s": 0.15, "tokens_per_s": 160.0, "compiles": 0,
+              "calls": [{"tokens": 12, "wall_s": 0.075, "compiles": 0, "decoding": "speculative"}] * 2}
+    data["loop"] = {"wall_s": 50.0, "chunk_steps": 4, "stream_requests": 2, "exit": 0,
+                    "refill": {"speculative": {"program": "adaptive", "tokens": 100, "tokens_per_s": 3200.0,
+                                               "chunk_ms": 40.0, "compiles": 0},
+                               "autoregressive": {"program": "autoregressive", "tokens": 100, "tokens_per_s": 2400.0,
+                                                  "chunk_ms": 20.0, "compiles": 0}},
+                    "stream": {"speculative": stream}}
+    data["targets"] = sl.targets(data, 16)
+    data["loop_targets"] = t = sl.loop_comparison(data, 16)
+    spec, ar = t["speculative"], t["autoregressive"]
+    assert [(x["concurrency"], x["met"]) for x in spec["throughput"]] == [(1, None), (16, True)]
+    assert abs(spec["throughput"][1]["ratio"] - 3000 / 3200) < 1e-9 and not ar["throughput"][1]["met"]  # 0.75
+    assert abs(spec["single_stream"]["ratio"] - 0.75) < 1e-9 and not spec["single_stream"]["met"]
+    assert "single_stream" not in ar  # generate alone was not measured for it
+    assert spec["ttft_chunks"]["chunks"] == 0.25 and ar["ttft_chunks"]["met"]  # 10 ms: 0.25 and 0.5 chunks
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    text = (tmp_path / "r.md").read_text()
+    assert "| speculative | adaptive | 3200.0 | 100 | 40.0 | 0 | 16 | 3000.0 | 100 | 0.94 | met |" in text
+    assert "| autoregressive | autoregressive | 2400.0 | 100 | 20.0 | 0 | 16 | 1800.0 | 100 | 0.75 | not met |" in text
+    assert "| speculative | adaptive | 3200.0 | 100 | 40.0 | 0 | 1 | 300.0 | 100 | 0.09 | - |" in text
+    assert "| speculative | 2 | 160.0 | speculative | 0 | 120.0 | 0.75 | not met |" in text
+    assert "| autoregressive | not measured |" in text
+    assert "- speculative: 10 ms = 0.25 chunks of 40.0 ms: met." in text
+    del data["loop"], data["loop_targets"]
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    assert "engine's own loop" not in (tmp_path / "r.md").read_text()
+
+
 def test_serve_host_report_of_runs(tmp_path):
     """benchmarks/serve_host.py --report: one table row per run, ratios against the same run's CLI and loop, TTFT in
     the loop's chunks, and each run's largest decode-thread spans."""
