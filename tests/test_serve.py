@@ -442,7 +442,9 @@ def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(se
     assert health["budget_steps"] == {str(b): int(after[f'budget_steps_total{{budget="{b}"}}']) for b in menu}
     assert health["observed_tau"] == pytest.approx(after["observed_tau"], rel=1e-5)
 
-    fixed = _start_server("--budget", "16")
+    # --no-warmup: this server is only the reference for the greedy text (its warm-up compiled every row count's
+    # programs and every prompt bucket's admission, ~80 s on 2 cores, for the four one-row requests below).
+    fixed = _start_server("--budget", "16", "--no-warmup")
     try:
         fixed_client = openai.OpenAI(base_url=fixed["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert httpx.get(fixed["url"] + "/health").json()["budget"] == 16
@@ -516,7 +518,7 @@ def test_cached_costs_where_no_budget_pays_serve_autoregressively(monkeypatch, t
         assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
     finally:
         _stop_server(plain)
-    ar = _start_server("--budget", "0")
+    ar = _start_server("--budget", "0", "--no-warmup")  # the reference text only: its first request compiles
     try:
         want = httpx.post(ar["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     finally:

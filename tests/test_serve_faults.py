@@ -219,9 +219,12 @@ def test_sigterm_ends_a_stream_past_the_drain_timeout_with_an_error_event(tiny_c
     import httpx
 
     port = _free_port()
+    # --no-warmup: the warm-up would compile admission for every prompt bucket up to 1,024 positions (~40 s on 2
+    # cores), none of which this test uses; its one request compiles what it runs before its first event, so the
+    # drain is timed on a server with nothing left to compile.
     proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.serve", "--checkpoint", tiny_checkpoint, "--port",
                              str(port), "--no-speculative", "--max-batch", "1", "--max-len", "1024", "--chunk-steps",
-                             "1", "--drain-timeout", drain], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             "1", "--drain-timeout", drain, "--no-warmup"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
