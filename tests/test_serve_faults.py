@@ -224,8 +224,8 @@ def test_sigterm_ends_a_stream_past_the_drain_timeout_with_an_error_event(tiny_c
     # drain is timed on a server with nothing left to compile.
     proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.serve", "--checkpoint", tiny_checkpoint, "--port",
                              str(port), "--no-speculative", "--max-batch", "1", "--max-len", "1024", "--chunk-steps",
-                             "1", "--drain-timeout", drain, "--no-warmup"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "1", "--drain-timeout", drain, "--no-warmup"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
