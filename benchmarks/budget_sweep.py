@@ -40,8 +40,8 @@ it at the same fractions. A cell decodes max(--prompts, batch) prompts, rounded 
 
 Compiles: every decoder of every cell is its own program (the pool's size follows the context, the tree the budget,
 the sampling the temperature), and compiling is most of the run. With a persistent compilation cache (--cache-dir, on
-by default) and --precompile-threads > 0 (default on a GPU), the cells go in groups: a group's programs are compiled
-first in parallel threads (each a generate call whose rows all end after the prefill, so nothing decodes there; auto
+by default) and --precompile-threads > 0 (default on a GPU: 1), the cells go in groups: a group's programs are compiled
+first (in parallel threads with more than 1; on a GPU that slows the programs: engine.compile_in_threads) (each a generate call whose rows all end after the prefill, so nothing decodes there; auto
 with placeholder costs, generate(costs=...), so nothing calibrates there), then its cells are measured one at a time,
 reading the programs back from the cache. The files are rewritten after every cell, so a run stopped by
 --deadline-s (or killed) keeps the cells it finished. On an H200 (c89fe7f) the default grid (8 cells, 56 programs)
@@ -529,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "anyway). Either way each cell records whether auto calibrated and for how long")
     p.add_argument("--precompile-threads", type=int, default=None,
                    help="run every cell's warm-up calls first in this many parallel threads (compiles overlap; "
-                        "needs --cache-dir); 0: off. Default: min(8, CPU cores / 2) on a GPU, 0 on a CPU")
+                        "needs --cache-dir); 0: off. Default: 1 on a GPU (programs compiled 8 at a time ran slower: "
+                        "engine.compile_in_threads), 0 on a CPU")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable; then nothing is precompiled)")
     p.add_argument("--no-command-buffers", action="store_true",
@@ -592,7 +593,8 @@ def main(argv=None) -> int:
     menu = list(args.budgets)
     threads = args.precompile_threads
     if threads is None:
-        threads = min(8, max((os.cpu_count() or 2) // 2, 1)) if jax.default_backend() == "gpu" else 0
+        # One at a time on a GPU: programs autotuned while others compile ran slower (engine.compile_in_threads).
+        threads = 1 if jax.default_backend() == "gpu" else 0
     if not args.cache_dir:
         threads = 0  # nothing would carry the parallel compiles over to the measurement
 

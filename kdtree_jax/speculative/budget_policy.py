@@ -151,19 +151,23 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
     expected = 1.0 + menu_arr if expected is None else np.asarray(expected, np.float32)
     if cost_verify.shape != (m,) or cost_slope.shape != (m + 1,) or expected.shape != (m,):
         raise ValueError(f"cost_verify and expected must have one entry per menu budget ({m}), cost_slope {m + 1}")
-    return PolicyState(
-        cost_ar=jnp.float32(cost_ar), cost_draft=jnp.float32(cost_draft), cost_verify=jnp.asarray(cost_verify),
-        cost_slope=jnp.asarray(cost_slope), context0=jnp.float32(context0),
-        bin_pred=jnp.full((NUM_BINS,), PRIOR_WEIGHT, jnp.float32), bin_acc=jnp.asarray(PRIOR_WEIGHT * ratio),
-        expected=jnp.asarray(expected), since_draft=jnp.int32(0),
-        probe_every=probe_interval(cost_ar, cost_draft, cost_verify, menu), force=jnp.int32(force),
-        chosen=jnp.zeros((m + 1,), jnp.int32), predicted_tokens=jnp.float32(0), observed_tokens=jnp.int32(0),
-        sequence_steps=jnp.int32(0), makespan=jnp.bool_(makespan),
-        row_expected=jnp.broadcast_to(jnp.asarray(static_batch_prior(expected, slowest) if makespan else expected),
-                                      (batch, m)).astype(jnp.float32),
-        endless=jnp.bool_(False),
-        log_scores=jnp.full((chunk_steps, batch, max(max(menu), 0) + 1), -jnp.inf, jnp.float32),
-        log_path=jnp.full((chunk_steps, batch, depth + 1), -1, jnp.int32), logged=jnp.int32(0))
+    # Built in numpy and placed in one device_put: as ~25 eager jnp ops each policy cost a dispatch, and generate builds
+    # three a call (adaptive_parts, with_costs, first_entry): on the H100 at a3b364e _prepare_costs took 21-24 ms of
+    # every adaptive generate call (benchmarks/adaptive_gap.py --trace).
+    f32 = np.float32
+    host = PolicyState(
+        cost_ar=f32(cost_ar), cost_draft=f32(cost_draft), cost_verify=cost_verify, cost_slope=cost_slope,
+        context0=f32(context0), bin_pred=np.full((NUM_BINS,), PRIOR_WEIGHT, f32), bin_acc=(PRIOR_WEIGHT * ratio).astype(f32),
+        expected=expected, since_draft=np.int32(0),
+        probe_every=_probe_interval(np, cost_ar, cost_draft, cost_verify, menu), force=np.int32(force),
+        chosen=np.zeros((m + 1,), np.int32), predicted_tokens=f32(0), observed_tokens=np.int32(0),
+        sequence_steps=np.int32(0), makespan=np.bool_(makespan),
+        row_expected=np.broadcast_to(static_batch_prior(expected, slowest) if makespan else expected,
+                                     (batch, m)).astype(f32),
+        endless=np.bool_(False),
+        log_scores=np.full((chunk_steps, batch, max(max(menu), 0) + 1), -np.inf, f32),
+        log_path=np.full((chunk_steps, batch, depth + 1), -1, np.int32), logged=np.int32(0))
+    return jax.device_put(host)
 
 
 def static_batch_prior(expected, slowest) -> np.ndarray:
@@ -181,12 +185,16 @@ def static_batch_prior(expected, slowest) -> np.ndarray:
 def probe_interval(cost_ar, cost_draft, cost_verify, menu: Sequence[int]) -> jnp.ndarray:
     """Chunks between a closed gate's probes ([] int32) so that their extra cost (the cheapest drafting entry's step
     over an autoregressive one, for one chunk) is PROBE_SHARE of the autoregressive time."""
-    cost_ar = jnp.asarray(cost_ar, jnp.float32)
-    step = jnp.where(jnp.asarray(speculative_entries(menu)), cost_draft + jnp.asarray(cost_verify, jnp.float32),
-                     jnp.inf)
-    extra = jnp.maximum(step.min() - cost_ar, 0.0)
-    interval = jnp.clip(jnp.ceil(extra / (PROBE_SHARE * jnp.maximum(cost_ar, 1e-9))), PROBE_MIN, PROBE_MAX)
-    return jnp.where(cost_ar > 0, interval, PROBE_MIN).astype(jnp.int32)
+    return _probe_interval(jnp, cost_ar, cost_draft, cost_verify, menu)
+
+
+def _probe_interval(xp, cost_ar, cost_draft, cost_verify, menu: Sequence[int]):
+    """probe_interval with xp = jnp (traced: the chunk's end) or np (init_state, on the host)."""
+    cost_ar = xp.asarray(cost_ar, xp.float32)
+    step = xp.where(xp.asarray(speculative_entries(menu)), cost_draft + xp.asarray(cost_verify, xp.float32), xp.inf)
+    extra = xp.maximum(step.min() - cost_ar, 0.0)
+    interval = xp.clip(xp.ceil(extra / (PROBE_SHARE * xp.maximum(cost_ar, 1e-9))), PROBE_MIN, PROBE_MAX)
+    return xp.asarray(xp.where(cost_ar > 0, interval, PROBE_MIN)).astype(xp.int32)
 
 
 def _costs(policy: PolicyState, context):
@@ -403,6 +411,10 @@ def summary(policy: PolicyState, menu: Sequence[int]) -> dict:
     """What a run's policy did, for GenerateResult.stats and /metrics: steps per budget (a histogram;
     "steps_without_drafter" counts the autoregressive steps), and the predicted vs observed tokens per sequence-step
     of drafted steps."""
+    # One read of the device for the fields below, not one a field (each a wait and a copy on a GPU).
+    policy = policy._replace(**jax.device_get({k: getattr(policy, k) for k in (
+        "chosen", "sequence_steps", "predicted_tokens", "observed_tokens", "bin_acc", "bin_pred", "cost_ar",
+        "cost_draft", "cost_verify")}))
     chosen = np.asarray(policy.chosen).tolist()
     seq_steps = float(policy.sequence_steps)
     return {

@@ -173,10 +173,15 @@ def _remaining(state: LoopState):
 
 
 def compile_in_threads(build, keys) -> dict:
-    """{key: build(key)} over `keys`, in parallel threads where there are several (XLA compiles outside the GIL): an
-    adaptive loop's chunk program per menu entry, the server's row and admission programs."""
+    """{key: build(key)} over `keys`: an adaptive loop's chunk program per menu entry, the server's row and admission
+    programs. In parallel threads on a CPU (XLA compiles outside the GIL), one at a time on a GPU: there XLA times
+    candidate kernels on the device while it compiles (autotuning), and a program compiled beside others came out
+    slower. On the H100 at a3b364e the autoregressive program at batch 64 decoded 152,730 tok/s compiled 8 at a time
+    against 174,232 compiled alone (budget_sweep.py --precompile-threads 8 / 1, each with its own compilation cache,
+    5 passes; history/adaptive_session30_h100.md), as at 1ee1b64 in two cells (168-173k against 196-203k at B = 64,
+    34-35k against 39.5-41k at T = 0.7, B = 16)."""
     keys = list(keys)
-    if len(keys) <= 1:
+    if len(keys) <= 1 or jax.default_backend() == "gpu":
         return {key: build(key) for key in keys}
     with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1)) as pool:
         return dict(zip(keys, pool.map(build, keys)))
