@@ -393,7 +393,7 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
 def run_refill(target, drafter, prompts: list, *, batch: int, tree, budget, topk, temperature, top_k, top_p, seed,
                max_new_tokens, impl, tree_temperature: float = 1.0, chunk_steps: int = DEFAULT_CHUNK_STEPS,
                row_invariant: bool = False, calibrate: bool = False, max_len: int | None = None):
-    """One decoder in refill mode: `prompts` (more than `batch`) through `batch` rows, chunks of `chunk_steps`
+    """One decoder in refill mode: `prompts` (any number) through `batch` rows, chunks of `chunk_steps`
     steps; max_new_tokens: every prompt's output length, or a list of one per prompt (the loop's out buffer and the
     pool's room are the largest's); max_len: the pool's positions a row (a server's --max-len; default: what the
     longest prompt and output need). An untimed warm-up (the first batch + 1 prompts through the same rows, then one
