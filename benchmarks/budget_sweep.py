@@ -40,10 +40,11 @@ it at the same fractions. A cell decodes max(--prompts, batch) prompts, rounded 
 
 Compiles: every decoder of every cell is its own program (the pool's size follows the context, the tree the budget,
 the sampling the temperature), and compiling is most of the run. With a persistent compilation cache (--cache-dir, on
-by default) and --precompile-threads > 0 (default on a GPU: 1), the cells go in groups: a group's programs are compiled
-first (in parallel threads with more than 1; on a GPU that slows the programs: engine.compile_in_threads) (each a generate call whose rows all end after the prefill, so nothing decodes there; auto
-with placeholder costs, generate(costs=...), so nothing calibrates there), then its cells are measured one at a time,
-reading the programs back from the cache. The files are rewritten after every cell, so a run stopped by
+by default) and --precompile-threads > 0 (default on a GPU: 1; more threads compile in parallel, which on a GPU slows
+the programs: engine.compile_programs), the cells go in groups: a group's programs are compiled first (each a
+generate call whose rows all end after the prefill, so nothing decodes there; auto with placeholder costs,
+generate(costs=...), so nothing calibrates there), then its cells are measured one at a time, reading the programs
+back from the cache. The files are rewritten after every cell, so a run stopped by
 --deadline-s (or killed) keeps the cells it finished. On an H200 (c89fe7f) the default grid (8 cells, 56 programs)
 compiled in ~290 s with 8 threads and measured in ~35 s: each further context (--contexts 128,2048) adds as much;
 `--batch 1,16,64` takes three quarters of it.
@@ -530,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precompile-threads", type=int, default=None,
                    help="run every cell's warm-up calls first in this many parallel threads (compiles overlap; "
                         "needs --cache-dir); 0: off. Default: 1 on a GPU (programs compiled 8 at a time ran slower: "
-                        "engine.compile_in_threads), 0 on a CPU")
+                        "engine.compile_programs), 0 on a CPU")
     p.add_argument("--cache-dir", default="~/.cache/kdtree_jax/jax_compilation_cache",
                    help="persistent XLA compilation cache ('' to disable; then nothing is precompiled)")
     p.add_argument("--no-command-buffers", action="store_true",
@@ -593,7 +594,7 @@ def main(argv=None) -> int:
     menu = list(args.budgets)
     threads = args.precompile_threads
     if threads is None:
-        # One at a time on a GPU: programs autotuned while others compile ran slower (engine.compile_in_threads).
+        # One at a time on a GPU: programs autotuned while others compile ran slower (engine.compile_programs).
         threads = 1 if jax.default_backend() == "gpu" else 0
     if not args.cache_dir:
         threads = 0  # nothing would carry the parallel compiles over to the measurement

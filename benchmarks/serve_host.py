@@ -147,45 +147,17 @@ class Driver:
 
 def loop_refill(target, drafter, requests: list, batch: int, max_len: int, chunk_steps: int) -> dict:
     """spec_decode.py --refill's loop on these requests (each its own max_tokens), greedy, the refusal's
-    autoregressive program or the fixed budget the server runs: -> tok/s, chunks, a chunk's ms."""
-    import jax
-    import jax.numpy as jnp
+    autoregressive program or the fixed budget the server runs: -> tok/s, chunks, a chunk's ms. spec_decode.run_refill
+    warms every program the timed pass runs (each prefill bucket's admission included) before the clock."""
+    from spec_decode import run_refill
 
-    from kdtree_jax import kv_pool
-    from kdtree_jax.speculative import engine
-    from spec_decode import refill_pass
-
-    max_new = max_len
-    spec = engine.SpecConfig(tree="ddtree", budget=0, topk=4, sampled=False, max_new_tokens=max_new)
-    moe = [layer.mlp for layer in target.layers if layer.is_moe]
-
-    def empty():
-        cache = kv_pool.init_cache(target.cfg, batch, max_len, dtype=target.dtype)
-        st = engine.initial_state(cache, None, np.zeros((batch,), np.int32), max_new_tokens=max_new, width=1,
-                                  stop_ids=np.array([-1], np.int32), key=jax.random.key(0),
-                                  expert_load=engine.ExpertLoad.zeros(len(moe), moe[0].num_slots if moe else 0, 1),
-                                  active=np.zeros((batch,), bool))
-        return jax.device_put(st, jax.devices()[0])
-
-    loop = engine.ChunkedLoop(target, None, spec, steps=chunk_steps)
-    loop.compile(empty())
-    prompts = [r["prompt"] for r in requests]
-
-    def admit(state, row, prompt, i, max_tokens):
-        return loop.admit(state, prompt, row, max_tokens=max_tokens, seed=i)
-
-    counts = [r["max_tokens"] for r in requests]
-    refill_pass(loop, empty(), prompts[:batch + 1], admit, counts[:batch + 1])  # warm-up: every program the pass runs
-    seen = {}
-    from kdtree_jax.speculative.admission import prompt_bucket
-    for r in requests:  # every prefill bucket compiled before the clock
-        seen.setdefault(prompt_bucket(len(r["prompt"]), max_len), r)
-    refill_pass(loop, empty(), [r["prompt"] for r in seen.values()] + [prompts[0]] * batch, admit, 4)
-    tokens, final, wall, chunks, admit_s = refill_pass(loop, empty(), prompts, admit, counts)
-    n = sum(len(t) for t in tokens)
-    steps = int(final.step)
-    return {"wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "chunks": chunks, "steps": steps,
-            "chunk_ms": 1e3 * wall / chunks, "admission_host_s": admit_s, "outputs": tokens}
+    stats, tokens = run_refill(target, None, [r["prompt"] for r in requests], batch=batch, tree="ar", budget=0, topk=4,
+                               temperature=0.0, top_k=0, top_p=1.0, seed=0, impl="auto", chunk_steps=chunk_steps,
+                               max_new_tokens=[r["max_tokens"] for r in requests], max_len=max_len)
+    wall, chunks = stats["timed_seconds"], stats["chunks"]
+    return {"wall_s": wall, "tokens": stats["new_tokens"], "tokens_per_s": stats["tokens_per_second"],
+            "chunks": chunks, "steps": stats["target_forwards"], "chunk_ms": 1e3 * wall / chunks,
+            "admission_host_s": stats["admission_host_seconds"], "outputs": tokens}
 
 
 def group_sizes(batch: int) -> tuple:

@@ -336,7 +336,7 @@ def refill_pass(loop: engine.ChunkedLoop, state, prompts: list, admit, max_new_t
     batch = state.bonus.shape[0]
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     # Every row's output ends at the loop's max_new_tokens (a row's own count moves its start back: admission.py).
-    limit = state.out.shape[1] - state.accepted_hist.shape[0]
+    limit = engine.output_limit(state)
     waiting = collections.deque(range(len(prompts)))
     owner = [None] * batch  # the prompt each row decodes (None: free)
     tokens = [[] for _ in prompts]

@@ -136,7 +136,7 @@ class RowPrograms:
         full = (self.batch, False, self.full.steps)
         keys = [key for key in self.keys() if key != full and key not in self._compiled]
 
-        self._compiled.update(engine.compile_in_threads(lambda key: self._lower(state, *key).compile(), keys))
+        self._compiled.update(engine.compile_programs(lambda key: self._lower(state, *key).compile(), keys))
 
     def pick(self, live: int, greedy: bool, lone: bool = False) -> tuple:
         """(rows the chunk computes, greedy, steps) for `live` rows holding requests; lone: nothing waits for a row

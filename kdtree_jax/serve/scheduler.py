@@ -414,7 +414,7 @@ class Bucket:
             n = buckets[-1] + 1
         pairs = [(k, b) for b in buckets if b != ran for k in self.group_sizes if (k, b) not in self.admit_programs]
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        self.admit_programs.update(engine.compile_in_threads(
+        self.admit_programs.update(engine.compile_programs(
             lambda pair: admission.lower_group(self.loop.leaves, self.plan, shapes, *pair).compile(), pairs))
 
     def deliver_firsts(self) -> None:

@@ -157,7 +157,8 @@ def init_state(menu: Sequence[int], *, cost_ar=1.0, cost_draft=0.0, cost_verify=
     f32 = np.float32
     host = PolicyState(
         cost_ar=f32(cost_ar), cost_draft=f32(cost_draft), cost_verify=cost_verify, cost_slope=cost_slope,
-        context0=f32(context0), bin_pred=np.full((NUM_BINS,), PRIOR_WEIGHT, f32), bin_acc=(PRIOR_WEIGHT * ratio).astype(f32),
+        context0=f32(context0), bin_pred=np.full((NUM_BINS,), PRIOR_WEIGHT, f32),
+        bin_acc=(PRIOR_WEIGHT * ratio).astype(f32),
         expected=expected, since_draft=np.int32(0),
         probe_every=_probe_interval(np, cost_ar, cost_draft, cost_verify, menu), force=np.int32(force),
         chosen=np.zeros((m + 1,), np.int32), predicted_tokens=f32(0), observed_tokens=np.int32(0),

@@ -162,17 +162,17 @@ def _decode_chunk(leaves, loop_weights, state: LoopState, *, structure, spec: Sp
     return ChunkOutput(state, tokens, start, state.num_out, state.active.any(), state.active, following)
 
 
-def _limit(state: LoopState) -> int:
+def output_limit(state: LoopState) -> int:
     """The output count at which a row stops: out's width less the loop's (static)."""
     return state.out.shape[1] - state.accepted_hist.shape[0]
 
 
 def _remaining(state: LoopState):
     """[B] tokens each row may still emit."""
-    return _limit(state) - state.num_out
+    return output_limit(state) - state.num_out
 
 
-def compile_in_threads(build, keys) -> dict:
+def compile_programs(build, keys) -> dict:
     """{key: build(key)} over `keys`: an adaptive loop's chunk program per menu entry, the server's row and admission
     programs. In parallel threads on a CPU (XLA compiles outside the GIL), one at a time on a GPU: there XLA times
     candidate kernels on the device while it compiles (autotuning), and a program compiled beside others came out
@@ -197,7 +197,7 @@ def _first_entry(policy, seq_lens, active, num_out, *, menu, steps, limit):
 def _entry_of_state(state: LoopState, *, menu, steps) -> int:
     """The entry a state's own policy picks for its next chunk (the host waits for it)."""
     return int(_first_entry(state.policy, state.cache.seq_lens, state.active, state.num_out, menu=menu, steps=steps,
-                            limit=_limit(state)))
+                            limit=output_limit(state)))
 
 
 def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, makespan: bool) -> int:
@@ -212,7 +212,8 @@ def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, 
         where = contextlib.nullcontext()
     with where:
         policy = budget_policy.init_state(spec.menu, batch=state.bonus.shape[0], makespan=makespan, **costs)
-        return int(_first_entry(policy, seq_lens, active, num_out, menu=spec.menu, steps=steps, limit=_limit(state)))
+        return int(_first_entry(policy, seq_lens, active, num_out, menu=spec.menu, steps=steps,
+                                limit=output_limit(state)))
 
 
 class _Call:
@@ -298,7 +299,7 @@ class ChunkedLoop:
         key = self._key(_shapes(state))
         missing = [e for e in self.entries() if (key, e) not in self._programs]
 
-        built = compile_in_threads(lambda entry: self.lower(state, entry).compile(), missing)
+        built = compile_programs(lambda entry: self.lower(state, entry).compile(), missing)
         self._programs.update({(key, e): program for e, program in built.items()})
         entry = None
         if self.spec.menu:
@@ -713,7 +714,7 @@ def one_step_left(state: LoopState) -> LoopState:
     the same work as any (positions come from the caches, not from the output count). Profiles take one step this
     way: where a command buffer replays a captured loop, the trace held the kernels of about one iteration of the
     eight the loop ran (114 a step against the step's ~870, Kimi-K2 rank on an H200, jaxlib 0.11.2, 23f2872)."""
-    return state._replace(num_out=jnp.full_like(state.num_out, _limit(state) - 1))
+    return state._replace(num_out=jnp.full_like(state.num_out, output_limit(state) - 1))
 
 
 def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState, spec: SpecConfig, profile: bool,
