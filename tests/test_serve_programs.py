@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree
 SETTINGS = dict(max_batch=2, max_len=64, budget=4, chunk_steps=2)
 LONE = 8  # Settings.lone_chunk_steps' default: a lone row's chunk while nothing waits
 GREEDY, SAMPLED = [5, 6, 7, 8], [9, 10, 11]
+MENU = (0, 8)  # the adaptive bucket's: two programs per row count to compile
+ADAPTIVE_LONE = 4  # its lone row's chunk
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,60 @@ def test_a_lone_row_takes_the_long_chunk_only_while_nothing_waits(schedulers):
     while bucket.inflight:
         bucket.collect()
     assert len(out) == req.max_tokens and out == _run(schedulers[False], (GREEDY, dict(max_tokens=req.max_tokens)))[0]
+
+
+@pytest.fixture(scope="module")
+def adaptive(pair):
+    """An adaptive bucket (budget "auto", given costs: every drafting entry about an autoregressive step, so the batch
+    drafts), warmed up, not started."""
+    from kdtree_jax.speculative import validation
+
+    menu = validation.adaptive_menu("auto", MENU, pair[1], "ddtree", 4)
+    costs = dict(cost_ar=1.0, cost_draft=0.0, cost_verify=[1.0 if b == 0 else 1.05 for b in menu])
+    s = _scheduler(pair, budget="auto", menu=MENU, costs=costs, max_len=80, lone_chunk_steps=ADAPTIVE_LONE)
+    yield s, menu, costs
+    s.stop(drain=False, timeout=30)
+
+
+def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, schedulers):
+    """A lone live row of an adaptive bucket runs the lone row's program (one row, its own entry per chunk, the next
+    pick in the loop's chain), its picks priced at the lone row's costs, not the batch's; its tokens are the greedy
+    decode whatever it picked; taking its row out and putting it back keeps the policy's rows and the batch's costs."""
+    import jax
+
+    from kdtree_jax.serve.programs import put_rows, take_rows
+
+    s, menu, costs = adaptive
+    bucket, programs = s.bucket, s.bucket.programs
+    assert programs is not None and programs.adaptive and bucket.state.policy.log_scores.shape[0] >= ADAPTIVE_LONE
+    reference = _run(schedulers[False], (GREEDY, dict(max_tokens=36)))[0]
+    picked, outputs = {}, {}
+    for name, lone_ar in (("batch costs", costs["cost_ar"]), ("autoregressive lone row", 0.02)):
+        programs.set_lone_costs({**costs, "cost_ar": lone_ar})
+        runs, chosen = programs.runs.copy(), np.asarray(bucket.state.policy.chosen)
+        outputs[name] = _run(s, (GREEDY, dict(max_tokens=48)))[0]
+        assert outputs[name][:36] == reference, name
+        assert programs.runs - runs == {(1, False, ADAPTIVE_LONE): (programs.runs - runs).total()} != {}, name
+        picked[name] = np.asarray(bucket.state.policy.chosen) - chosen  # steps per entry, then without the drafter
+    assert outputs["batch costs"] == outputs["autoregressive lone row"]
+    assert picked["batch costs"][-1] == 0  # a row costs the batch's step: every chunk drafts
+    # Priced at one row, the lone row's picks are autoregressive: only its first two chunks (launched before the
+    # first pick was read) run the entry the chain had.
+    assert picked["autoregressive lone row"][-1] >= 8 and picked["autoregressive lone row"][:-1].sum() <= 2 * ADAPTIVE_LONE
+    assert float(bucket.state.policy.cost_ar) == costs["cost_ar"]  # the batch's costs stay the batch's
+
+    state, _ = bucket.loop.admit(bucket.state, GREEDY, 1, max_tokens=10)
+    rows = np.array([1], np.int32)
+    sub = take_rows(state, rows, programs.lone_costs)
+    assert sub.policy.row_expected.shape[0] == 1 and sub.pending.count.shape == (1,)
+    assert float(sub.policy.cost_ar) == pytest.approx(0.02)
+    back = put_rows(state, sub._replace(policy=sub.policy._replace(row_expected=sub.policy.row_expected + 1)), rows)
+    np.testing.assert_array_equal(np.asarray(back.policy.row_expected)[0], np.asarray(state.policy.row_expected)[0])
+    np.testing.assert_array_equal(np.asarray(back.policy.row_expected)[1], np.asarray(state.policy.row_expected)[1] + 1)
+    for a, b in zip(jax.tree.leaves(state.pending), jax.tree.leaves(back.pending)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(back.policy.cost_ar) == costs["cost_ar"]
+    bucket.state = bucket.loop.reset_row(back, 1)
 
 
 def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():

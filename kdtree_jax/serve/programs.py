@@ -7,9 +7,8 @@ keeps token counts, whatever the rows ask for. On the 2-core CPU with the defaul
 float32) that program costs 13.7 ms a step where a greedy-only one costs 4.2, and a batch of one 1.4: a single
 greedy stream ran at ~10% of `python -m kdtree_jax.generate`'s tok/s (benchmarks/serve_host.py).
 
-So a fixed-budget bucket (an adaptive one keeps its one program per menu entry: engine.ChunkedLoop picks among them)
-compiles, at warm-up, a program per (rows, greedy): `rows` a power of two up to the batch, `greedy` when every live
-row is greedy without penalties. Each launch takes the smallest that holds its live rows: a chunk of k < batch rows
+So a fixed-budget bucket compiles, at warm-up, a program per (rows, greedy): `rows` a power of two up to the batch,
+`greedy` when every live row is greedy without penalties (an adaptive bucket: a lone row's only, RowPrograms). Each launch takes the smallest that holds its live rows: a chunk of k < batch rows
 gathers those rows' part of the state (their slot tables and lengths; the pool's pages and free list are shared, so
 the k-row program allocates from the batch's pool), runs the loop's own chunk program on it (engine.decode_chunk,
 traced into this one) and scatters it back, in one dispatch. A greedy program runs without the token counts (the
@@ -24,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,51 +31,83 @@ import numpy as np
 
 from kdtree_jax.kv_pool import KVCache
 from kdtree_jax.model.drafter import DrafterCache
-from kdtree_jax.speculative import engine
+from kdtree_jax.speculative import budget_policy, engine
 from kdtree_jax.speculative.sampling import RowSampling
-from kdtree_jax.speculative.step import LoopState, SpecConfig
+from kdtree_jax.speculative.step import LoopState, PendingContext, SpecConfig
 
 
-def take_rows(state: LoopState, rows) -> LoopState:
+class RowCosts(NamedTuple):
+    """An adaptive loop's step costs for a chunk of fewer rows than the batch (budget_policy.PolicyState's cost fields,
+    measured for that many rows): the policy's picks for a lone row are priced at one row's steps, not the batch's."""
+
+    cost_ar: jnp.ndarray
+    cost_draft: jnp.ndarray
+    cost_verify: jnp.ndarray
+    cost_slope: jnp.ndarray
+    context0: jnp.ndarray
+
+    @staticmethod
+    def of(policy) -> "RowCosts":
+        return RowCosts(*(getattr(policy, f) for f in RowCosts._fields))
+
+
+def take_rows(state: LoopState, rows, costs: Optional[RowCosts] = None) -> LoopState:
     """The state of batch rows `rows` [k] (distinct): per-row arrays gathered, the pool's pages and free list, the
-    step counter and the batch's histograms shared."""
+    step counter and the batch's histograms shared; an adaptive loop's policy with its per-row predictions and step log
+    gathered, its calibration and counters shared, and its costs `costs` (those of a chunk of k rows)."""
     c = state.cache
     cache = KVCache(c.pages, c.free_slots, c.num_free, c.slot_table[rows], c.seq_lens[rows], c.overflow)
     d = state.dcache
     dcache = None if d is None else DrafterCache(d.k[:, rows], d.v[:, rows], d.lens[rows])
+    policy, pending = state.policy, state.pending
+    if policy is not None:
+        policy = policy._replace(row_expected=policy.row_expected[rows], log_scores=policy.log_scores[:, rows],
+                                 log_path=policy.log_path[:, rows], **(costs._asdict() if costs is not None else {}))
+        pending = PendingContext(pending.hidden[:, rows], pending.count[rows])
     return state._replace(cache=cache, dcache=dcache, bonus=state.bonus[rows], out=state.out[rows],
                           num_out=state.num_out[rows], active=state.active[rows], key=state.key[rows],
                           sampling=RowSampling(*(x[rows] for x in state.sampling)),
-                          counts=None if state.counts is None else state.counts[rows])
+                          counts=None if state.counts is None else state.counts[rows], policy=policy, pending=pending)
 
 
 def put_rows(state: LoopState, sub: LoopState, rows) -> LoopState:
-    """`state` with rows `rows` replaced by `sub` (take_rows' inverse) and the shared parts taken from `sub`."""
+    """`state` with rows `rows` replaced by `sub` (take_rows' inverse) and the shared parts taken from `sub` (an
+    adaptive loop's costs stay the batch's)."""
     c, s = state.cache, sub.cache
     cache = KVCache(s.pages, s.free_slots, s.num_free, c.slot_table.at[rows].set(s.slot_table),
                     c.seq_lens.at[rows].set(s.seq_lens), s.overflow)
     d, e = state.dcache, sub.dcache
     dcache = None if d is None else DrafterCache(d.k.at[:, rows].set(e.k), d.v.at[:, rows].set(e.v),
                                                  d.lens.at[rows].set(e.lens))
+    policy, pending = state.policy, state.pending
+    if policy is not None:
+        p = sub.policy
+        policy = p._replace(row_expected=policy.row_expected.at[rows].set(p.row_expected),
+                            log_scores=policy.log_scores.at[:, rows].set(p.log_scores),
+                            log_path=policy.log_path.at[:, rows].set(p.log_path), **RowCosts.of(policy)._asdict())
+        pending = PendingContext(pending.hidden.at[:, rows].set(sub.pending.hidden),
+                                 pending.count.at[rows].set(sub.pending.count))
     return state._replace(cache=cache, dcache=dcache, bonus=state.bonus.at[rows].set(sub.bonus),
                           out=state.out.at[rows].set(sub.out), num_out=state.num_out.at[rows].set(sub.num_out),
                           active=state.active.at[rows].set(sub.active), step=sub.step,
                           key=state.key.at[rows].set(sub.key), accepted_hist=sub.accepted_hist,
                           expert_load=sub.expert_load,
                           sampling=RowSampling(*(x.at[rows].set(y) for x, y in zip(state.sampling, sub.sampling))),
-                          counts=None if state.counts is None else state.counts.at[rows].set(sub.counts))
+                          counts=None if state.counts is None else state.counts.at[rows].set(sub.counts),
+                          policy=policy, pending=pending)
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "spec", "steps"), donate_argnames=("state",))
-def rows_chunk(leaves, loop_weights, state: LoopState, rows, *, structure, spec: SpecConfig,
-               steps: int) -> engine.ChunkOutput:
+@functools.partial(jax.jit, static_argnames=("structure", "spec", "steps", "entry"), donate_argnames=("state",))
+def rows_chunk(leaves, loop_weights, state: LoopState, rows, costs: Optional[RowCosts] = None, *, structure,
+               spec: SpecConfig, steps: int, entry: Optional[int] = None) -> engine.ChunkOutput:
     """One chunk of rows `rows` [k] of the batch (the others untouched): -> the batch's ChunkOutput (a row not run
-    emits nothing: its tokens are -1, its start its num_out)."""
-    sub = engine.decode_chunk(leaves, loop_weights, take_rows(state, rows), structure=structure, spec=spec,
-                               steps=steps)
+    emits nothing: its tokens are -1, its start its num_out). An adaptive loop's chunk runs menu entry `entry` priced
+    at `costs` (RowCosts), and its next_entry is the k rows' pick."""
+    sub = engine.decode_chunk(leaves, loop_weights, take_rows(state, rows, costs), structure=structure, spec=spec,
+                              steps=steps, entry=entry)
     full = put_rows(state, sub.state, rows)
     tokens = jnp.full((state.bonus.shape[0], sub.tokens.shape[1]), -1, jnp.int32).at[rows].set(sub.tokens)
-    return engine.ChunkOutput(full, tokens, state.num_out, full.num_out, sub.any_active, full.active, None)
+    return engine.ChunkOutput(full, tokens, state.num_out, full.num_out, sub.any_active, full.active, sub.next_entry)
 
 
 def row_sizes(batch: int) -> tuple:
@@ -89,7 +120,7 @@ def row_sizes(batch: int) -> tuple:
 
 
 class RowPrograms:
-    """A fixed-budget bucket's chunk programs by (rows, greedy, steps) (module docstring). `full` is the bucket's
+    """A bucket's chunk programs by (rows, greedy, steps) (module docstring). `full` is the bucket's
     engine.ChunkedLoop (every row, any settings, full.steps a chunk); the rest are compiled by `compile`.
 
     lone_steps (> full.steps; 0: none): the steps of a lone row's chunk while nothing waits for a row, a greedy and an
@@ -98,28 +129,42 @@ class RowPrograms:
     often per token as `python -m kdtree_jax.generate`'s 8: on the 2-core CPU a single stream ran at 0.94x the CLI
     call's tok/s with 4-step chunks and 0.99x with 8 (serve_host.py --stream-ab: one process, 8 interleaved rounds;
     benchmarks/results/history/serve_host_cpu_ac80846.md). A long chunk delays only a request that arrives while it
-    runs (it waits for that chunk, then the rows are two and the chunks short again)."""
+    runs (it waits for that chunk, then the rows are two and the chunks short again).
+
+    An adaptive loop (full.spec.menu) has only the lone row's programs besides its own: one per menu entry (any
+    settings: a greedy row takes the argmax in it too, and a greedy copy of each would double the compiles), each priced at one row's costs (`set_lone_costs`: RowCosts), its pick the next chunk's entry in the
+    loop's chain of calls (ChunkedLoop.call_entry). Why: with one request in flight the full batch's program verified
+    every empty row's tree too, and the policy priced it at the batch's step: on the H100 at f2afe17 the speculative
+    server at concurrency 1 ran 0.61x the autoregressive one (whose lone row had its one-row program), picking budget
+    16 on every step (benchmarks/results/serve_load_h100_80gb_hbm3). A few live rows (2 to batch - 1) keep the full
+    program: each row count would be a program per menu entry to compile."""
 
     def __init__(self, full: engine.ChunkedLoop, batch: int, sizes: Optional[tuple] = None, lone_steps: int = 0):
-        if full.spec.menu:
-            raise ValueError("an adaptive loop picks its own programs (engine.ChunkedLoop)")
         self.full, self.batch = full, batch
+        self.adaptive = bool(full.spec.menu)
+        if self.adaptive:
+            sizes = (1,) if batch > 1 else ()
         self.sizes = tuple(sorted(set(sizes) | {batch})) if sizes is not None else row_sizes(batch)
         if self.sizes[-1] != batch or self.sizes[0] < 1:
             raise ValueError(f"row sizes must be in [1, {batch}]; got {self.sizes}")
         self.lone_steps = int(lone_steps) if lone_steps and lone_steps > full.steps else 0
         self.greedy_spec = dataclasses.replace(full.spec, sampled=False, penalties=False)
-        self._compiled: dict = {}  # (rows, greedy, steps) -> Compiled (the full batch's any-settings program: full)
+        # (rows, greedy, steps, entry: the menu entry of an adaptive loop's program, else None) -> Compiled (the full
+        # batch's any-settings program: full)
+        self._compiled: dict = {}
         self.runs: collections.Counter = collections.Counter()  # chunks launched by (rows, greedy, steps)
+        self.lone_costs: Optional[RowCosts] = None  # an adaptive loop's lone row's costs (set_lone_costs)
 
     def keys(self) -> list:
-        """Every program's (rows, greedy, steps)."""
+        """Every program's (rows, greedy, steps) (an adaptive loop's: a lone row's, each for every menu entry)."""
+        if self.adaptive:
+            return [(1, False, self.lone_steps or self.full.steps)] if self.batch > 1 else []
         keys = [(k, g, self.full.steps) for k in self.sizes for g in (True, False)]
         if self.lone_steps:
             keys += [(1, g, self.lone_steps) for g in (True, False)]
         return keys
 
-    def _lower(self, state: LoopState, k: int, greedy: bool, steps: int):
+    def _lower(self, state: LoopState, k: int, greedy: bool, steps: int, entry: Optional[int]):
         spec = self.greedy_spec if greedy else self.full.spec
         if greedy:
             state = state._replace(counts=None)
@@ -127,20 +172,40 @@ class RowPrograms:
             return engine.decode_chunk.lower(self.full.leaves, self.full.loop_weights, state,
                                              structure=self.full.structure, spec=spec, steps=steps)
         rows = jnp.arange(k, dtype=jnp.int32)
-        return rows_chunk.lower(self.full.leaves, self.full.loop_weights, state, rows,
-                                structure=self.full.structure, spec=spec, steps=steps)
+        return rows_chunk.lower(self.full.leaves, self.full.loop_weights, state, rows, self._costs(state),
+                                structure=self.full.structure, spec=spec, steps=steps, entry=entry)
+
+    def _costs(self, state: LoopState) -> Optional[RowCosts]:
+        if not self.adaptive:
+            return None
+        if self.lone_costs is None:  # until set_lone_costs: the batch's (copies: the state is donated beside them)
+            self.lone_costs = RowCosts(*(jnp.copy(x) for x in RowCosts.of(state.policy)))
+        return self.lone_costs
+
+    def set_lone_costs(self, costs: dict) -> None:
+        """An adaptive loop's lone row's step costs (cost_model.CostModel.costs at batch 1; same shapes as the
+        batch's, so nothing compiles)."""
+        menu = self.full.spec.menu
+        policy = budget_policy.init_state(menu, batch=1, **{k: v for k, v in costs.items() if k in (
+            "cost_ar", "cost_draft", "cost_verify", "cost_slope", "context0")})
+        self.lone_costs = RowCosts.of(policy)
 
     def compile(self, state: LoopState) -> None:
-        """Every program but the full batch's any-settings one (the bucket's loop compiled it), in threads (XLA
-        compiles outside the GIL)."""
+        """Every program but the full batch's any-settings one (the bucket's loop compiled it): in threads on a CPU
+        (engine.compile_programs)."""
         full = (self.batch, False, self.full.steps)
-        keys = [key for key in self.keys() if key != full and key not in self._compiled]
-
+        entries = self.full.entries() if self.adaptive else (None,)
+        keys = [key + (e,) for key in self.keys() if key != full for e in entries
+                if key + (e,) not in self._compiled]
         self._compiled.update(engine.compile_programs(lambda key: self._lower(state, *key).compile(), keys))
 
     def pick(self, live: int, greedy: bool, lone: bool = False) -> tuple:
         """(rows the chunk computes, greedy, steps) for `live` rows holding requests; lone: nothing waits for a row
         (a single live row then takes the long chunk)."""
+        if self.adaptive:
+            if lone and live == 1 and self.batch > 1:
+                return 1, False, self.lone_steps or self.full.steps
+            return self.batch, False, self.full.steps
         if lone and live == 1 and self.lone_steps:
             return 1, greedy, self.lone_steps
         k = next(k for k in self.sizes if k >= live)
@@ -153,16 +218,36 @@ class RowPrograms:
         if k == self.batch and not greedy and steps == self.full.steps:
             return self.full(state)
         counts = state.counts
-        if greedy:
-            state = state._replace(counts=None)
-        program = self._compiled[key]
-        if k == self.batch:
-            out = program(self.full.leaves, self.full.loop_weights, state)
-        else:
+        rows = None
+        if k < self.batch:
             rows = list(live_rows)
             taken = set(rows)
             rows += [r for r in range(self.batch) if r not in taken][:k - len(rows)]  # distinct: padding rows are free
-            out = program(self.full.leaves, self.full.loop_weights, state, np.asarray(rows, np.int32))
+            rows = np.asarray(rows, np.int32)
+
+        def run(entry: Optional[int]) -> engine.ChunkOutput:
+            given = state._replace(counts=None) if greedy else state
+            program = self._compiled[key + (entry,)]
+            if rows is None:
+                return program(self.full.leaves, self.full.loop_weights, given)
+            return program(self.full.leaves, self.full.loop_weights, given, rows, self._costs(state))
+
+        out = self.full.call_entry(state, lambda _, entry: run(entry)) if self.adaptive else run(None)
         if greedy:
             out = out._replace(state=out.state._replace(counts=counts))
         return out
+
+    def lone_loop(self) -> "LoneLoop":
+        """An adaptive loop's lone row's any-settings program on row 0, as engine.calibrate times a loop."""
+        return LoneLoop(self)
+
+
+class LoneLoop:
+    """RowPrograms' lone row (row 0, any settings) as a chunked loop: a call on the batch's state, `steps` a chunk."""
+
+    def __init__(self, programs: RowPrograms):
+        self.programs = programs
+        self.steps = programs.pick(1, False, lone=True)[2]
+
+    def __call__(self, state: LoopState) -> engine.ChunkOutput:
+        return self.programs(state, [0], False, lone=True)

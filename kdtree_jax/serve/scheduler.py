@@ -217,7 +217,9 @@ class Bucket:
         dcache = self.drafter.init_cache(self.batch, self.max_len) if self.drafter is not None else None
         moe = [layer.mlp for layer in target.layers if layer.is_moe]
         # The adaptive budget's policy and lazy drafter context: placeholder costs until _prepare_costs (same shapes).
-        adaptive = (engine.adaptive_parts(target, self.drafter, self.spec, self.batch, chunk_steps=s.chunk_steps)
+        # Its step log and ring hold the longest chunk: a lone row's (RowPrograms) may be longer than the others.
+        ring = max(s.chunk_steps, s.lone_chunk_steps if s.row_programs and sched.mesh is None else 0)
+        adaptive = (engine.adaptive_parts(target, self.drafter, self.spec, self.batch, chunk_steps=ring)
                     if self.spec.menu else None)
         self.state = engine.initial_state(
             cache, dcache, jnp.zeros((self.batch,), jnp.int32), max_new_tokens=sched.max_new_tokens,
@@ -237,10 +239,10 @@ class Bucket:
         self.group_sizes = admit_group_sizes(self.batch, s.admit_groups)
         self.admit_runs: collections.Counter = collections.Counter()  # group dispatches by (size, prompt bucket)
         self.admit_programs: dict = {}  # (size, prompt bucket) -> its program compiled ahead (compile_admission)
-        # A fixed budget's programs by the live rows' count and settings (programs.py; an adaptive loop and a sharded
-        # target keep the one program).
+        # The chunk programs by the live rows' count and settings (programs.py; an adaptive loop: a lone row's; a
+        # sharded target keeps the one program).
         self.programs = None
-        if not self.spec.menu and sched.mesh is None and s.row_programs:
+        if sched.mesh is None and s.row_programs:
             self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs,
                                         lone_steps=s.lone_chunk_steps)
             self.programs.compile(self.state)
@@ -260,56 +262,67 @@ class Bucket:
     # -- the adaptive budget's costs -----------------------------------------------------------------------------
     def _prepare_costs(self) -> None:
         """The policy's step costs: Settings.costs if given, else the cached cost model's point for this batch size
-        and the calibration prompt's context, else (or once per process with Settings.calibrate) measured now."""
+        and the calibration prompt's context, else (or once per process with Settings.calibrate) measured now; the
+        same for one row when a lone row has its own programs (RowPrograms: set_lone_costs)."""
         sched, s = self.sched, self.sched.settings
         t0 = time.perf_counter()
-        if s.costs is not None:
+        lone_programs = self.programs is not None and self.programs.adaptive and self.batch > 1
+        if s.costs is not None:  # given costs price the lone row's steps too
             costs, info = dict(s.costs), {"cost_model": "given", "calibrated": False}
+            lone = costs
         else:
             model = sched.cost_model()
             prompt = sched.calibration_prompt()
             context = float(len(prompt))  # calibrate's context: the rows' mean length (the prompt's)
             path = str(model.path)
             fresh = s.calibrate and path not in sched.measured
-            point = None if fresh else model.lookup(self.batch, context)
-            measured = point is None
+            measured = [rows for rows in [self.batch] + ([1] if lone_programs else [])
+                        if fresh or model.lookup(rows, context) is None]
+            for rows in measured:
+                sched.say(f"[measuring the tree-budget cost model: {self._label(rows)} (once per model pair, device, "
+                          f"batch size and program; cached in {model.path.parent}) ...]")
+                model.add(self._calibrate(prompt, lone=rows != self.batch))
             if measured:
-                sched.say(f"[measuring the tree-budget cost model: {self._label()} (once per model pair, device, "
-                          f"batch size and program; cached in "
-                          f"{model.path.parent}) ...]")
-                model.add(self._calibrate(prompt))
                 model.save()
                 sched.measured.add(path)
             costs = model.costs(self.batch, context)
-            info = {"cost_model": path, "calibrated": measured, "context": context}
+            lone = model.costs(1, context) if lone_programs else None
+            info = {"cost_model": path, "calibrated": bool(measured), "context": context}
         info["seconds"] = time.perf_counter() - t0
         # A new policy state with these costs, the counters kept (zero here); committed like the rest of the state.
         self.state = sched.place(engine.with_costs(self.state, self.spec, costs))
         info["costs_ms"] = budget_policy.summary(jax.device_get(self.state.policy), self.spec.menu)["costs_ms"]
+        if lone_programs:
+            self.programs.set_lone_costs(lone)
+            info["lone_costs_ms"] = {"ar": float(lone["cost_ar"]), "draft": float(lone.get("cost_draft", 0.0)),
+                                     "verify": np.asarray(lone.get("cost_verify", [])).round(4).tolist()}
         self.cost_info = info
         sched.metrics.set_cost_info(self.KEY, info)
-        ms = info["costs_ms"]
         how = (f"measured in {info['seconds']:.1f} s" if info["calibrated"] else
                "given" if s.costs is not None else "cached")
-        # Entries the calibration pruned (they could not beat an autoregressive step) cost "infinity" (1e30).
-        verify = ", ".join(f"{b}: {v:.3g}" for b, v in zip(self.spec.menu, ms["verify"]) if v < 1e29)
-        sched.say(f"[tree-budget cost model ({self._label()}, {how}): autoregressive step {ms['ar']:.3g} ms, "
-                  f"drafter {ms['draft']:.3g} ms, verify by budget {{{verify}}} ms]")
+        for rows, ms in [(self.batch, info["costs_ms"])] + ([(1, info["lone_costs_ms"])] if lone_programs else []):
+            # Entries the calibration pruned (they could not beat an autoregressive step) cost "infinity" (1e30).
+            verify = ", ".join(f"{b}: {v:.3g}" for b, v in zip(self.spec.menu, ms["verify"]) if v < 1e29)
+            sched.say(f"[tree-budget cost model ({self._label(rows)}, {how}): autoregressive step {ms['ar']:.3g} ms, "
+                      f"drafter {ms['draft']:.3g} ms, verify by budget {{{verify}}} ms]")
 
-    def _label(self) -> str:
-        return f"batch {self.sched.settings.max_batch}"
+    def _label(self, rows: Optional[int] = None) -> str:
+        batch = self.sched.settings.max_batch  # (the refusal's line comes before self.batch is set)
+        return f"batch {batch}" if rows in (None, batch) else f"a lone row of batch {batch}"
 
-    def _calibrate(self, prompt: list) -> dict:
+    def _calibrate(self, prompt: list, lone: bool = False) -> dict:
         """engine.calibrate on this bucket's rows, each holding `prompt` (calibrate times copies of that state with the
-        loop's own program), then the rows emptied again: -> the cost model point."""
+        loop's own program, or with lone: the lone row's, RowPrograms.lone_loop), then the rows emptied again: -> the
+        cost model point."""
         def progress(phase, done, total):
             if self.sched.stopping_warmup():
                 raise _Stopped()
 
         try:
             self._admit_prepared([self._prepare(prompt, row, None, 0) for row in range(self.batch)])
-            return engine.calibrate(self.loop, self.state, self.spec, depth=self.drafter.cfg.depth,
-                                    on_progress=progress)
+            loop = self.programs.lone_loop() if lone else self.loop
+            return engine.calibrate(loop, self.state, self.spec, depth=self.drafter.cfg.depth,
+                                    on_progress=progress, rows=1 if lone else None)
         finally:
             for row in range(self.batch):
                 self.state = self.loop.reset_row(self.state, row)
@@ -512,6 +525,7 @@ class Settings:
     # "auto": the adaptive budget (each chunk picks from validation.adaptive_menu's menu, 0: autoregressive steps without
     # the drafter); a number: DDTree nodes per step besides the root, every step; 0: autoregressive.
     budget: Union[int, str] = "auto"
+    menu: Optional[tuple] = None  # "auto": the budgets a chunk picks from (default budget_policy.DEFAULT_MENU)
     calibrate: bool = False  # "auto": measure the cost model again (once per process and model) instead of the cache's
     costs: Optional[dict] = None  # "auto": the policy's costs as CostModel.costs gives them (no cache, no calibration)
     calibration_prompt: Optional[tuple] = None  # token ids the calibration decodes (default: CALIBRATION_TEXT's bytes)
@@ -519,8 +533,9 @@ class Settings:
     tree_temperature: float = 1.0
     # Decode steps per chunk: smaller streams sooner and admits sooner, larger costs less host work.
     chunk_steps: int = engine.default_chunk_steps(continuous=True)
-    # A fixed budget's chunk programs by live rows (programs.py): True: every power of two below max_batch, a tuple:
-    # those row counts (max_batch is always one), False: the one program for every row and setting.
+    # The chunk programs by live rows (programs.py): True: every power of two below max_batch (the adaptive budget: a
+    # lone row's, one per menu entry), a tuple: those row counts (max_batch is always one; ignored by the adaptive
+    # budget), False: the one program for every row and setting.
     row_programs: Union[bool, tuple] = True
     # With row programs: a lone live row's chunk while nothing waits for a row (programs.RowPrograms: the CLI's chunk,
     # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
@@ -553,7 +568,7 @@ class Scheduler:
         self._say = say
         budget = settings.budget
         if isinstance(budget, str):  # "auto": the menu (empty without a drafter: autoregressive)
-            self.menu = validation.adaptive_menu(budget, None, drafter, "ddtree", settings.topk)
+            self.menu = validation.adaptive_menu(budget, settings.menu, drafter, "ddtree", settings.topk)
             self.budget = max(self.menu) if self.menu else 0
         else:
             if isinstance(budget, bool) or int(budget) != budget or budget < 0:

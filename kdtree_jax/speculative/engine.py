@@ -382,8 +382,15 @@ class ChunkedLoop:
             if self.compiled is not None:
                 return self.compiled(self.leaves, self.loop_weights, state)
             return _decode_chunk(self.leaves, self.loop_weights, state, **self._kwargs())
+        return self.call_entry(state, lambda key, entry: self._programs[(key, entry)](self.leaves, self.loop_weights,
+                                                                                       state))
+
+    def call_entry(self, state: LoopState, run) -> ChunkOutput:
+        """An adaptive loop's call: run(the id of the state's shapes, the menu entry the call runs) -> its ChunkOutput
+        (one of this loop's programs, or another program of that entry on the same state: serve/programs.py's lone
+        row), recorded so that the next call continues its chain and runs the entry it picks."""
         key, entry, chain = self._pick(state)
-        out = self._programs[(key, entry)](self.leaves, self.loop_weights, state)
+        out = run(key, entry)
         # The pick's copy to the host is enqueued behind the chunk now, so that the call that reads it (a later one,
         # once it is ready) finds it on the host: a read that starts the copy itself may wait for the chunk in flight.
         out.next_entry.copy_to_host_async()
@@ -580,10 +587,13 @@ def decode_ms(loop: "ChunkedLoop", state: LoopState, chunks: int):
 CALIBRATION_CHUNKS = 3
 
 
-def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth: int, on_progress=None) -> dict:
+def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth: int, on_progress=None,
+              rows: Optional[int] = None) -> dict:
     """Time every menu entry's program of the adaptive ChunkedLoop `loop`, each on a copy of `state` with the policy
     forced to it: -> a cost_model point (make_point) with the run's acceptance as the prior. The state itself is not
-    touched. A step's cost is what the decode pays for it: chunks run as ChunkedLoop.run runs them (`decode_ms`).
+    touched. rows: `loop` is a program of the state's first `rows` rows (the server's lone row, serve/programs.py: any
+    callable on the state with a `steps`), and the point is that batch size's. A step's cost is what the decode pays
+    for it: chunks run as ChunkedLoop.run runs them (`decode_ms`).
     An entry that cannot beat autoregressive decoding even if every drafted token were accepted
     ((1 + min(b, D)) / its step < 1 / the AR step) ends the sweep: larger budgets cost at least as much; so does one
     whose run, at the acceptance it saw, earned fewer tokens per ms than an autoregressive step and no more than the
@@ -635,14 +645,14 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
         ms[mode] = min(ms[mode], again)
     if on_progress is not None:
         on_progress("calibrate", len(modes), len(modes))
-    batch = state.bonus.shape[0]
-    context = float(budget_policy.mean_context(state.cache.seq_lens, jnp.ones_like(state.active)))
+    batch = rows or state.bonus.shape[0]
+    context = float(budget_policy.mean_context(state.cache.seq_lens[:batch], jnp.ones((batch,), bool)))
     expected = slowest = None
     if prior is not None:
         expected = np.asarray(prior.expected, np.float32).copy()
         for mode, tau in observed.items():
             expected[mode] = tau
-        gains = np.asarray(prior.row_expected, np.float32) - 1.0  # [B, M]
+        gains = np.asarray(prior.row_expected, np.float32)[:batch] - 1.0  # [B, M]
         share = np.clip(gains.min(0) / np.maximum(gains.mean(0), 1e-6), 0.0, 1.0)
         slowest = 1.0 + (expected - 1.0) * share
     return cost_models.make_point(batch, context, menu, ms, steps=CALIBRATION_CHUNKS * loop.steps,
