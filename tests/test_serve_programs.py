@@ -191,9 +191,10 @@ def adaptive(pair):
 
 
 def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, schedulers):
-    """A lone live row of an adaptive bucket runs the lone row's program (one row, its own entry per chunk, the next
-    pick in the loop's chain), its picks priced at the lone row's costs, not the batch's; its tokens are the greedy
-    decode whatever it picked; taking its row out and putting it back keeps the policy's rows and the batch's costs."""
+    """A lone live greedy row of an adaptive bucket runs the lone row's greedy program (one row, its own entry per
+    chunk, the next pick in the loop's chain), its picks priced at the lone row's costs, not the batch's; its tokens
+    are the greedy decode whatever it picked; taking its row out and putting it back keeps the policy's rows and the
+    batch's costs; greedy rows together run the batch's greedy program."""
     import jax
 
     from kdtree_jax.serve.programs import put_rows, take_rows
@@ -208,7 +209,7 @@ def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, scheduler
         runs, chosen = programs.runs.copy(), np.asarray(bucket.state.policy.chosen)
         outputs[name] = _run(s, (GREEDY, dict(max_tokens=48)))[0]
         assert outputs[name][:36] == reference, name
-        assert programs.runs - runs == {(1, False, ADAPTIVE_LONE): (programs.runs - runs).total()} != {}, name
+        assert programs.runs - runs == {(1, True, ADAPTIVE_LONE): (programs.runs - runs).total()} != {}, name
         picked[name] = np.asarray(bucket.state.policy.chosen) - chosen  # steps per entry, then without the drafter
     assert outputs["batch costs"] == outputs["autoregressive lone row"]
     assert picked["batch costs"][-1] == 0  # a row costs the batch's step: every chunk drafts
@@ -216,6 +217,10 @@ def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, scheduler
     # first pick was read) run the entry the chain had.
     assert picked["autoregressive lone row"][-1] >= 8 and picked["autoregressive lone row"][:-1].sum() <= 2 * ADAPTIVE_LONE
     assert float(bucket.state.policy.cost_ar) == costs["cost_ar"]  # the batch's costs stay the batch's
+    # Two greedy rows: the batch's greedy program (every menu entry has one), the tokens those of the fixed budget's.
+    runs = programs.runs.copy()
+    assert _run(s, (GREEDY, {}), (SAMPLED, {})) == _run(schedulers[False], (GREEDY, {}), (SAMPLED, {}))
+    assert set(programs.runs - runs) == {(2, True, SETTINGS["chunk_steps"])}
 
     state, _ = bucket.loop.admit(bucket.state, GREEDY, 1, max_tokens=10)
     rows = np.array([1], np.int32)

@@ -8,7 +8,8 @@ float32) that program costs 13.7 ms a step where a greedy-only one costs 4.2, an
 greedy stream ran at ~10% of `python -m kdtree_jax.generate`'s tok/s (benchmarks/serve_host.py).
 
 So a fixed-budget bucket compiles, at warm-up, a program per (rows, greedy): `rows` a power of two up to the batch,
-`greedy` when every live row is greedy without penalties (an adaptive bucket: a lone row's only, RowPrograms). Each launch takes the smallest that holds its live rows: a chunk of k < batch rows
+`greedy` when every live row is greedy without penalties (an adaptive bucket: a lone row's and the batch's, each one
+per menu entry: RowPrograms). Each launch takes the smallest that holds its live rows: a chunk of k < batch rows
 gathers those rows' part of the state (their slot tables and lengths; the pool's pages and free list are shared, so
 the k-row program allocates from the batch's pool), runs the loop's own chunk program on it (engine.decode_chunk,
 traced into this one) and scatters it back, in one dispatch. A greedy program runs without the token counts (the
@@ -131,13 +132,16 @@ class RowPrograms:
     benchmarks/results/history/serve_host_cpu_ac80846.md). A long chunk delays only a request that arrives while it
     runs (it waits for that chunk, then the rows are two and the chunks short again).
 
-    An adaptive loop (full.spec.menu) has only the lone row's programs besides its own: one per menu entry (any
-    settings: a greedy row takes the argmax in it too, and a greedy copy of each would double the compiles), each priced at one row's costs (`set_lone_costs`: RowCosts), its pick the next chunk's entry in the
-    loop's chain of calls (ChunkedLoop.call_entry). Why: with one request in flight the full batch's program verified
-    every empty row's tree too, and the policy priced it at the batch's step: on the H100 at f2afe17 the speculative
-    server at concurrency 1 ran 0.61x the autoregressive one (whose lone row had its one-row program), picking budget
-    16 on every step (benchmarks/results/serve_load_h100_80gb_hbm3). A few live rows (2 to batch - 1) keep the full
-    program: each row count would be a program per menu entry to compile."""
+    An adaptive loop (full.spec.menu) has a lone row's programs, greedy and any-settings, and the batch's greedy one,
+    one per menu entry each; the lone row's are priced at one row's costs (`set_lone_costs`: RowCosts); each call's
+    pick is the next chunk's entry in the loop's chain of calls (ChunkedLoop.call_entry). Why: with one request in
+    flight the full batch's program verified every empty row's tree too, and the policy priced it at the batch's step:
+    on the H100 at f2afe17 the speculative server at concurrency 1 ran 0.61x the autoregressive one (whose lone row had
+    its one-row greedy program), picking budget 16 on every step (benchmarks/results/serve_load_h100_80gb_hbm3). With
+    only an any-settings lone program it ran 0.66x (2e87f37, an H100): that program's DDTree 8 step cost 0.657 ms
+    against an autoregressive step's 0.323 (its walk over the tree sorts the vocabulary at every node it visits, even
+    for a greedy row), so the policy drafted on 31% of the steps. A few live rows (2 to batch - 1) keep the batch's
+    programs: each row count would be two programs per menu entry to compile."""
 
     def __init__(self, full: engine.ChunkedLoop, batch: int, sizes: Optional[tuple] = None, lone_steps: int = 0):
         self.full, self.batch = full, batch
@@ -156,9 +160,10 @@ class RowPrograms:
         self.lone_costs: Optional[RowCosts] = None  # an adaptive loop's lone row's costs (set_lone_costs)
 
     def keys(self) -> list:
-        """Every program's (rows, greedy, steps) (an adaptive loop's: a lone row's, each for every menu entry)."""
+        """Every program's (rows, greedy, steps) (an adaptive loop's: each for every menu entry)."""
         if self.adaptive:
-            return [(1, False, self.lone_steps or self.full.steps)] if self.batch > 1 else []
+            lone = [(1, g, self.lone_steps or self.full.steps) for g in (True, False)] if self.batch > 1 else []
+            return lone + [(self.batch, g, self.full.steps) for g in (True, False)]
         keys = [(k, g, self.full.steps) for k in self.sizes for g in (True, False)]
         if self.lone_steps:
             keys += [(1, g, self.lone_steps) for g in (True, False)]
@@ -170,7 +175,7 @@ class RowPrograms:
             state = state._replace(counts=None)
         if k == self.batch:
             return engine.decode_chunk.lower(self.full.leaves, self.full.loop_weights, state,
-                                             structure=self.full.structure, spec=spec, steps=steps)
+                                             structure=self.full.structure, spec=spec, steps=steps, entry=entry)
         rows = jnp.arange(k, dtype=jnp.int32)
         return rows_chunk.lower(self.full.leaves, self.full.loop_weights, state, rows, self._costs(state),
                                 structure=self.full.structure, spec=spec, steps=steps, entry=entry)
@@ -204,8 +209,8 @@ class RowPrograms:
         (a single live row then takes the long chunk)."""
         if self.adaptive:
             if lone and live == 1 and self.batch > 1:
-                return 1, False, self.lone_steps or self.full.steps
-            return self.batch, False, self.full.steps
+                return 1, greedy, self.lone_steps or self.full.steps
+            return self.batch, greedy, self.full.steps
         if lone and live == 1 and self.lone_steps:
             return 1, greedy, self.lone_steps
         k = next(k for k in self.sizes if k >= live)
@@ -238,16 +243,17 @@ class RowPrograms:
         return out
 
     def lone_loop(self) -> "LoneLoop":
-        """An adaptive loop's lone row's any-settings program on row 0, as engine.calibrate times a loop."""
+        """An adaptive loop's lone row's greedy program on row 0, as engine.calibrate times a loop (the calibration's
+        rows are greedy)."""
         return LoneLoop(self)
 
 
 class LoneLoop:
-    """RowPrograms' lone row (row 0, any settings) as a chunked loop: a call on the batch's state, `steps` a chunk."""
+    """RowPrograms' lone row (row 0, greedy) as a chunked loop: a call on the batch's state, `steps` a chunk."""
 
     def __init__(self, programs: RowPrograms):
         self.programs = programs
-        self.steps = programs.pick(1, False, lone=True)[2]
+        self.steps = programs.pick(1, True, lone=True)[2]
 
     def __call__(self, state: LoopState) -> engine.ChunkOutput:
-        return self.programs(state, [0], False, lone=True)
+        return self.programs(state, [0], True, lone=True)
