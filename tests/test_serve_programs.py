@@ -215,7 +215,8 @@ def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, scheduler
     assert picked["batch costs"][-1] == 0  # a row costs the batch's step: every chunk drafts
     # Priced at one row, the lone row's picks are autoregressive: only its first two chunks (launched before the
     # first pick was read) run the entry the chain had.
-    assert picked["autoregressive lone row"][-1] >= 8 and picked["autoregressive lone row"][:-1].sum() <= 2 * ADAPTIVE_LONE
+    lone_ar = picked["autoregressive lone row"]
+    assert lone_ar[-1] >= 8 and lone_ar[:-1].sum() <= 2 * ADAPTIVE_LONE
     assert float(bucket.state.policy.cost_ar) == costs["cost_ar"]  # the batch's costs stay the batch's
     # Two greedy rows: the batch's greedy program (every menu entry has one), the tokens those of the fixed budget's.
     runs = programs.runs.copy()
