@@ -14,8 +14,10 @@ The module's server takes its cost model from a cache the fixture writes (costs 
 so that the policy speculates whatever this CPU's timings are, and the start-up measures nothing); the --calibrate
 test measures one for real. Every cost model lives in a temporary $KDTREE_JAX_CACHE.
 
-Budget: ~2 min on 2 CPU cores, most of it three servers' starts (load + compile, ~30 s each; the --calibrate one also
-measures, ~20 s). Prompts stay under 16 tokens so that one prefill program serves every request."""
+Budget: ~2 min on 2 CPU cores, most of it the servers' starts (load + compile, ~30 s each; the --calibrate one also
+measures, ~20 s). The --budget 16 reference server starts (--no-warmup) and compiles for its requests while the
+module's server starts, side by side: each start is mostly one core's compiling. Prompts stay under 16 tokens so
+that one prefill program serves every request."""
 
 from __future__ import annotations
 
@@ -59,12 +61,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(*flags, timeout=240.0) -> dict:
-    """A server subprocess with this module's settings and these flags, once /health answers: {url, proc, log}. It
-    runs as a user runs it: without conftest's eight forced host devices (for the sharding tests); its cost models go
-    to $KDTREE_JAX_CACHE (the caller's temporary directory)."""
-    import httpx
-
+def _launch_server(*flags) -> dict:
+    """A server subprocess with this module's settings and these flags, started (not yet serving: _wait_ready):
+    {url, proc, log}. It runs as a user runs it: without conftest's eight forced host devices (for the sharding
+    tests); its cost models go to $KDTREE_JAX_CACHE (the caller's temporary directory)."""
     assert os.environ.get("KDTREE_JAX_CACHE"), "set KDTREE_JAX_CACHE to a temporary directory first"
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="serve_test_", suffix=".log", delete=False)
@@ -75,12 +75,18 @@ def _start_server(*flags, timeout=240.0) -> dict:
          "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE), "--chunk-steps", str(CHUNK_STEPS),
          "--drain-timeout", "20", *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    return {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log.name}
+
+
+def _wait_ready(server: dict, timeout=240.0) -> dict:
+    """The server, once /health answers (a failure if it exits or does not answer within `timeout` s)."""
+    import httpx
+
+    proc, url = server["proc"], server["url"]
     deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            pytest.fail(f"the server exited with {proc.returncode}:\n{_log(server)[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 break
@@ -90,7 +96,12 @@ def _start_server(*flags, timeout=240.0) -> dict:
             proc.kill()
             pytest.fail(f"the server did not start within {timeout:.0f} s")
         time.sleep(0.5)
-    return {"url": url, "proc": proc, "log": log.name}
+    return server
+
+
+def _start_server(*flags, timeout=240.0) -> dict:
+    """A server subprocess with this module's settings and these flags, once /health answers: {url, proc, log}."""
+    return _wait_ready(_launch_server(*flags), timeout)
 
 
 def _stop_server(server: dict) -> None:
@@ -134,14 +145,51 @@ def _seed_cost_model(step_ms: dict, expected=None) -> dict:
     return point
 
 
+# The --budget 16 reference of test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers: its
+# prompts and lengths, and (below) its server, started with --no-warmup (only the reference for the greedy text: a
+# warm-up would compile every row count's programs and every prompt bucket's admission, ~80 s on 2 cores, for four
+# one-row requests) while the module's server starts, its requests (its one compile) sent during that start-up.
+FIXED_PROMPTS, FIXED_LENGTHS = PROMPTS[:4], [40, 24, 33, 17]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_and_fixed(tmp_path_factory):
+    """(the module's server, the --budget 16 server's {health, metrics text, completions of FIXED_PROMPTS}): the
+    two start side by side (each start is mostly one core's compiling), the fixed one stopped once it answered."""
+    import httpx
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KDTREE_JAX_CACHE", str(tmp_path_factory.mktemp("kdtree_jax_cache")))
         _seed_cost_model(SEEDED_STEP_MS)
-        server = _start_server()
-        yield server
-        _stop_server(server)
+        server = _launch_server()
+        try:
+            # A numeric budget has no cost model (a cache of its own all the same: nothing lands at home).
+            mp.setenv("KDTREE_JAX_CACHE", str(tmp_path_factory.mktemp("kdtree_jax_cache_fixed")))
+            fixed = _wait_ready(_launch_server("--budget", "16", "--no-warmup"))
+            try:
+                import openai
+
+                fixed_client = openai.OpenAI(base_url=fixed["url"] + "/v1", api_key="unused", max_retries=0,
+                                             timeout=240)
+                reference = {"health": httpx.get(fixed["url"] + "/health").json(),
+                             "completions": [_complete(fixed_client, p, n)
+                                             for p, n in zip(FIXED_PROMPTS, FIXED_LENGTHS)],
+                             "metrics": httpx.get(fixed["url"] + "/metrics").text}
+            finally:
+                _stop_server(fixed)
+            yield _wait_ready(server), reference
+        finally:
+            _stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def server(server_and_fixed):
+    return server_and_fixed[0]
+
+
+@pytest.fixture(scope="module")
+def fixed_budget_reference(server_and_fixed):
+    return server_and_fixed[1]
 
 
 @pytest.fixture(scope="module")
@@ -415,18 +463,16 @@ def test_metrics_render_the_adaptive_budget():
     assert parse(m.render())['budget_steps_total{budget="4"}'] == 0 and parse(m.render())["predicted_tau"] == 0
 
 
-def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(server, client, monkeypatch,
-                                                                             tmp_path):
+def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(server, client,
+                                                                             fixed_budget_reference):
     """The module's server (--budget auto) reports the budgets its policy chose, and its greedy completions equal a
     --budget 16 server's, token for token (greedy speculative decoding is lossless whatever tree each step verifies;
     float32 on a CPU)."""
     import httpx
-    import openai
 
-    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))  # a numeric budget has no cost model; none lands at home
     url = server["url"]
     before = _metrics(url)
-    prompts, lengths = PROMPTS[:4], [40, 24, 33, 17]
+    prompts, lengths = FIXED_PROMPTS, FIXED_LENGTHS
     adaptive = [_complete(client, p, n) for p, n in zip(prompts, lengths)]
     after = _metrics(url)
     menu = httpx.get(url + "/health").json()["budget_menu"]
@@ -444,16 +490,10 @@ def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(se
     assert health["budget_steps"] == {str(b): int(after[f'budget_steps_total{{budget="{b}"}}']) for b in menu}
     assert health["observed_tau"] == pytest.approx(after["observed_tau"], rel=1e-5)
 
-    # --no-warmup: this server is only the reference for the greedy text (its warm-up compiled every row count's
-    # programs and every prompt bucket's admission, ~80 s on 2 cores, for the four one-row requests below).
-    fixed = _start_server("--budget", "16", "--no-warmup")
-    try:
-        fixed_client = openai.OpenAI(base_url=fixed["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
-        assert httpx.get(fixed["url"] + "/health").json()["budget"] == 16
-        assert [_complete(fixed_client, p, n) for p, n in zip(prompts, lengths)] == adaptive
-        assert "budget_steps_total" not in httpx.get(fixed["url"] + "/metrics").text  # no adaptive budget there
-    finally:
-        _stop_server(fixed)
+    # The --budget 16 server (the fixture's, see FIXED_PROMPTS): the same greedy text, and no adaptive budget there.
+    assert fixed_budget_reference["health"]["budget"] == 16
+    assert fixed_budget_reference["completions"] == adaptive
+    assert "budget_steps_total" not in fixed_budget_reference["metrics"]
 
 
 def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
@@ -489,6 +529,28 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
         _stop_server(calibrated)
 
 
+def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, monkeypatch, tmp_path):
+    """A cached point whose drafter costs more than any budget earns at its acceptance prior: the greedy bucket runs
+    the plain autoregressive program (it says so at start-up, steps no budget) and answers as the module's server
+    (greedy: the target's own tokens whatever the tree; its speculative program is the independent reference, and a
+    --budget 0 server started for the text alone cost ~25 s)."""
+    import httpx
+
+    want = _complete(client, PROMPTS[0], 12)[0]
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    _, _, menu = _greedy_cost_model()
+    _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}}, expected=[1.0] + [2.0] * (len(menu) - 1))
+    plain = _start_server()
+    try:
+        assert "serving autoregressively" in _log(plain)
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
+        got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
+    finally:
+        _stop_server(plain)
+    assert got == want and got
+
+
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):
     """Last (it stops the module's server): a stream that started before SIGTERM runs to its end, then exit 0."""
     import httpx
@@ -505,27 +567,3 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=30) == 0
-
-
-def test_cached_costs_where_no_budget_pays_serve_autoregressively(monkeypatch, tmp_path):
-    """A cached point whose drafter costs more than any budget earns at its acceptance prior: the greedy bucket runs
-    the plain autoregressive program (it says so at start-up, steps no budget) and answers as the --budget 0 server."""
-    import httpx
-
-    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
-    _, _, menu = _greedy_cost_model()
-    _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}}, expected=[1.0] + [2.0] * (len(menu) - 1))
-    plain = _start_server()
-    try:
-        assert "serving autoregressively" in _log(plain)
-        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
-        got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-        assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
-    finally:
-        _stop_server(plain)
-    ar = _start_server("--budget", "0", "--no-warmup")  # the reference text only: its first request compiles
-    try:
-        want = httpx.post(ar["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    finally:
-        _stop_server(ar)
-    assert got == want and got
