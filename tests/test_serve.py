@@ -427,7 +427,8 @@ def test_help_explains_every_flag():
 
 
 @pytest.mark.parametrize("flags", [["--calibrate", "--budget", "16"], ["--calibrate", "--no-speculative"],
-                                   ["--budget", "-1"]])
+                                   ["--budget", "-1"], ["--menu", "0,8", "--budget", "16"],
+                                   ["--menu", "0,8", "--no-speculative"]])
 def test_budget_flags_that_contradict_each_other_are_refused(flags, capsys):
     from kdtree_jax.serve.__main__ import build_parser, check_flags
 
@@ -436,6 +437,10 @@ def test_budget_flags_that_contradict_each_other_are_refused(flags, capsys):
     assert e.value.code == 2 and "--budget" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--budget", "many"])
+    for menu in ("0,x", "8,-4"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--menu", menu])
+    assert build_parser().parse_args(["--menu", "0,8,32"]).menu == (0, 8, 32)
 
 
 def test_metrics_render_the_adaptive_budget():

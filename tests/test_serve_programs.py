@@ -202,6 +202,7 @@ def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, scheduler
     s, menu, costs = adaptive
     bucket, programs = s.bucket, s.bucket.programs
     assert programs is not None and programs.adaptive and bucket.state.policy.log_scores.shape[0] >= ADAPTIVE_LONE
+    assert bucket.spec.menu == menu == MENU  # Settings.menu (the server's --menu)
     reference = _run(schedulers[False], (GREEDY, dict(max_tokens=36)))[0]
     picked, outputs = {}, {}
     for name, lone_ar in (("batch costs", costs["cost_ar"]), ("autoregressive lone row", 0.02)):

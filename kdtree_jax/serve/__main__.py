@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8,
                    help="batch rows decoded together, whatever each request's sampling settings (the warm-up "
                         "compiles every program the batch runs: with a fixed budget one per power of two of rows up "
-                        "to this, greedy-only and any-settings; nothing compiles after it); more rows: more "
-                        "throughput, more memory")
+                        "to this, with --budget auto one per menu budget for the batch and for a lone row, each "
+                        "greedy-only and any-settings; nothing compiles after it); more rows: more throughput, more "
+                        "memory")
     p.add_argument("--max-len", type=int, default=1024,
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps of each budget, the steps without the drafter and the predicted vs observed tau. "
                         "A number: that budget every step (0: autoregressive, as --no-speculative; a warning at "
                         "start-up when the cached cost model says such a step cannot beat an autoregressive one)")
+    p.add_argument("--menu", type=menu_argument, default=None, metavar="B,B,...",
+                   help="with --budget auto: the budgets a step picks from (default 0,4,8,16,32,64; 0 is always in "
+                        "it): each one is a program per row count the warm-up compiles, so a shorter menu starts "
+                        "sooner")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "
@@ -198,6 +203,17 @@ def serving_mesh(mesh, layout: str, checkpoint: str):
     return None if n == 1 else make_mesh(n)
 
 
+def menu_argument(text: str) -> tuple:
+    """--menu's comma-separated budgets (argparse type)."""
+    try:
+        menu = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of budgets >= 0, e.g. 0,8,16; got {text!r}")
+    if any(b < 0 for b in menu):
+        raise argparse.ArgumentTypeError(f"budgets must be >= 0; got {text!r}")
+    return menu
+
+
 def check_flags(args) -> None:
     if not 0 < args.port < 65536:
         _fail(f"--port must be in [1, 65535]; got {args.port}")
@@ -206,6 +222,8 @@ def check_flags(args) -> None:
             _fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.budget != "auto" and args.budget < 0:
         _fail(f"--budget must be 'auto' or >= 0; got {args.budget}")
+    if args.menu is not None and (args.budget != "auto" or args.no_speculative):
+        _fail("--menu lists the budgets of --budget auto; drop it with a numeric --budget or --no-speculative")
     if args.calibrate and (args.budget != "auto" or args.no_speculative):
         _fail("--calibrate measures the cost model of --budget auto; drop it with a numeric --budget or "
               "--no-speculative")
@@ -362,7 +380,8 @@ def main(argv=None) -> int:
             _fail(f"--budget must be <= {limit} for this drafter and --topk {args.topk}; got {budget}")
     elif drafter is None and budget != 0:
         notice("the checkpoint has no drafter: serving autoregressively")
-    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, calibrate=args.calibrate,
+    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, menu=args.menu,
+                        calibrate=args.calibrate,
                         calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
                         tree_temperature=args.tree_temperature or recommended,
                         chunk_steps=args.chunk_steps or Settings.chunk_steps,
