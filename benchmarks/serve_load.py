@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="pass --calibrate to the speculative server (--budget auto: measure its cost model at start-up "
                         "instead of using the cached one)")
+    p.add_argument("--lone-row-programs", action="store_true",
+                   help="pass --lone-row-programs to the speculative server (--budget auto: a lone request runs "
+                        "one-row programs priced at one row's costs)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request list (prompts and lengths)")
     p.add_argument("--leak-requests", type=int, default=0,
@@ -212,6 +215,8 @@ def launch_server(mode: str, args, log_path: str):
             cmd += ["--budget", str(args.budget)]
         if args.calibrate:
             cmd += ["--calibrate"]
+        if args.lone_row_programs:
+            cmd += ["--lone-row-programs"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_SERVER_ENV or None)
     return proc, f"http://127.0.0.1:{port}"

@@ -132,15 +132,13 @@ def _greedy_cost_model():
 
 
 def _seed_cost_model(step_ms: dict, expected=None) -> dict:
-    """Write a calibration point with these step times (and acceptance prior) into the cache the server will read, for
-    the batch and for a lone row (the lone row's programs, serve/programs.py, are priced at one row): -> the batch's
-    point."""
+    """Write a calibration point with these step times (and acceptance prior) into the cache the server will read:
+    -> the point."""
     from kdtree_jax.speculative import cost_model
 
     model, context, menu = _greedy_cost_model()
     point = cost_model.make_point(MAX_BATCH, context, menu, step_ms, expected=expected)
     model.add(point)
-    model.add({**point, "batch": 1})
     model.save()
     return point
 
@@ -515,16 +513,13 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
     try:
         log = _log(calibrated)
         assert "[measuring the tree-budget cost model: batch 4 (" in log and "(cost model measured now)" in log
-        assert "[measuring the tree-budget cost model: a lone row of batch 4 (" in log
         greedy = httpx.get(calibrated["url"] + "/health").json()["budget_policy"]["buckets"]["batch"]
         assert greedy["calibrated"] is True and greedy["costs_ms"]["ar"] < 1000
         model, context, _ = _greedy_cost_model()
-        # The stale points (the batch's and a lone row's) replaced, not added to.
-        assert sorted(p["batch"] for p in model.points) == [1, MAX_BATCH]
-        for rows, costs in ((MAX_BATCH, greedy["costs_ms"]), (1, greedy["lone_costs_ms"])):
-            point = model.lookup(rows, context)
-            assert point["cost_ar"] == pytest.approx(costs["ar"], rel=1e-6) and point["measured_ms"]
-            assert point["cost_ar"] != stale["cost_ar"]
+        assert [p["batch"] for p in model.points] == [MAX_BATCH]  # the stale point replaced, not added to
+        point = model.lookup(MAX_BATCH, context)
+        assert point["cost_ar"] == pytest.approx(greedy["costs_ms"]["ar"], rel=1e-6) and point["measured_ms"]
+        assert point["cost_ar"] != stale["cost_ar"]
         body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
         assert httpx.post(calibrated["url"] + "/v1/completions", json=body, timeout=60).status_code == 200
         m = _metrics(calibrated["url"])

@@ -185,7 +185,8 @@ def adaptive(pair):
 
     menu = validation.adaptive_menu("auto", MENU, pair[1], "ddtree", 4)
     costs = dict(cost_ar=1.0, cost_draft=0.0, cost_verify=[1.0 if b == 0 else 1.05 for b in menu])
-    s = _scheduler(pair, budget="auto", menu=MENU, costs=costs, max_len=80, lone_chunk_steps=ADAPTIVE_LONE)
+    s = _scheduler(pair, budget="auto", menu=MENU, costs=costs, max_len=80, lone_chunk_steps=ADAPTIVE_LONE,
+                   adaptive_row_programs=True)
     yield s, menu, costs
     s.stop(drain=False, timeout=30)
 

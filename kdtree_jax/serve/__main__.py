@@ -79,9 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8,
                    help="batch rows decoded together, whatever each request's sampling settings (the warm-up "
                         "compiles every program the batch runs: with a fixed budget one per power of two of rows up "
-                        "to this, with --budget auto one per menu budget for the batch and for a lone row, each "
-                        "greedy-only and any-settings; nothing compiles after it); more rows: more throughput, more "
-                        "memory")
+                        "to this, greedy-only and any-settings, with --budget auto one per menu budget; nothing "
+                        "compiles after it); more rows: more throughput, more memory")
     p.add_argument("--max-len", type=int, default=1024,
                    help="KV pool positions per row: a request's prompt + max_tokens + one verify tree (budget + 1 "
                         "nodes and the drafter's depth; with --budget auto the menu's largest budget, 64) must fit "
@@ -103,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --budget auto: the budgets a step picks from (default 0,4,8,16,32,64; 0 is always in "
                         "it): each one is a program per row count the warm-up compiles, so a shorter menu starts "
                         "sooner")
+    p.add_argument("--lone-row-programs", action="store_true",
+                   help="with --budget auto: a lone request runs one-row programs priced at one row's measured step "
+                        "costs (and all-greedy batches a greedy program), instead of the full batch's; twice the "
+                        "start-up compiles and a second calibration point (experimental: not yet measured on a GPU)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "
@@ -381,7 +384,7 @@ def main(argv=None) -> int:
     elif drafter is None and budget != 0:
         notice("the checkpoint has no drafter: serving autoregressively")
     settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, menu=args.menu,
-                        calibrate=args.calibrate,
+                        calibrate=args.calibrate, adaptive_row_programs=args.lone_row_programs,
                         calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
                         tree_temperature=args.tree_temperature or recommended,
                         chunk_steps=args.chunk_steps or Settings.chunk_steps,

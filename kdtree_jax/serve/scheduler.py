@@ -217,8 +217,11 @@ class Bucket:
         dcache = self.drafter.init_cache(self.batch, self.max_len) if self.drafter is not None else None
         moe = [layer.mlp for layer in target.layers if layer.is_moe]
         # The adaptive budget's policy and lazy drafter context: placeholder costs until _prepare_costs (same shapes).
+        # The chunk programs by the live rows' count and settings (programs.py; the adaptive budget's only with
+        # Settings.adaptive_row_programs; a sharded target keeps the one program).
+        row_programs = bool(sched.mesh is None and s.row_programs and (not self.spec.menu or s.adaptive_row_programs))
         # Its step log and ring hold the longest chunk: a lone row's (RowPrograms) may be longer than the others.
-        ring = max(s.chunk_steps, s.lone_chunk_steps if s.row_programs and sched.mesh is None else 0)
+        ring = max(s.chunk_steps, s.lone_chunk_steps if row_programs else 0)
         adaptive = (engine.adaptive_parts(target, self.drafter, self.spec, self.batch, chunk_steps=ring)
                     if self.spec.menu else None)
         self.state = engine.initial_state(
@@ -239,10 +242,8 @@ class Bucket:
         self.group_sizes = admit_group_sizes(self.batch, s.admit_groups)
         self.admit_runs: collections.Counter = collections.Counter()  # group dispatches by (size, prompt bucket)
         self.admit_programs: dict = {}  # (size, prompt bucket) -> its program compiled ahead (compile_admission)
-        # The chunk programs by the live rows' count and settings (programs.py; an adaptive loop: a lone row's; a
-        # sharded target keeps the one program).
         self.programs = None
-        if sched.mesh is None and s.row_programs:
+        if row_programs:
             self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs,
                                         lone_steps=s.lone_chunk_steps)
             self.programs.compile(self.state)
@@ -540,6 +541,11 @@ class Settings:
     # With row programs: a lone live row's chunk while nothing waits for a row (programs.RowPrograms: the CLI's chunk,
     # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
     lone_chunk_steps: int = engine.DEFAULT_CHUNK_STEPS
+    # The adaptive budget's row programs (programs.RowPrograms: a lone row's, priced at one row's costs, and the batch's
+    # greedy ones, each per menu entry). Off by default until measured: they double the adaptive bucket's start-up
+    # compiles, and a request's greedy tokens alone (one row, its own picks) and among others (the batch's program and
+    # picks) differ where float32 rounding of the two shapes flips a near tie (the CPU test server, once in three runs).
+    adaptive_row_programs: bool = False
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
     # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
     # one); False: every prompt alone.
