@@ -426,7 +426,7 @@ def test_help_explains_every_flag():
 
 @pytest.mark.parametrize("flags", [["--calibrate", "--budget", "16"], ["--calibrate", "--no-speculative"],
                                    ["--budget", "-1"], ["--menu", "0,8", "--budget", "16"],
-                                   ["--menu", "0,8", "--no-speculative"]])
+                                   ["--menu", "0,8", "--no-speculative"], ["--lone-row-programs", "--budget", "8"]])
 def test_budget_flags_that_contradict_each_other_are_refused(flags, capsys):
     from kdtree_jax.serve.__main__ import build_parser, check_flags
 

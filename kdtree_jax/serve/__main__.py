@@ -227,6 +227,9 @@ def check_flags(args) -> None:
         _fail(f"--budget must be 'auto' or >= 0; got {args.budget}")
     if args.menu is not None and (args.budget != "auto" or args.no_speculative):
         _fail("--menu lists the budgets of --budget auto; drop it with a numeric --budget or --no-speculative")
+    if args.lone_row_programs and (args.budget != "auto" or args.no_speculative):
+        _fail("--lone-row-programs is for --budget auto (a fixed budget has its row programs always); drop it with a "
+              "numeric --budget or --no-speculative")
     if args.calibrate and (args.budget != "auto" or args.no_speculative):
         _fail("--calibrate measures the cost model of --budget auto; drop it with a numeric --budget or "
               "--no-speculative")
