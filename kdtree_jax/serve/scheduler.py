@@ -295,8 +295,10 @@ class Bucket:
         info["costs_ms"] = budget_policy.summary(jax.device_get(self.state.policy), self.spec.menu)["costs_ms"]
         if lone_programs:
             self.programs.set_lone_costs(lone)
-            info["lone_costs_ms"] = {"ar": float(lone["cost_ar"]), "draft": float(lone.get("cost_draft", 0.0)),
-                                     "verify": np.asarray(lone.get("cost_verify", [])).round(4).tolist()}
+            # What the lone programs price with (given costs may leave cost_verify out: init_state fills it).
+            ar, draft, verify = jax.device_get(self.programs.lone_costs[:3])
+            info["lone_costs_ms"] = {"ar": float(ar), "draft": float(draft),
+                                     "verify": np.asarray(verify).round(4).tolist()}
         self.cost_info = info
         sched.metrics.set_cost_info(self.KEY, info)
         how = (f"measured in {info['seconds']:.1f} s" if info["calibrated"] else
