@@ -55,6 +55,8 @@ for path in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kdtree_jax.checkpoint import add_dtype_argument
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="default: the embedded pair")
     p.add_argument("--prompt", default="def fibonacci(n):", help="the single stream's prompt")
@@ -69,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MIN,MAX prompt tokens of the load part's seeded mixed-length requests (default 8,64)")
     p.add_argument("--max-new-tokens", default="16,96",
                    help="MIN,MAX new tokens of the load part's requests (default 16,96)")
+    add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--no-http", action="store_true", help="skip the server subprocess runs")
+    p.add_argument("--lone-row-programs", action="store_true",
+                   help="the adaptive budget's row programs (the server's --lone-row-programs) in-process and over "
+                        "HTTP")
     p.add_argument("--no-cli", action="store_true", help="skip the generate subprocess (the in-process call stays)")
     p.add_argument("--label", default="", help="a name for this run in the output (before / after)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
@@ -187,8 +193,9 @@ def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
     import serve_load
     from kdtree_jax.serve.metrics import parse
 
-    ns = argparse.Namespace(max_batch=args.max_batch, max_len=args.max_len, dtype="auto", checkpoint=checkpoint,
-                            chunk_steps=args.chunk_steps, budget=None, calibrate=False)
+    ns = argparse.Namespace(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, checkpoint=checkpoint,
+                            chunk_steps=args.chunk_steps, budget=None, calibrate=False,
+                            lone_row_programs=args.lone_row_programs)
     log = tempfile.mktemp(prefix="serve_host_", suffix=".log")
     proc, url = serve_load.launch_server("speculative", ns, log)
     out = {}
@@ -254,6 +261,8 @@ def main(argv=None) -> int:
         args.stream_tokens, args.requests, args.concurrency = 24, 6, 3
         args.max_batch, args.max_len, args.max_new_tokens, args.prompt_len = 2, 128, "4,8", "8,16"
         args.no_cli = True
+    from kdtree_jax import runtime
+    runtime.configure()  # before JAX starts, as the server and the CLI do: on a GPU the loop stays on the device
     import jax
 
     import serve_load
@@ -264,11 +273,12 @@ def main(argv=None) -> int:
     from kdtree_jax.speculative import engine
 
     checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
-    target, drafter, tokenizer, _, recommended = load_models(checkpoint, "auto")
+    target, drafter, tokenizer, _, recommended = load_models(checkpoint, args.dtype)
     settings = sched.Settings(max_batch=args.max_batch, max_len=args.max_len,
                               calibration_prompt=tuple(tokenizer.encode(sched.CALIBRATION_TEXT)),
                               tree_temperature=recommended,
-                              chunk_steps=args.chunk_steps or sched.Settings.chunk_steps, max_queue=100000)
+                              chunk_steps=args.chunk_steps or sched.Settings.chunk_steps, max_queue=100000,
+                              adaptive_row_programs=args.lone_row_programs)
     stream_ids = tokenizer.encode(args.prompt)
     docs = serve_load.corpus_docs(os.path.join(checkpoint, "tokenizer"), serve_load._pair(args.prompt_len, "")[1] + 1)
     requests = serve_load.make_requests(args.requests, serve_load._pair(args.prompt_len, ""),
@@ -340,6 +350,12 @@ def main(argv=None) -> int:
     gen = engine.generate(target, drafter, [stream_ids], max_new_tokens=args.stream_tokens,
                           tree_temperature=recommended)
     result["stream_generate"] = {"tokens_per_s": gen.stats["tokens_per_second"], "decoding": gen.stats["decoding"]}
+    for _ in range(2):  # the autoregressive stream through the same engine (the second call: compiled)
+        ar = engine.generate(target, drafter, [stream_ids], max_new_tokens=args.stream_tokens, budget=0,
+                             tree_temperature=recommended)
+    result["stream_generate_ar"] = {"tokens_per_s": ar.stats["tokens_per_second"], "decoding": ar.stats["decoding"]}
+    print(f"  generate: {gen.stats['tokens_per_second']:.1f} tok/s, autoregressive "
+          f"{ar.stats['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
     result["stream_identical"] = gen.tokens[0] == one["outputs"][0]
     if not args.no_cli:
         result["stream_cli"] = cli_stream(args, checkpoint)
