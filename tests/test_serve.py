@@ -441,6 +441,23 @@ def test_budget_flags_that_contradict_each_other_are_refused(flags, capsys):
     assert build_parser().parse_args(["--menu", "0,8,32"]).menu == (0, 8, 32)
 
 
+def test_the_command_line_reaches_the_schedulers_settings():
+    """Each serving flag lands in the Settings the scheduler gets, and without them the Settings' defaults hold."""
+    from kdtree_jax.serve.__main__ import build_parser, scheduler_settings
+    from kdtree_jax.serve.scheduler import Settings
+
+    args = build_parser().parse_args(["--menu", "0,8", "--lone-row-programs", "--calibrate", "--max-batch", "3",
+                                      "--max-len", "96", "--topk", "2", "--tree-temperature", "0.5",
+                                      "--chunk-steps", "2", "--max-queue", "7"])
+    s = scheduler_settings(args, "auto", (1, 2), 0.9)
+    assert (s.menu, s.adaptive_row_programs, s.calibrate, s.max_batch, s.max_len, s.topk, s.tree_temperature,
+            s.chunk_steps, s.max_queue, s.budget, s.calibration_prompt) == (
+        (0, 8), True, True, 3, 96, 2, 0.5, 2, 7, "auto", (1, 2))
+    s = scheduler_settings(build_parser().parse_args([]), 0, (1,), 0.9)
+    assert (s.menu, s.adaptive_row_programs, s.calibrate, s.tree_temperature, s.chunk_steps, s.budget) == (
+        None, False, False, 0.9, Settings.chunk_steps, 0)
+
+
 def test_metrics_render_the_adaptive_budget():
     """The Prometheus lines and the JSON of the adaptive budget, from chunks' policy counters (no server)."""
     from kdtree_jax.serve.metrics import Metrics, parse

@@ -241,6 +241,17 @@ def check_flags(args) -> None:
         _fail(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
 
 
+def scheduler_settings(args, budget, calibration_prompt: tuple, recommended_tree_temperature: float):
+    """The scheduler's Settings from the command line (budget: --budget after --no-speculative and the drafter)."""
+    from kdtree_jax.serve.scheduler import Settings
+
+    return Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, menu=args.menu,
+                    calibrate=args.calibrate, adaptive_row_programs=args.lone_row_programs,
+                    calibration_prompt=calibration_prompt, topk=args.topk,
+                    tree_temperature=args.tree_temperature or recommended_tree_temperature,
+                    chunk_steps=args.chunk_steps or Settings.chunk_steps, max_queue=args.max_queue)
+
+
 def budget_notice(target, drafter, budget, *, max_batch: int, topk: int, prompt) -> None:
     """A `warning:` line on stderr when a fixed --budget is more than this device runs at a useful speed at --max-batch
     rows (validation.budget_warning: the cached cost model's step cost, else the tree's size against the drafter's
@@ -361,7 +372,7 @@ def main(argv=None) -> int:
     from kdtree_jax.serve import chat_template
     from kdtree_jax.serve.api import create_app
     from kdtree_jax.serve.metrics import Metrics
-    from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, Settings, compile_count
+    from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, compile_count
     from kdtree_jax.speculative import tree as trees
     from kdtree_jax.speculative import validation
 
@@ -386,12 +397,7 @@ def main(argv=None) -> int:
             _fail(f"--budget must be <= {limit} for this drafter and --topk {args.topk}; got {budget}")
     elif drafter is None and budget != 0:
         notice("the checkpoint has no drafter: serving autoregressively")
-    settings = Settings(max_batch=args.max_batch, max_len=args.max_len, budget=budget, menu=args.menu,
-                        calibrate=args.calibrate, adaptive_row_programs=args.lone_row_programs,
-                        calibration_prompt=tuple(tokenizer.encode(CALIBRATION_TEXT)), topk=args.topk,
-                        tree_temperature=args.tree_temperature or recommended,
-                        chunk_steps=args.chunk_steps or Settings.chunk_steps,
-                        max_queue=args.max_queue)
+    settings = scheduler_settings(args, budget, tuple(tokenizer.encode(CALIBRATION_TEXT)), recommended)
     metrics = Metrics()
     scheduler = Scheduler(target, drafter, settings, metrics, say=lambda line: print(line, file=sys.stderr, flush=True))
     if scheduler.max_tokens_for(1) < 1:
