@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass --lone-row-programs to the speculative server (--budget auto: a lone request runs "
                         "one-row programs priced at one row's costs)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                   help="the load client's processes, the concurrency split among them (one Python client reads a "
+                        "few thousand streamed events a second; default: a quarter of the cores, at most 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request list (prompts and lengths)")
     p.add_argument("--leak-requests", type=int, default=0,
                    help="after the levels, this many more requests per server with --disconnect-fraction of them "
@@ -293,10 +296,11 @@ async def one_request(client, url: str, req: dict, model: str) -> dict:
 
 
 async def run_level(url: str, requests: list[dict], concurrency: int, model: str, request_timeout: float = 600.0,
-                    deadline: float | None = None):
-    """Every request, `concurrency` in flight at a time; a poller samples the batch occupancy meanwhile. A request
-    that fails or takes longer than request_timeout gets {"error": ...}; past `deadline` (time.monotonic()) no new
-    request starts (their results stay None)."""
+                    deadline: float | None = None, poll: bool = True, ready=None):
+    """Every request, `concurrency` in flight at a time; a poller (with `poll`) samples the batch occupancy
+    meanwhile. A request that fails or takes longer than request_timeout gets {"error": ...}; past `deadline`
+    (time.monotonic()) no new request starts (their results stay None). ready(): called once the clients exist, just
+    before the clock starts (client_processes' barrier). -> (results, wall, occupancy)."""
     import httpx
 
     from kdtree_jax.serve.metrics import parse
@@ -304,9 +308,9 @@ async def run_level(url: str, requests: list[dict], concurrency: int, model: str
     results = [None] * len(requests)
     occupancy = []
     done = asyncio.Event()
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(min(request_timeout, 600.0)), limits=limits) as client:
-        async def poll():
+    timeout = httpx.Timeout(min(request_timeout, 600.0))
+    async with httpx.AsyncClient(timeout=timeout) as client:  # the poller's
+        async def poll_occupancy():
             while not done.is_set():
                 try:
                     m = parse((await client.get(url + "/metrics")).text)
@@ -320,21 +324,86 @@ async def run_level(url: str, requests: list[dict], concurrency: int, model: str
 
         queue = list(enumerate(requests))[::-1]
 
-        async def worker():
+        async def worker(own):
             while queue and (deadline is None or time.monotonic() < deadline):
                 i, req = queue.pop()
                 try:
-                    results[i] = await asyncio.wait_for(one_request(client, url, req, model), request_timeout)
+                    results[i] = await asyncio.wait_for(one_request(own, url, req, model), request_timeout)
                 except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - counted, not fatal
                     results[i] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
-        poller = asyncio.create_task(poll())
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
-        wall = time.perf_counter() - t0
-        done.set()
-        await poller
+        # A client (one connection) of its own per worker, made before the clock starts: one client's pool shared by
+        # all of them rescans every connection at every request and read (httpcore), which made this client, not the
+        # server, the bottleneck past ~5-9k streamed tok/s (on a fake scheduler with no decode: 4.9k tok/s against
+        # 6.9k with a client each, this client's CPU time twice the server's).
+        own = [httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1))
+               for _ in range(min(concurrency, len(requests)))]
+        if ready is not None:
+            ready()
+        poller = asyncio.create_task(poll_occupancy()) if poll else None
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(c) for c in own))
+            wall = time.perf_counter() - t0
+        finally:
+            done.set()
+            if poller is not None:
+                await poller
+            for c in own:
+                await c.aclose()
     return results, wall, occupancy
+
+
+def _client_process(barrier, out, share: int, args: tuple) -> None:
+    """One client process of client_processes: its share of the requests; (share, results, start, wall) to `out`."""
+    clock = {}
+
+    def ready():
+        barrier.wait()
+        clock["start"] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the machine
+
+    try:
+        results, wall, occupancy = asyncio.run(run_level(*args, ready=ready))
+        out.put((share, results, clock["start"], wall, occupancy))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        barrier.abort()
+        out.put((share, f"{type(e).__name__}: {e}", 0.0, 0.0, []))
+
+
+def drive(url: str, requests: list[dict], concurrency: int, model: str, request_timeout: float = 600.0,
+          deadline: float | None = None, processes: int = 1):
+    """run_level through `processes` client processes started together (a barrier before their clocks): request i
+    goes to process i % processes, which keeps its share of the concurrency in flight. One Python client reads at most
+    a few thousand streamed events a second (httpx's per-event cost), which at the GPU server's rate would make the
+    client the bottleneck being measured. -> (results in request order, wall from the first start to the last end,
+    the occupancy process 0 sampled)."""
+    processes = max(1, min(processes, concurrency, len(requests)))
+    if processes == 1:
+        return asyncio.run(run_level(url, requests, concurrency, model, request_timeout, deadline))
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, daemon=True,
+                         args=(barrier, out, p, (url, requests[p::processes],
+                                                 concurrency // processes + (p < concurrency % processes), model,
+                                                 request_timeout, deadline, p == 0)))
+             for p in range(processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        parts = sorted(out.get() for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    failed = [r for _, r, _, _, _ in parts if isinstance(r, str)]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    results = [None] * len(requests)
+    for p, res, _, _, _ in parts:
+        results[p::processes] = res
+    wall = max(start + w for _, _, start, w, _ in parts) - min(start for _, _, start, _, _ in parts)
+    return results, wall, parts[0][4]
 
 
 def pct(values, q) -> float:
@@ -342,10 +411,11 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float) -> dict:
+def measure_level(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float,
+                  processes: int = 1) -> dict:
     """One concurrency level against one server: the row of the table."""
     before = metrics(url)
-    results, wall, occupancy = asyncio.run(run_level(url, requests, c, model, request_timeout))
+    results, wall, occupancy = drive(url, requests, c, model, request_timeout, processes=processes)
     after = metrics(url)
     steps = after["decode_steps_total"] - before["decode_steps_total"]
     emitted = after["tau"] * after["decode_steps_total"] - before["tau"] * before["decode_steps_total"]
@@ -409,11 +479,11 @@ def policy_text(policy: dict) -> str:
 
 
 def leak_check(mode: str, url: str, model: str, requests: list[dict], c: int, request_timeout: float,
-               deadline: float | None) -> dict:
+               deadline: float | None, processes: int = 1) -> dict:
     """The leak check against one server: its requests (some disconnecting mid-stream), then, once it is idle, the
     KV pool's free slots against before."""
     before = settle(url)
-    results, wall, _ = asyncio.run(run_level(url, requests, c, model, request_timeout, deadline))
+    results, wall, _ = drive(url, requests, c, model, request_timeout, deadline, processes)
     after = settle(url)
     sent = [r for r in results if r is not None]
     cancelled = 'requests_total{outcome="cancelled"}'
@@ -489,13 +559,14 @@ def measure(modes: list[str], args, requests: list[dict], leak_requests: list[di
                 break
             for mode in modes:
                 url, model = servers[mode][1], out[mode]["server"]["id"]
-                out[mode]["rows"].append(measure_level(mode, url, model, requests, c, args.request_timeout))
+                out[mode]["rows"].append(measure_level(mode, url, model, requests, c, args.request_timeout,
+                                                       args.client_processes))
         if leak_requests:
             c = args.leak_concurrency or max(levels)
             for mode in modes:
                 url, model = servers[mode][1], out[mode]["server"]["id"]
                 out[mode]["leak"] = leak_check(mode, url, model, leak_requests, c, args.request_timeout,
-                                               leak_deadline)
+                                               leak_deadline, args.client_processes)
                 if out[mode]["leak"]["sent"] < len(leak_requests):
                     notes.append(f"Deadline: the {mode} leak check sent {out[mode]['leak']['sent']} of "
                                  f"{len(leak_requests)} requests.")
@@ -739,7 +810,9 @@ def write_markdown(path: str, data: dict) -> None:
         f"{m['requests']} greedy streamed requests per concurrency level (the same seeded list each time: prompts of "
         f"{m['prompt_len'][0]}-{m['prompt_len'][1]} tokens from the held-out corpus, max_tokens "
         f"{m['max_new_tokens'][0]}-{m['max_new_tokens'][1]}), server `--max-batch {m['max_batch']} --max-len "
-        f"{m['max_len']} --dtype {m.get('dtype', 'auto')}`, the client in the same machine; the modes take turns at "
+        f"{m['max_len']} --dtype {m.get('dtype', 'auto')}`, the client in the same machine "
+        f"({m.get('client_processes', 1)} process{'es' if m.get('client_processes', 1) > 1 else ''}, one HTTP "
+        "connection per request in flight); the modes take turns at "
         "each level. Throughput = completion tokens / wall time; TTFT from "
         "sending to the first streamed event; TPOT = a request's (last event - first event) / (tokens - 1); "
         "occupancy = busy batch rows / rows, sampled every 0.25 s; tau = tokens per sequence step on the server.",
@@ -966,6 +1039,7 @@ def main(argv=None) -> int:
                  "python": platform.python_version(), "requests": args.requests, "concurrency": sorted(levels),
                  "prompt_len": prompt_len, "max_new_tokens": new_tokens, "max_batch": args.max_batch,
                  "max_len": args.max_len, "dtype": args.dtype, "seed": args.seed, "cpu_count": os.cpu_count(),
+                 "client_processes": args.client_processes,
                  "budget": args.budget if args.budget is not None else "the server's default (auto)",
                  "calibrate": args.calibrate,
                  "leak_requests": args.leak_requests, "disconnect_fraction": args.disconnect_fraction,

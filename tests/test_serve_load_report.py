@@ -1,5 +1,6 @@
-"""benchmarks/serve_load.py's bookkeeping, without a server: the seeded request lists (the leak check's disconnects
-do not change the prompts), issue 27's targets read off the rows, and the report of a full and of a cut-short run."""
+"""benchmarks/serve_load.py's bookkeeping, without a model: the seeded request lists (the leak check's disconnects
+do not change the prompts), issue 27's targets read off the rows, the report of a full and of a cut-short run, and
+the load client split over processes (against the real app over a stand-in decode thread)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,89 @@ def test_serve_host_report_of_runs(tmp_path):
         in text
     assert "| after | 700 | 700 (1.00) |" in text
     assert "- after, single stream, in-process (wall 1.00 s): collect.read 0.800 s / 150 (80%), launch" in text
+
+
+class _ChunkingScheduler:
+    """A stand-in for the decode thread behind the real FastAPI app: every 2 ms each row gets up to 3 tokens (no
+    model), so the load client's bookkeeping is tested without a decode."""
+
+    def __init__(self):
+        import threading
+        import types
+
+        self.target = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256, max_position_embeddings=512))
+        self.settings = types.SimpleNamespace(max_len=256)
+        self.error, self.rows, self.lock = None, [], threading.Lock()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        return 200
+
+    def submit(self, job):
+        job.sent = 0
+        with self.lock:
+            self.rows.append(job)
+
+    def cancel(self, job, reason="cancelled"):
+        job.cancelled = True
+
+    def _loop(self):
+        import time
+
+        while True:
+            with self.lock:
+                rows = list(self.rows)
+            for job in rows:
+                k = min(3, job.max_tokens - job.sent)
+                job.emit("tokens", [97 + (job.sent + i) % 26 for i in range(k)])
+                job.sent += k
+                if job.sent >= job.max_tokens or job.cancelled:
+                    job.emit("done", "length")
+                    with self.lock:
+                        self.rows.remove(job)
+            time.sleep(0.002)
+
+
+def test_the_load_client_in_several_processes_keeps_every_request_in_order():
+    """drive() over 3 client processes gets each request's answer back at its index, as one process does."""
+    import socket
+    import sys
+    import threading
+
+    import uvicorn
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import serve_load
+
+    from kdtree_jax.serve.api import create_app
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.tokenizer import load_tokenizer
+
+    app = create_app(_ChunkingScheduler(), load_tokenizer(os.path.join(ROOT, "checkpoints", "default")), Metrics(),
+                     model_name="m", info={})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import time
+
+        import httpx
+        for _ in range(200):
+            try:
+                httpx.get(url + "/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        rng = np.random.default_rng()
+        requests = [{"prompt": [5] * 4, "max_tokens": int(n)} for n in rng.permutation(np.arange(4, 15))]
+        for processes in (1, 3):
+            results, wall, _ = serve_load.drive(url, requests, 6, "m", 60.0, processes=processes)
+            assert [r.get("tokens") for r in results] == [r["max_tokens"] for r in requests], results
+            assert ["".join(chr(97 + i % 26) for i in range(r["max_tokens"])) == res["text"]
+                    for r, res in zip(requests, results)] == [True] * len(requests)
+            assert 0 < wall < 30
+    finally:
+        server.should_exit = True
