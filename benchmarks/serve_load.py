@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime
 import json
 import os
@@ -151,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it) and leak requests stop that much earlier; with less than half of it left the baseline is "
                         "skipped, and it is stopped at the deadline (its finished parts are kept)")
     p.add_argument("--loop-worker", default=None, help=argparse.SUPPRESS)  # the loop baseline's subprocess
+    p.add_argument("--stand-in-port", type=int, default=None, help=argparse.SUPPRESS)  # client_ceiling's server
+    p.add_argument("--no-client-ceiling", action="store_true",
+                   help="skip the client's ceiling (before the servers start: the request list at the highest "
+                        "concurrency against the real app over a stand-in decode with no model, 96k tok/s at 16 rows)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
                    help="directory for serve_load_<device>.{json,md,png}")
     p.add_argument("--log-dir", default=None, help="directory for the servers' and the loop baseline's logs (default: a temporary one)")
@@ -200,6 +205,115 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class StandInScheduler:
+    """The decode thread's part of the server's contract (submit, cancel, emit) with no model: every `chunk_s` each of
+    `rows` rows gets its next `tokens` tokens of `pattern` (repeated), its request ending at max_tokens. Behind the
+    real FastAPI app it measures what the HTTP path and this script's client can carry (client_ceiling), and tests
+    the client without a decode."""
+
+    def __init__(self, rows: int, chunk_s: float, tokens: int, pattern: list[int], vocab_size: int = 1 << 20):
+        import threading
+        import types
+
+        self.target = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=vocab_size,
+                                                                      max_position_embeddings=1 << 20))
+        self.settings = types.SimpleNamespace(max_len=1 << 20)
+        self.rows, self.chunk_s, self.tokens, self.pattern = rows, chunk_s, tokens, list(pattern)
+        self.error, self.live, self.waiting, self.lock = None, [], collections.deque(), threading.Lock()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        return 1 << 20
+
+    def submit(self, job) -> None:
+        job.sent = 0
+        with self.lock:
+            self.waiting.append(job)
+
+    def cancel(self, job, reason: str = "cancelled") -> None:
+        job.cancelled = True
+
+    def _loop(self) -> None:
+        while True:
+            t = time.perf_counter()
+            with self.lock:
+                while self.waiting and len(self.live) < self.rows:
+                    self.live.append(self.waiting.popleft())
+                live = list(self.live)
+            for job in live:
+                k = min(self.tokens, job.max_tokens - job.sent)
+                job.emit("tokens", [self.pattern[(job.sent + i) % len(self.pattern)] for i in range(k)])
+                job.sent += k
+                if job.sent >= job.max_tokens or job.cancelled:
+                    job.emit("done", "length")
+                    with self.lock:
+                        self.live.remove(job)
+            time.sleep(max(0.0, self.chunk_s - (time.perf_counter() - t)))
+
+
+STAND_IN_TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+def stand_in_app(tokenizer, rows: int, chunk_s: float, tokens: int):
+    """The server's FastAPI app (kdtree_jax.serve.api) over a StandInScheduler that answers STAND_IN_TEXT's tokens."""
+    from kdtree_jax.serve.api import create_app
+    from kdtree_jax.serve.metrics import Metrics
+
+    return create_app(StandInScheduler(rows, chunk_s, tokens, tokenizer.encode(STAND_IN_TEXT)), tokenizer, Metrics(),
+                      model_name="stand-in", info={})
+
+
+# The client ceiling's stand-in: 12 tokens a row every 2 ms (16 rows: 96k tok/s), beyond any server measured here.
+CEILING_CHUNK_S, CEILING_TOKENS = 0.002, 12
+
+
+def client_ceiling(args, requests: list[dict], concurrency: int) -> dict:
+    """The request list at `concurrency` through this script's client against the real app over a stand-in decode
+    (a subprocess, as a server is): the most tok/s the client and the HTTP path carry here, to read the servers'
+    rows against."""
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stand-in-port", str(port),
+                             "--max-batch", str(args.max_batch)] + (["--checkpoint", args.checkpoint]
+                                                                    if args.checkpoint else []),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/v1/models", timeout=2)
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return {"error": "the stand-in server did not start"}
+                time.sleep(0.1)
+        requests = (requests * -(-256 // len(requests)))[:max(256, len(requests))]  # long enough to time
+        results, wall, _ = drive(url, requests, concurrency, "stand-in", args.request_timeout,
+                                 processes=args.client_processes)
+        tokens = sum(r.get("tokens", 0) for r in results if r)
+        return {"concurrency": concurrency, "tokens_per_s": tokens / wall, "wall_s": wall,
+                "errors": sum(1 for r in results if r and "error" in r), "rows": args.max_batch,
+                "stand_in_tokens_per_s": args.max_batch * CEILING_TOKENS / CEILING_CHUNK_S}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def stand_in_server(args) -> int:
+    """--stand-in-port: serve stand_in_app until terminated (client_ceiling's subprocess)."""
+    import uvicorn
+
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT
+    from kdtree_jax.tokenizer import load_tokenizer
+
+    app = stand_in_app(load_tokenizer(os.path.join(args.checkpoint or DEFAULT_CHECKPOINT, "tokenizer")),
+                       args.max_batch, CEILING_CHUNK_S, CEILING_TOKENS)
+    uvicorn.run(app, host="127.0.0.1", port=args.stand_in_port, log_level="warning")
+    return 0
 
 
 def launch_server(mode: str, args, log_path: str):
@@ -843,6 +957,15 @@ def write_markdown(path: str, data: dict) -> None:
         lines += [f"Speculative / autoregressive throughput by concurrency: {ratios}.", "",
                   f"Greedy outputs identical across the two modes: {data['identical_outputs']} of "
                   f"{data['compared_outputs']} requests.", ""]
+    ceiling = data.get("client_ceiling")
+    if ceiling and "error" not in ceiling:
+        lines += [f"The client's ceiling: {ceiling['tokens_per_s']:.0f} tok/s, the same requests (repeated to 256) at "
+                  f"concurrency {ceiling['concurrency']} against the server's app over a stand-in decode with no "
+                  f"model ({ceiling['rows']} rows, {CEILING_TOKENS} tokens a row every {1e3 * CEILING_CHUNK_S:.0f} "
+                  f"ms: {ceiling['stand_in_tokens_per_s']:.0f} tok/s offered); a server row near it measures the "
+                  "client and the HTTP path, not the decode.", ""]
+    elif ceiling:
+        lines += [f"The client's ceiling: not measured ({ceiling['error']}).", ""]
     lines += ["Server start (load + warm-up compile, the servers starting at once): " + ", ".join(
         f"{mode['mode']} {mode['startup_s']:.1f} s" for mode in data["modes"]) + ".", ""]
     leaks = [mode["leak"] for mode in data["modes"] if "leak" in mode]
@@ -989,6 +1112,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.loop_worker:
         return loop_worker(args.loop_worker)
+    if args.stand_in_port:
+        return stand_in_server(args)
     if args.smoke:
         args.requests, args.concurrency, args.max_new_tokens, args.prompt_len = 4, "1,2", "4,8", "8,16"
         args.loop_stream_requests = min(args.loop_stream_requests, 2)
@@ -1025,6 +1150,11 @@ def main(argv=None) -> int:
                                        device.lower().replace("nvidia", "").strip().replace(" ", "_"))
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="serve_load_logs_")  # the loop baseline's log goes there too
     load_before = os.getloadavg()
+    ceiling = None
+    if not args.no_client_ceiling:
+        ceiling = client_ceiling(args, requests, max(levels))
+        print(f"[the client's ceiling: {ceiling.get('tokens_per_s', float('nan')):.0f} tok/s at concurrency "
+              f"{max(levels)} against a stand-in decode]", file=sys.stderr, flush=True)
     results, notes, interrupted = measure(modes, args, requests, leak_requests, levels, deadline)
     loop = {}
     if not args.no_loop_baseline and not interrupted:
@@ -1051,6 +1181,8 @@ def main(argv=None) -> int:
         "modes": results,
         "notes": notes,
     }
+    if ceiling is not None:
+        data["client_ceiling"] = ceiling
     if len(results) == 2:
         rows = [{r["concurrency"]: r for r in mode["rows"]} for mode in results]
         pairs = [(x, y) for c in rows[0] if c in rows[1]

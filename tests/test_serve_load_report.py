@@ -180,47 +180,6 @@ def test_serve_host_report_of_runs(tmp_path):
     assert "- after, single stream, in-process (wall 1.00 s): collect.read 0.800 s / 150 (80%), launch" in text
 
 
-class _ChunkingScheduler:
-    """A stand-in for the decode thread behind the real FastAPI app: every 2 ms each row gets up to 3 tokens (no
-    model), so the load client's bookkeeping is tested without a decode."""
-
-    def __init__(self):
-        import threading
-        import types
-
-        self.target = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256, max_position_embeddings=512))
-        self.settings = types.SimpleNamespace(max_len=256)
-        self.error, self.rows, self.lock = None, [], threading.Lock()
-        threading.Thread(target=self._loop, daemon=True).start()
-
-    def max_tokens_for(self, prompt_len: int) -> int:
-        return 200
-
-    def submit(self, job):
-        job.sent = 0
-        with self.lock:
-            self.rows.append(job)
-
-    def cancel(self, job, reason="cancelled"):
-        job.cancelled = True
-
-    def _loop(self):
-        import time
-
-        while True:
-            with self.lock:
-                rows = list(self.rows)
-            for job in rows:
-                k = min(3, job.max_tokens - job.sent)
-                job.emit("tokens", [97 + (job.sent + i) % 26 for i in range(k)])
-                job.sent += k
-                if job.sent >= job.max_tokens or job.cancelled:
-                    job.emit("done", "length")
-                    with self.lock:
-                        self.rows.remove(job)
-            time.sleep(0.002)
-
-
 def test_the_load_client_in_several_processes_keeps_every_request_in_order():
     """drive() over 3 client processes gets each request's answer back at its index, as one process does."""
     import socket
@@ -232,12 +191,12 @@ def test_the_load_client_in_several_processes_keeps_every_request_in_order():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import serve_load
 
-    from kdtree_jax.serve.api import create_app
-    from kdtree_jax.serve.metrics import Metrics
     from kdtree_jax.tokenizer import load_tokenizer
 
-    app = create_app(_ChunkingScheduler(), load_tokenizer(os.path.join(ROOT, "checkpoints", "default")), Metrics(),
-                     model_name="m", info={})
+    tokenizer = load_tokenizer(os.path.join(ROOT, "checkpoints", "default", "tokenizer"))
+    pattern = tokenizer.encode(serve_load.STAND_IN_TEXT)
+    # 3 tokens a row every 2 ms: a request of 4-14 tokens lives over several chunks
+    app = serve_load.stand_in_app(tokenizer, 4, 0.002, 3)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -257,9 +216,9 @@ def test_the_load_client_in_several_processes_keeps_every_request_in_order():
         rng = np.random.default_rng()
         requests = [{"prompt": [5] * 4, "max_tokens": int(n)} for n in rng.permutation(np.arange(4, 15))]
         for processes in (1, 3):
-            results, wall, _ = serve_load.drive(url, requests, 6, "m", 60.0, processes=processes)
+            results, wall, _ = serve_load.drive(url, requests, 6, "stand-in", 60.0, processes=processes)
             assert [r.get("tokens") for r in results] == [r["max_tokens"] for r in requests], results
-            assert ["".join(chr(97 + i % 26) for i in range(r["max_tokens"])) == res["text"]
+            assert [tokenizer.decode([pattern[i % len(pattern)] for i in range(r["max_tokens"])]) == res["text"]
                     for r, res in zip(requests, results)] == [True] * len(requests)
             assert 0 < wall < 30
     finally:
