@@ -51,6 +51,11 @@ SEEDED_STEP_MS = {"ar": 10.0, 0: 11.0, 1: 11.5, 2: 12.0, 3: 13.0, 4: 15.0, 5: 19
 # Plain greedy, set explicitly: a request that leaves its settings out gets the embedded pair's
 # generation_config.json (repetition penalty 1.2), and these tests compare unpenalised greedy outputs.
 GREEDY = {"temperature": 0, "repetition_penalty": 1}
+# The servers' warm-up compiles row admission for prompts up to this many tokens (--warmup-prompt-tokens): the 16-token
+# prompt bucket, which every prompt here and the warm-up's and calibration's own take (each of them is shorter), not
+# every bucket up to MAX_LEN (~8 programs more a start that no test here uses; tests/test_serve_admission.py checks
+# that a whole warm-up compiles every bucket's admission).
+WARMUP_PROMPT_TOKENS = 16
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:\n    def", "for i in range(", "x = [", "while True:\n",
            "def main():\n    args =", "return self.", "try:\n    import", "with open("]
 
@@ -73,7 +78,7 @@ def _launch_server(*flags) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kdtree_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
          "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE), "--chunk-steps", str(CHUNK_STEPS),
-         "--drain-timeout", "20", *flags],
+         "--drain-timeout", "20", "--warmup-prompt-tokens", str(WARMUP_PROMPT_TOKENS), *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     return {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log.name}
 
@@ -448,14 +453,14 @@ def test_the_command_line_reaches_the_schedulers_settings():
 
     args = build_parser().parse_args(["--menu", "0,8", "--lone-row-programs", "--calibrate", "--max-batch", "3",
                                       "--max-len", "96", "--topk", "2", "--tree-temperature", "0.5",
-                                      "--chunk-steps", "2", "--max-queue", "7"])
+                                      "--chunk-steps", "2", "--max-queue", "7", "--warmup-prompt-tokens", "16"])
     s = scheduler_settings(args, "auto", (1, 2), 0.9)
     assert (s.menu, s.adaptive_row_programs, s.calibrate, s.max_batch, s.max_len, s.topk, s.tree_temperature,
-            s.chunk_steps, s.max_queue, s.budget, s.calibration_prompt) == (
-        (0, 8), True, True, 3, 96, 2, 0.5, 2, 7, "auto", (1, 2))
+            s.chunk_steps, s.max_queue, s.budget, s.calibration_prompt, s.warmup_prompt_tokens) == (
+        (0, 8), True, True, 3, 96, 2, 0.5, 2, 7, "auto", (1, 2), 16)
     s = scheduler_settings(build_parser().parse_args([]), 0, (1,), 0.9)
-    assert (s.menu, s.adaptive_row_programs, s.calibrate, s.tree_temperature, s.chunk_steps, s.budget) == (
-        None, False, False, 0.9, Settings.chunk_steps, 0)
+    assert (s.menu, s.adaptive_row_programs, s.calibrate, s.tree_temperature, s.chunk_steps, s.budget,
+            s.warmup_prompt_tokens) == (None, False, False, 0.9, Settings.chunk_steps, 0, None)
 
 
 def test_metrics_render_the_adaptive_budget():

@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "503) and the server exits 0")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before serving (the first request pays the compile instead)")
+    p.add_argument("--warmup-prompt-tokens", type=int, default=None, metavar="N",
+                   help="the warm-up compiles row admission only for prompts up to N tokens (default: every prompt "
+                        "length a row takes); a longer prompt's admission compiles on its first use, which stalls "
+                        "the requests behind it. A faster start-up where prompts are known to be short")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     return p
@@ -249,7 +253,8 @@ def scheduler_settings(args, budget, calibration_prompt: tuple, recommended_tree
                     calibrate=args.calibrate, adaptive_row_programs=args.lone_row_programs,
                     calibration_prompt=calibration_prompt, topk=args.topk,
                     tree_temperature=args.tree_temperature or recommended_tree_temperature,
-                    chunk_steps=args.chunk_steps or Settings.chunk_steps, max_queue=args.max_queue)
+                    chunk_steps=args.chunk_steps or Settings.chunk_steps, max_queue=args.max_queue,
+                    warmup_prompt_tokens=args.warmup_prompt_tokens)
 
 
 def budget_notice(target, drafter, budget, *, max_batch: int, topk: int, prompt) -> None:

@@ -425,7 +425,10 @@ class Bucket:
         max_len = self.state.cache.max_len  # what admission.prepare pads to
         ran = admission.prompt_bucket(len(prompt), max_len)
         buckets, n = [], 1
-        while n <= self.sched.longest_prompt():
+        longest = self.sched.longest_prompt()
+        if self.sched.settings.warmup_prompt_tokens is not None:  # the longer buckets compile on first use
+            longest = min(longest, self.sched.settings.warmup_prompt_tokens)
+        while n <= longest:
             buckets.append(admission.prompt_bucket(n, max_len))
             n = buckets[-1] + 1
         pairs = [(k, b) for b in buckets if b != ran for k in self.group_sizes if (k, b) not in self.admit_programs]
@@ -552,6 +555,9 @@ class Settings:
     # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
     # one); False: every prompt alone.
     admit_groups: Union[bool, tuple] = True
+    # The warm-up compiles row admission for the prompt buckets of prompts up to this many tokens (None: every prompt a
+    # row can take); a longer prompt's bucket compiles on its first use, stalling the rows behind it.
+    warmup_prompt_tokens: Optional[int] = None
 
 
 # What the adaptive budget's calibration decodes in every row (Settings.calibration_prompt: its tokens, the server's
