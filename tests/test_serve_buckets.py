@@ -23,8 +23,10 @@ def test_mixed_sampling_settings_share_one_program_and_greedy_rows_keep_their_to
     from kdtree_jax.speculative import engine
 
     target, drafter, _, _, _ = load_models(DEFAULT, "float32")
-    s = sched.Scheduler(target, drafter, sched.Settings(max_batch=3, max_len=64, budget=4, chunk_steps=2),
-                        Metrics())
+    # The warm-up compiles admission for the 16-token prompt bucket alone (the prompt below is 4 tokens; a whole
+    # warm-up's admission is tests/test_serve_admission.py's).
+    s = sched.Scheduler(target, drafter, sched.Settings(max_batch=3, max_len=64, budget=4, chunk_steps=2,
+                                                        warmup_prompt_tokens=16), Metrics())
     traced = engine._TRACES.get("decode_chunk", 0)
     s.warmup()
     # The warm-up compiled the chunk programs: the one for every row and setting, and those of fewer rows and of

@@ -21,7 +21,9 @@ DEFAULT = os.path.join(ROOT, "checkpoints", "default")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT, "kdtree_checkpoint.json")),
                                 reason="checkpoints/default is not there")
 
-SETTINGS = dict(max_batch=2, max_len=64, budget=4, chunk_steps=2)
+# The warm-ups compile row admission for the 16-token prompt bucket alone (every prompt here is shorter; the longer
+# buckets' programs served no request; tests/test_serve_admission.py checks a whole warm-up's).
+SETTINGS = dict(max_batch=2, max_len=64, budget=4, chunk_steps=2, warmup_prompt_tokens=16)
 LONE = 8  # Settings.lone_chunk_steps' default: a lone row's chunk while nothing waits
 GREEDY, SAMPLED = [5, 6, 7, 8], [9, 10, 11]
 MENU = (0, 8)  # the adaptive bucket's: two programs per row count to compile
