@@ -17,7 +17,8 @@ test measures one for real. Every cost model lives in a temporary $KDTREE_JAX_CA
 Budget: ~2 min on 2 CPU cores, most of it the servers' starts (load + compile, ~30 s each; the --calibrate one also
 measures, ~20 s). The --budget 16 reference server starts (--no-warmup) and compiles for its requests while the
 module's server starts, side by side: each start is mostly one core's compiling. Prompts stay under 16 tokens so
-that one prefill program serves every request."""
+that one prefill program serves every request (the servers' warm-ups compile that prompt bucket's admission alone).
+The --calibrate server and the cached-costs one (their tests' own) start side by side too."""
 
 from __future__ import annotations
 
@@ -102,11 +103,6 @@ def _wait_ready(server: dict, timeout=240.0) -> dict:
             pytest.fail(f"the server did not start within {timeout:.0f} s")
         time.sleep(0.5)
     return server
-
-
-def _start_server(*flags, timeout=240.0) -> dict:
-    """A server subprocess with this module's settings and these flags, once /health answers: {url, proc, log}."""
-    return _wait_ready(_launch_server(*flags), timeout)
 
 
 def _stop_server(server: dict) -> None:
@@ -521,7 +517,37 @@ def test_auto_budget_metrics_and_greedy_output_equal_the_fixed_budget_servers(se
     assert "budget_steps_total" not in fixed_budget_reference["metrics"]
 
 
-def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
+# The servers of the next two tests (--calibrate over a stale cached point; a cached point where no budget pays), each
+# with its own $KDTREE_JAX_CACHE: launched together, when the first of the two tests asks, so that they start side by
+# side (each start is mostly one core's compiling; one after the other they took ~65 s of the module's time).
+STALE_STEP_MS = {"ar": 1000.0, 0: 1001.0, 1: 1002.0, 2: 1003.0, 3: 1004.0, 4: 1005.0, 5: 1006.0}
+
+
+@pytest.fixture(scope="module")
+def side_servers(server, tmp_path_factory):
+    """{"calibrated": (server, its cache directory, the stale point seeded there), "plain": (server, its cache
+    directory)}: launched, not yet serving (_wait_ready)."""
+    servers = []
+    with pytest.MonkeyPatch.context() as mp:
+        try:
+            calibrate_cache = tmp_path_factory.mktemp("kdtree_jax_cache_calibrate")
+            mp.setenv("KDTREE_JAX_CACHE", str(calibrate_cache))
+            stale = _seed_cost_model(STALE_STEP_MS)
+            servers.append(_launch_server("--calibrate"))
+            plain_cache = tmp_path_factory.mktemp("kdtree_jax_cache_plain")
+            mp.setenv("KDTREE_JAX_CACHE", str(plain_cache))
+            _, _, menu = _greedy_cost_model()
+            _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}},
+                             expected=[1.0] + [2.0] * (len(menu) - 1))
+            servers.append(_launch_server())
+            yield {"calibrated": (servers[0], calibrate_cache, stale), "plain": (servers[1], plain_cache)}
+        finally:
+            for s in servers:
+                if os.path.exists(s["log"]):  # not stopped by its test
+                    _stop_server(s)
+
+
+def test_calibrate_measures_the_cost_model_again(side_servers, monkeypatch):
     """--calibrate: the start-up measures the cost model although the cache holds one for these settings, and the
     measurement replaces it in the cache. (The module's settings: the chunk program and row admission come from the
     session's compilation cache, so the start-up is mostly the measurement.)"""
@@ -529,10 +555,10 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
 
     from kdtree_jax.speculative import cost_model
 
+    calibrated, tmp_path, stale = side_servers["calibrated"]
     monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
-    stale = _seed_cost_model({"ar": 1000.0, 0: 1001.0, 1: 1002.0, 2: 1003.0, 3: 1004.0, 4: 1005.0, 5: 1006.0})
-    calibrated = _start_server("--calibrate")
     try:
+        _wait_ready(calibrated)
         log = _log(calibrated)
         assert "[measuring the tree-budget cost model: batch 4 (" in log and "(cost model measured now)" in log
         greedy = httpx.get(calibrated["url"] + "/health").json()["budget_policy"]["buckets"]["batch"]
@@ -551,7 +577,7 @@ def test_calibrate_measures_the_cost_model_again(server, monkeypatch, tmp_path):
         _stop_server(calibrated)
 
 
-def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, monkeypatch, tmp_path):
+def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, side_servers):
     """A cached point whose drafter costs more than any budget earns at its acceptance prior: the greedy bucket runs
     the plain autoregressive program (it says so at start-up, steps no budget) and answers as the module's server
     (greedy: the target's own tokens whatever the tree; its speculative program is the independent reference, and a
@@ -559,11 +585,9 @@ def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, monkey
     import httpx
 
     want = _complete(client, PROMPTS[0], 12)[0]
-    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
-    _, _, menu = _greedy_cost_model()
-    _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}}, expected=[1.0] + [2.0] * (len(menu) - 1))
-    plain = _start_server()
+    plain, _ = side_servers["plain"]
     try:
+        _wait_ready(plain)
         assert "serving autoregressively" in _log(plain)
         body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
         got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
