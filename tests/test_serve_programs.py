@@ -187,10 +187,19 @@ def adaptive(pair):
 
     menu = validation.adaptive_menu("auto", MENU, pair[1], "ddtree", 4)
     costs = dict(cost_ar=1.0, cost_draft=0.0, cost_verify=[1.0 if b == 0 else 1.05 for b in menu])
+    # Its warm-up compiles admission for prompts up to 17 tokens: the 32-token bucket's program too (ahead of time).
     s = _scheduler(pair, budget="auto", menu=MENU, costs=costs, max_len=80, lone_chunk_steps=ADAPTIVE_LONE,
-                   adaptive_row_programs=True)
+                   adaptive_row_programs=True, warmup_prompt_tokens=17)
     yield s, menu, costs
     s.stop(drain=False, timeout=30)
+
+
+def test_the_warm_up_compiles_admission_up_to_warmup_prompt_tokens(adaptive, schedulers):
+    """Settings.warmup_prompt_tokens bounds the prompt buckets whose admission the warm-up compiles ahead (of 16, 32,
+    64 and 80 positions here): up to 17 tokens, the 32-token bucket's program (the 16-token one ran in the warm-up,
+    in jax's own cache); up to 16, none ahead. (A whole warm-up's, every bucket's: tests/test_serve_admission.py.)"""
+    assert set(adaptive[0].bucket.admit_programs) == {(1, 32)}
+    assert all(s.bucket.admit_programs == {} for s in schedulers.values())
 
 
 def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, schedulers):
