@@ -71,6 +71,14 @@ def test_targets_and_report(tmp_path):
     assert "Targets (issue 27; concurrency 16)" in text and "1.67x (target >= 1.5x)" in text
     assert "| speculative | 32 | 100 of 100 | 10 | 9 | 0 | 4096 -> 4096 (4096) | 0 | 0 | 0 | 3.0 |" in text
     assert "![throughput and latency](r.png)" in text
+    assert "client's ceiling" not in text  # not measured: nothing said
+    data["client_ceiling"] = {"concurrency": 16, "tokens_per_s": 25000.0, "wall_s": 1.0, "errors": 0, "rows": 16,
+                              "stand_in_tokens_per_s": 96000.0}
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    assert "The client's ceiling: 25000 tok/s" in (tmp_path / "r.md").read_text()
+    data["client_ceiling"] = {"error": "the stand-in server did not start"}
+    sl.write_markdown(str(tmp_path / "r.md"), data)
+    assert "not measured (the stand-in server did not start)" in (tmp_path / "r.md").read_text()
 
 
 def test_report_of_a_run_cut_short_before_any_level(tmp_path):
