@@ -273,24 +273,20 @@ def client_ceiling(args, requests: list[dict], concurrency: int) -> dict:
     """The request list at `concurrency` through this script's client against the real app over a stand-in decode
     (a subprocess, as a server is): the most tok/s the client and the HTTP path carry here, to read the servers'
     rows against."""
-    import httpx
-
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stand-in-port", str(port),
-                             "--max-batch", str(args.max_batch)] + (["--checkpoint", args.checkpoint]
-                                                                    if args.checkpoint else []),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, "serve_load_stand_in_server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stand-in-port", str(port),
+                                 "--max-batch", str(args.max_batch)] + (["--checkpoint", args.checkpoint]
+                                                                        if args.checkpoint else []),
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(url + "/v1/models", timeout=2)
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    return {"error": "the stand-in server did not start"}
-                time.sleep(0.1)
+        try:
+            wait_ready("stand-in", proc, url, log_path, 60)
+        except SystemExit as e:  # the ceiling is a reading aid: the servers are measured without it
+            return {"error": str(e).removeprefix("error: ")}
         requests = (requests * -(-256 // len(requests)))[:max(256, len(requests))]  # long enough to time
         results, wall, _ = drive(url, requests, concurrency, "stand-in", args.request_timeout,
                                  processes=args.client_processes)
@@ -414,7 +410,7 @@ async def run_level(url: str, requests: list[dict], concurrency: int, model: str
     """Every request, `concurrency` in flight at a time; a poller (with `poll`) samples the batch occupancy
     meanwhile. A request that fails or takes longer than request_timeout gets {"error": ...}; past `deadline`
     (time.monotonic()) no new request starts (their results stay None). ready(): called once the clients exist, just
-    before the clock starts (client_processes' barrier). -> (results, wall, occupancy)."""
+    before the clock starts (drive's barrier across client processes). -> (results, wall, occupancy)."""
     import httpx
 
     from kdtree_jax.serve.metrics import parse
