@@ -303,6 +303,10 @@ def main(argv=None) -> int:
     # -- the scheduler in-process ------------------------------------------------------------------------------
     metrics = Metrics()
     s = sched.Scheduler(target, drafter, settings, metrics)
+    fits = s.max_tokens_for(len(stream_ids))
+    if args.stream_tokens > fits:  # before the warm-up: the server would refuse the stream, and no token would be timed
+        raise SystemExit(f"serve_host: --stream-tokens {args.stream_tokens} does not fit --max-len {args.max_len} after "
+                         f"the prompt's {len(stream_ids)} tokens; at most {fits}")
     t = time.perf_counter()
     s.start(warmup=True)
     s.ready.wait()
@@ -536,8 +540,9 @@ def write_report(path: str, runs: list, title: str = "") -> None:
             + f" | {r['concurrent_identical']} of {m['requests']} | {c['compiles']}"
             + (f" / {hc['compiles']}" if hc else "") + " |")
     lines += ["", "The decode thread's time by phase (scheduler.HostSpans; seconds, calls, share of the run's wall "
-              "time; a read includes its wait for the device: on a CPU that is the decode itself; "
-              "`retire.reset_row` is inside `collect.deliver`):", ""]
+              "time; a read includes its wait for the device: on a CPU that is the decode itself; `reset_rows`: "
+              "the rows retired since the last dispatch, reset together; up to c0fbc86, `retire.reset_row`, a "
+              "dispatch a row, inside `collect.deliver`):", ""]
     for r in runs:
         for key, what in (("stream_scheduler", "single stream, in-process"),
                           ("concurrent_scheduler", f"concurrency {m['concurrency']}, in-process")):

@@ -12,6 +12,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -123,6 +124,22 @@ def test_replace_a_row_between_chunks_without_compiling(pair, prompts):
     state = admission.reset_row(state, 0)
     assert int(state.cache.num_free) == state.cache.num_slots - int(np.asarray(state.cache.seq_lens).sum())
     assert not bool(state.active[0]) and int(state.num_out[0]) == 0
+    # Rows reset together (the server's every row a chunk retired, one dispatch) end as when reset one at a time: the
+    # same state, the same free slots (the free list's order may differ), every slot back.
+    state = admission.replace_row(target, loop_drafter, state, 0, prompts[1], spec=spec)
+    one_by_one = admission.reset_row(admission.reset_row(jax.tree.map(jnp.copy, state), 1), 0)
+    together = admission.reset_rows(state, np.array([True, True]))
+    num_free = int(together.cache.num_free)
+    assert num_free == int(one_by_one.cache.num_free) == together.cache.num_slots
+    assert sorted(np.asarray(together.cache.free_slots)[:num_free]) == list(range(num_free))
+    for a, b in zip(*(jax.tree.leaves(s._replace(cache=s.cache._replace(free_slots=None)))
+                      for s in (together, one_by_one))):
+        np.testing.assert_array_equal(_host(a), _host(b))
+
+
+def _host(x) -> np.ndarray:
+    """An array's values on the host (a random key's data)."""
+    return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
 
 
 @needs_default

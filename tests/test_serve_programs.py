@@ -152,6 +152,41 @@ def test_a_live_row_keeps_a_chunk_in_flight_and_its_first_token_comes_after_the_
     assert len(out) == 10
 
 
+def test_rows_a_chunk_retires_are_reset_together_before_the_next_dispatch(schedulers):
+    """Two requests that end in the same chunk free their rows at once; their KV slots go back to the pool in one
+    dispatch, before anything else runs on the state, and every slot is free once both are done."""
+    s = schedulers[True]
+    bucket = s.bucket
+    outs = _run(s, (GREEDY, dict(max_tokens=6)), (SAMPLED, dict(max_tokens=6)))
+    assert [len(o) for o in outs] == [6, 6]
+    assert sorted(bucket.retired) == [0, 1] and bucket.owner == [None, None]  # freed, their slots not back yet
+    s.spans.reset()
+    s._update_gauges()  # nothing in flight: the pool's gauge resets them first
+    assert bucket.retired == [] and s.spans.snapshot()["reset_rows"][1] == 1
+    state = bucket.state
+    assert int(state.cache.num_free) == state.cache.num_slots and not np.asarray(state.active).any()
+    assert not np.asarray(state.cache.seq_lens).any()
+
+
+def test_a_row_cancelled_between_chunks_is_reset_before_the_next_chunk(schedulers):
+    """A request cancelled while the other row decodes: its row is reset before the next chunk is launched (else that
+    chunk would decode it, its slots held), and the other request gets all its tokens."""
+    s = schedulers[True]
+    bucket = s.bucket
+    (a, a_done), (b, b_done) = ([], threading.Event()), ([], threading.Event())
+    ra, rb = _request(GREEDY, a, a_done, max_tokens=40), _request(SAMPLED, b, b_done, max_tokens=12)
+    assert s._admit_waiting([ra, rb]) == [] and not bucket.retired
+    s._step()
+    s.cancel(ra)
+    row = bucket.owner.index(ra)
+    s._step()  # sweeps the cancelled row, launches the next chunk
+    assert bucket.owner[row] is None and bucket.retired == []
+    state = bucket.inflight[-1][0].state
+    assert not bool(state.active[row]) and int(state.cache.seq_lens[row]) == 0
+    drive(s, [b_done])
+    assert len(b) == 12 and a_done.is_set()
+
+
 def test_a_lone_row_takes_the_long_chunk_only_while_nothing_waits(schedulers):
     """A lone live row runs LONE steps a chunk while the queue is empty, the short chunk while a request waits, and
     gets its tokens either way."""

@@ -1,5 +1,5 @@
 """Batch rows between chunks of the decode loop: a new prompt admitted into a row (`admit_row`, `replace_row`,
-`ChunkedLoop.admit`), a row emptied (`reset_row`) or ended (`deactivate`); the state keeps its shapes, so nothing
+`ChunkedLoop.admit`), rows emptied (`reset_rows`) or ended (`deactivate`); the state keeps its shapes, so nothing
 compiles after a prompt bucket's first admission."""
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def deactivate(state: LoopState, rows) -> LoopState:
 
 
 def _reset_row_state(state: LoopState, row) -> LoopState:
-    which = jnp.arange(state.bonus.shape[0]) == row
+    return _reset_rows_state(state, jnp.arange(state.bonus.shape[0]) == row)
+
+
+def _reset_rows_state(state: LoopState, which) -> LoopState:
     dcache = state.dcache
     if dcache is not None:
         dcache = dcache._replace(lens=jnp.where(which, 0, dcache.lens))
@@ -48,10 +51,17 @@ def _reset_row_state(state: LoopState, row) -> LoopState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def reset_row(state: LoopState, row) -> LoopState:
-    """Empty one batch row between chunks: its KV slots back to the pool, its drafter context, output and count
-    cleared, inactive. `row` is a device scalar, so any row reuses one compiled program (and the loop's)."""
-    return _reset_row_state(state, jnp.asarray(row, jnp.int32))
+def reset_rows(state: LoopState, which) -> LoopState:
+    """Empty the batch rows where `which` [B] (bool) is set, between chunks: their KV slots back to the pool, their
+    drafter context, output and count cleared, inactive. The rows are data, so any set of rows is one dispatch of one
+    compiled program: the server resets every row a chunk finished at once (each dispatch costs the host 0.3-0.8 ms,
+    a chunk's launch about 1-2: benchmarks/results/history/serve_host_h200_c0fbc86.md)."""
+    return _reset_rows_state(state, jnp.asarray(which, bool))
+
+
+def reset_row(state: LoopState, row: int) -> LoopState:
+    """`reset_rows` of one row (the same compiled program)."""
+    return reset_rows(state, np.arange(state.bonus.shape[0]) == row)
 
 
 # Row admission: a new prompt in one batch row between chunks -------------------------------------------------------

@@ -217,7 +217,7 @@ def first_entry(state: LoopState, spec: SpecConfig, costs: dict, steps: int, *, 
 
 
 class _Call:
-    """An adaptive ChunkedLoop's record of a call (or of admit / reset_row between calls). Mutable only to cache the
+    """An adaptive ChunkedLoop's record of a call (or of admit / reset_rows between calls). Mutable only to cache the
     pick once read: a call's host work is what an adaptive chunk pays over a fixed one (at batch 1 on a GPU the host's
     ~1.5 ms a call is most of an 8-step chunk's device time), so the record keeps what later calls look up."""
 
@@ -226,8 +226,8 @@ class _Call:
     def __init__(self, force, chain, entry: int, next_entry, key: int):
         self.force = force  # the output state's policy.force: the array object that identifies that state
         self.chain = chain  # the chain of calls it continues (one decode, one server bucket)
-        self.entry = entry  # the entry it ran (admit / reset_row: the entry of the call before)
-        self.next_entry = next_entry  # ChunkOutput.next_entry (admit / reset_row: None)
+        self.entry = entry  # the entry it ran (admit / reset_rows: the entry of the call before)
+        self.next_entry = next_entry  # ChunkOutput.next_entry (admit / reset_rows: None)
         self.key = key  # the id of the state's _shapes (a program's output has its input's)
         self.pick = None  # int(next_entry), once read
 
@@ -243,7 +243,7 @@ class ChunkedLoop:
 
         loop = ChunkedLoop(target, drafter, spec, steps=8)
         out = loop(state)            # one chunk (asynchronous): ChunkOutput
-        state = out.state            # donated by the next call; loop.admit / admission.reset_row work on it in between
+        state = out.state            # donated by the next call; loop.admit / reset_rows work on it in between
         final, chunks = loop.run(state, on_chunk)   # chunks until every sequence is done, one chunk in flight
 
     drafter: None for autoregressive decoding (a root-only tree).
@@ -318,7 +318,7 @@ class ChunkedLoop:
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
     def _record(self, state: LoopState) -> Optional[_Call]:
-        """This loop's record of the call whose output `state` is (or that admit / reset_row made it from), or None."""
+        """This loop's record of the call whose output `state` is (or that admit / reset_rows made it from), or None."""
         return next((r for r in reversed(self._recent) if r.force is state.policy.force), None)
 
     def _remember(self, call: _Call):
@@ -397,9 +397,15 @@ class ChunkedLoop:
         self._remember(_Call(out.state.policy.force, chain, entry, out.next_entry, key))
         return out
 
+    def reset_rows(self, state: LoopState, rows) -> LoopState:
+        """`admission.reset_rows` of these batch rows (their slots back to the pool, the rows free), one dispatch,
+        keeping an adaptive loop's chain."""
+        which = np.zeros(state.bonus.shape[0], bool)
+        which[list(rows)] = True
+        return self._carried(state, admission.reset_rows(state, which))
+
     def reset_row(self, state: LoopState, row: int) -> LoopState:
-        """`admission.reset_row` (the row's slots back to the pool, the row free), keeping an adaptive loop's chain."""
-        return self._carried(state, admission.reset_row(state, jnp.int32(row)))
+        return self.reset_rows(state, [row])
 
     def admit(self, state: LoopState, prompt_ids, row: int, *, max_tokens: Optional[int] = None, seed: int = 0,
               sampling: Optional[sampling_ops.SamplingParams] = None,
