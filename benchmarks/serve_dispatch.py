@@ -1,0 +1,171 @@
+"""The host's cost of each dispatch the server's decode thread makes (issue 45, item 3).
+
+    python benchmarks/serve_dispatch.py                 # the embedded pair; float32 on a CPU, bfloat16 on a GPU
+    python benchmarks/serve_dispatch.py --smoke         # a few repeats, a temporary directory
+
+On the H200 (benchmarks/results/history/serve_host_h200_c0fbc86.md) the scheduler's decode thread was busy all the
+time at concurrency 16 and ran 0.48x the engine's own loop: per chunk ~2.1 ms launching it, 0.8 ms per row reset,
+3.5 ms per admission group, where the device's chunk took ~1.9 ms. This times each of those calls alone, on a
+warmed-up scheduler (a fixed budget, every row holding a request), as the host's wall time of the call with the
+device idle before it (the call returns once its work is enqueued), beside the floors of a dispatch with the same
+arguments: a jitted function of the state returning a scalar, of the models and the state, and of the state donated.
+A row reset is timed as the server makes it (`ChunkedLoop.reset_rows`, one and four rows), with a device scalar
+made eagerly (how it was up to c0fbc86), and compiled without command buffers (`xla_gpu_enable_command_buffer=""`
+and a large `xla_gpu_graph_min_graph_size`: whether updating a CUDA graph's arguments is what a small program's
+launch costs).
+
+Writes <out>/serve_dispatch_<device>_<commit>.json (default benchmarks/results/history; --smoke: a temporary
+directory) and prints each call's median and minimum ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kdtree_jax.checkpoint import add_dtype_argument
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=None, help="default: the embedded pair")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
+    p.add_argument("--max-len", type=int, default=256, help="the server's --max-len (default 256)")
+    p.add_argument("--budget", type=int, default=8, help="a fixed DDTree budget (default 8; 0: autoregressive)")
+    p.add_argument("--repeats", type=int, default=30, help="calls timed per measurement (default 30)")
+    add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
+    p.add_argument("--smoke", action="store_true", help="a small batch, a few repeats, a temporary directory")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.max_batch, args.max_len, args.repeats = 2, 64, 3
+    from kdtree_jax import runtime
+
+    runtime.configure()  # as the server does: on a GPU the chunk's loop is a command buffer
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kdtree_jax import provenance
+    from kdtree_jax.generate import DEFAULT_CHECKPOINT, load_models
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.speculative import admission
+
+    target, drafter, tokenizer, _, recommended = load_models(args.checkpoint or DEFAULT_CHECKPOINT, args.dtype)
+    batch = args.max_batch
+    settings = sched.Settings(max_batch=batch, max_len=args.max_len, budget=args.budget, tree_temperature=recommended,
+                              row_programs=False, admit_groups=False, warmup_prompt_tokens=16, max_queue=1000)
+    s = sched.Scheduler(target, drafter, settings, Metrics())
+    t = time.perf_counter()
+    if not s.warmup():
+        raise SystemExit("serve_dispatch: the warm-up stopped")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+            "commit": provenance.git_commit(),
+            "command": "python benchmarks/serve_dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "max_batch": batch, "max_len": args.max_len, "budget": args.budget, "dtype": str(target.dtype),
+            "warmup_s": time.perf_counter() - t}
+    b = s.bucket
+    prompt = tokenizer.encode("def fibonacci(n):")
+    meta["arguments"] = {"models": len(b.loop.leaves), "loop_weights": len(jax.tree.leaves(b.loop.loop_weights)),
+                         "state": len(jax.tree.leaves(b.state))}
+    rows = {}
+
+    def fill():
+        """Every row holding a fresh request (the state idle on the device)."""
+        b.inflight.clear()
+        b.owner = [None] * batch
+        b.admit([sched.Request(prompt=prompt, max_tokens=s.max_tokens_for(len(prompt)), emit=lambda *a: None)
+                 for _ in range(batch)])
+        b.firsts = []
+        jax.block_until_ready(b.state)
+
+    def timed(name, call, idle=True):
+        """call()'s host wall time, `args.repeats` times, the device idle before each (idle=False: as it comes)."""
+        times = []
+        for _ in range(args.repeats):
+            if idle:
+                jax.block_until_ready(b.state)
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        jax.block_until_ready(b.state)
+        rows[name] = {"median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(min(times))}
+        print(f"{name:52s} {rows[name]['median_ms']:8.3f} ms (min {rows[name]['min_ms']:.3f})", flush=True)
+
+    def launch_dropped():
+        b.launch()
+        b.inflight.clear()
+
+    def launch_and_wait():
+        b.launch()
+        jax.block_until_ready(b.inflight.pop()[0].tokens)
+
+    def launch_pipelined():  # the server's cycle: launch chunk i + 1, then read chunk i
+        b.launch()
+        while len(b.inflight) > 1:
+            jax.device_get(b.inflight.popleft()[0].tokens)
+
+    fill()
+    timed(f"launch a chunk ({batch} rows)", launch_dropped)
+    fill()
+    timed("launch a chunk and wait for it", launch_and_wait)
+    fill()
+    timed("launch a chunk, one in flight, read the one before", launch_pipelined, idle=False)
+    fill()
+    timed("the chunk's counters copy (_counters)", lambda: sched._counters(b.state))
+    last = batch - 1
+    timed("reset_rows, one row (the server's)", lambda: setattr(b, "state", b.loop.reset_rows(b.state, [last])))
+    four = list(range(max(0, batch - 4), batch))
+    timed(f"reset_rows, {len(four)} rows (one dispatch)",
+          lambda: setattr(b, "state", b.loop.reset_rows(b.state, four)))
+    one_row = jax.jit(admission._reset_row_state, donate_argnums=0)  # up to c0fbc86: a row index on the device
+    timed("reset a row, the row an eager device scalar (up to c0fbc86)",
+          lambda: setattr(b, "state", one_row(b.state, jnp.int32(last))))
+    timed("reset a row, the row a numpy scalar", lambda: setattr(b, "state", one_row(b.state, np.int32(last))))
+    mask = np.arange(batch) == last
+    for label, options in (("min_graph_size 1e6", {"xla_gpu_graph_min_graph_size": 1000000}),
+                           ("no command buffers", {"xla_gpu_enable_command_buffer": ""})):
+        plain = jax.jit(admission._reset_rows_state, donate_argnums=0, compiler_options=options)
+        b.state = jax.block_until_ready(plain(b.state, mask))  # its compile, untimed
+        timed(f"reset_rows, one row, compiled with {label}", lambda: setattr(b, "state", plain(b.state, mask)))
+    scalar_of_state = jax.jit(lambda state: state.step + 1)
+    timed("floor: jit(state) -> scalar", lambda: scalar_of_state(b.state))
+    scalar_of_all = jax.jit(lambda leaves, weights, state: state.step + 1)
+    timed("floor: jit(models, weights, state) -> scalar",
+          lambda: scalar_of_all(b.loop.leaves, b.loop.loop_weights, b.state))
+    donated = jax.jit(lambda state: state._replace(step=state.step + 1), donate_argnums=0)
+    timed("floor: jit(state donated) -> state", lambda: setattr(b, "state", donated(b.state)))
+
+    def admit_one():
+        b.owner[last] = None
+        b.admit([sched.Request(prompt=prompt, max_tokens=8, emit=lambda *a: None)])
+        b.firsts = []
+
+    timed("admit one prompt (its row's reset included)", admit_one)
+    out_dir = args.out or (provenance.smoke_dir("serve_dispatch") if args.smoke
+                           else os.path.join(ROOT, "benchmarks", "results", "history"))
+    os.makedirs(out_dir, exist_ok=True)
+    device = meta["device"].lower().replace(" ", "_") if meta["platform"] == "gpu" else "cpu"
+    path = os.path.join(out_dir, f"serve_dispatch_{device}_{meta['commit'].replace('+', '_')}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "calls": rows}, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
