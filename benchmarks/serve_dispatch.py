@@ -7,7 +7,8 @@ On the H200 (benchmarks/results/history/serve_host_h200_c0fbc86.md) the schedule
 time at concurrency 16 and ran 0.48x the engine's own loop: per chunk ~2.1 ms launching it, 0.8 ms per row reset,
 3.5 ms per admission group, where the device's chunk took ~1.9 ms. This times each of those calls alone, on a
 warmed-up scheduler (a fixed budget, every row holding a request), as the host's wall time of the call with the
-device idle before it (the call returns once its work is enqueued), beside the floors of a dispatch with the same
+device idle before it (the call returns once its work is enqueued; a chunk's launch also with the chunk before it in
+flight, as the server launches), beside the floors of a dispatch with the same
 arguments: a jitted function of the state returning a scalar, of the models and the state, and of the state donated.
 A row reset is timed as the server makes it (`ChunkedLoop.reset_rows`, one and four rows), with a device scalar
 made eagerly (how it was up to c0fbc86), and compiled without command buffers (`xla_gpu_enable_command_buffer=""`
@@ -94,14 +95,15 @@ def main(argv=None) -> int:
         jax.block_until_ready(b.state)
 
     def timed(name, call, idle=True):
-        """call()'s host wall time, `args.repeats` times, the device idle before each (idle=False: as it comes)."""
+        """call()'s host wall time (or the seconds it returns), `args.repeats` times, the device idle before each
+        (idle=False: as it comes)."""
         times = []
         for _ in range(args.repeats):
             if idle:
                 jax.block_until_ready(b.state)
             t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
+            part = call()
+            times.append(part if isinstance(part, float) else time.perf_counter() - t0)
         jax.block_until_ready(b.state)
         rows[name] = {"median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(min(times))}
         print(f"{name:52s} {rows[name]['median_ms']:8.3f} ms (min {rows[name]['min_ms']:.3f})", flush=True)
@@ -114,17 +116,22 @@ def main(argv=None) -> int:
         b.launch()
         jax.block_until_ready(b.inflight.pop()[0].tokens)
 
-    def launch_pipelined():  # the server's cycle: launch chunk i + 1, then read chunk i
+    def launch_pipelined():
+        """The server's cycle (launch chunk i + 1, then read chunk i): -> the launch's seconds. Its outputs live beside
+        the chunk before's, so their buffers are not the last call's (a CUDA graph's arguments then change)."""
+        t0 = time.perf_counter()
         b.launch()
+        seconds = time.perf_counter() - t0
         while len(b.inflight) > 1:
             jax.device_get(b.inflight.popleft()[0].tokens)
+        return seconds
 
     fill()
     timed(f"launch a chunk ({batch} rows)", launch_dropped)
     fill()
     timed("launch a chunk and wait for it", launch_and_wait)
     fill()
-    timed("launch a chunk, one in flight, read the one before", launch_pipelined, idle=False)
+    timed("launch a chunk with one in flight (the launch alone)", launch_pipelined, idle=False)
     fill()
     timed("the chunk's counters copy (_counters)", lambda: sched._counters(b.state))
     last = batch - 1
