@@ -307,6 +307,14 @@ def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():
         pieces = [stream.feed([t]) for t in ids] + [stream.finish()]
         assert "".join(pieces) == inner.decode(ids)
         assert len(ids) > 400 and tok.longest <= 3 * TextStream.WINDOW
+        # Chunks of many tokens at once (a lone row's long chunk brings up to 8 steps x (D + 1)): the pieces are the
+        # text whatever the feeds' sizes, one feed bringing more than WINDOW tokens past the base included.
+        for sizes in ([1, 4, 7, 28], [12, 23, 2 * TextStream.WINDOW + 5, 3], [3 * TextStream.WINDOW] * 9):
+            stream, pieces, at = TextStream(inner, []), [], 0
+            for n in sizes * (len(ids) // sum(sizes) + 1):
+                pieces.append(stream.feed(ids[at:at + n]))
+                at += n
+            assert "".join(pieces + [stream.finish()]) == inner.decode(ids), sizes
         stream = TextStream(inner, ["→ ok\n" * 2, "ok\ndef"])
         pieces = [stream.feed([t]) for t in ids]
         assert stream.stopped and "".join(pieces) == text[:text.index("ok\ndef")]

@@ -105,9 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone-row-programs", action="store_true",
                    help="with --budget auto: a lone request runs one-row programs priced at one row's measured step "
                         "costs (and all-greedy batches a greedy program), instead of the full batch's; twice the "
-                        "start-up compiles and a second calibration point (experimental: on an H200 a lone request "
-                        "ran 1.04x autoregressive with it, 0.61x without; known bug: a greedy request among others "
-                        "may get a different text than alone, about one round in five in a CPU test)")
+                        "start-up compiles and a second calibration point (on an H200 a lone request ran 1.04x "
+                        "autoregressive with it, 0.61x without)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "

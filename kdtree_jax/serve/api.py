@@ -154,13 +154,16 @@ class TextStream:
     def text(self) -> str:
         """The text of every token so far (as tokenizer.decode(self.ids) gives it)."""
         decode, ids = self.tokenizer.decode, self.ids
-        tail = decode(ids[self._base:])
+        text = self._base_text + decode(ids[self._base:])
         if len(ids) - self._base > 2 * self.WINDOW:
             cut = len(ids) - self.WINDOW
             head = decode(ids[self._base:cut])
-            if not head.endswith("\ufffd") and head + decode(ids[cut:]) == tail:
+            if not head.endswith("\ufffd") and self._base_text + head + decode(ids[cut:]) == text:
+                # The base moves for the next feed; this one's text is the whole text as it was (before 586887e+1
+                # it came back as the old base text, plus head, plus the tail from the old base again: the head
+                # twice, sent whenever one feed brought more than WINDOW tokens, as a lone row's long chunk does).
                 self._base, self._base_text = cut, self._base_text + head
-        return self._base_text + tail
+        return text
 
     def feed(self, ids: list[int]) -> str:
         """The new text after these tokens ('' while held back); sets `stopped` once a stop string appears."""

@@ -562,10 +562,10 @@ class Settings:
     # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
     lone_chunk_steps: int = engine.DEFAULT_CHUNK_STEPS
     # The adaptive budget's row programs (programs.RowPrograms: a lone row's, priced at one row's costs, and the batch's
-    # greedy ones, each per menu entry). Off by default: they double the adaptive bucket's start-up compiles, and with
-    # them a greedy request among others got, in about one round in five over HTTP on the CPU (the test server's
-    # settings, prompt "with open(", 35 tokens), its first 19 tokens and then its first tokens again: a state or
-    # delivery bug, not rounding (the target's float32 top-2 margin there is 0.17). Not reproduced in-process yet.
+    # greedy ones, each per menu entry). Off by default: they double the adaptive bucket's start-up compiles (a lone
+    # request on an H200: 1.04x the autoregressive server with them, 0.61x without). The greedy text of a request alone
+    # and among others differed with them (sessions 31, 33) because their long chunks fed api.TextStream more than its
+    # window at once, which sent part of the text twice (fixed in api.TextStream.text), not because of the programs.
     adaptive_row_programs: bool = False
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
     # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
