@@ -315,6 +315,10 @@ def test_text_stream_decodes_a_bounded_tail_and_gives_the_whole_text():
                 pieces.append(stream.feed(ids[at:at + n]))
                 at += n
             assert "".join(pieces + [stream.finish()]) == inner.decode(ids), sizes
+        stream, pieces = TextStream(inner, ["ok\ndef"]), []
+        for at in range(0, len(ids), 28):
+            pieces.append(stream.feed(ids[at:at + 28]))
+        assert stream.stopped and "".join(pieces) == text[:text.index("ok\ndef")]
         stream = TextStream(inner, ["→ ok\n" * 2, "ok\ndef"])
         pieces = [stream.feed([t]) for t in ids]
         assert stream.stopped and "".join(pieces) == text[:text.index("ok\ndef")]
