@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone-row-programs", action="store_true",
                    help="with --budget auto: a lone request runs one-row programs priced at one row's measured step "
                         "costs (and all-greedy batches a greedy program), instead of the full batch's; twice the "
-                        "start-up compiles and a second calibration point (on an H200 a lone request ran 1.04x "
-                        "autoregressive with it, 0.61x without)")
+                        "start-up compiles and a second calibration point (a lone request ran 1.04x the "
+                        "autoregressive server with it on an H200; 0.61x without it on an H100, another run)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "

@@ -159,9 +159,8 @@ class TextStream:
             cut = len(ids) - self.WINDOW
             head = decode(ids[self._base:cut])
             if not head.endswith("\ufffd") and self._base_text + head + decode(ids[cut:]) == text:
-                # The base moves for the next feed; this one's text is the whole text as it was (before 586887e+1
-                # it came back as the old base text, plus head, plus the tail from the old base again: the head
-                # twice, sent whenever one feed brought more than WINDOW tokens, as a lone row's long chunk does).
+                # The base moves for the next feeds; this feed's text is the one decoded from the old base (the new
+                # base's text followed by that tail would hold the head twice).
                 self._base, self._base_text = cut, self._base_text + head
         return text
 

@@ -562,8 +562,9 @@ class Settings:
     # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
     lone_chunk_steps: int = engine.DEFAULT_CHUNK_STEPS
     # The adaptive budget's row programs (programs.RowPrograms: a lone row's, priced at one row's costs, and the batch's
-    # greedy ones, each per menu entry). Off by default: they double the adaptive bucket's start-up compiles (a lone
-    # request on an H200: 1.04x the autoregressive server with them, 0.61x without). The greedy text of a request alone
+    # greedy ones, each per menu entry). Off by default: they double the adaptive bucket's start-up compiles, and no run
+    # has yet put them beside their absence (a lone request: 1.04x the autoregressive server with them on an H200, 0.61x
+    # without them on an H100, another run). The greedy text of a request alone
     # and among others differed with them (sessions 31, 33) because their long chunks fed api.TextStream more than its
     # window at once, which sent part of the text twice (fixed in api.TextStream.text), not because of the programs.
     adaptive_row_programs: bool = False

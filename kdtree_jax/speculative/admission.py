@@ -54,8 +54,8 @@ def _reset_rows_state(state: LoopState, which) -> LoopState:
 def reset_rows(state: LoopState, which) -> LoopState:
     """Empty the batch rows where `which` [B] (bool) is set, between chunks: their KV slots back to the pool, their
     drafter context, output and count cleared, inactive. The rows are data, so any set of rows is one dispatch of one
-    compiled program: the server resets every row a chunk finished at once (each dispatch costs the host 0.3-0.8 ms,
-    a chunk's launch about 1-2: benchmarks/results/history/serve_host_h200_c0fbc86.md)."""
+    compiled program: the server resets every row a chunk finished at once (a dispatch per row cost the host 0.8 ms on
+    the H200, a chunk's launch about 2: benchmarks/results/history/serve_host_h200_c0fbc86.md)."""
     return _reset_rows_state(state, jnp.asarray(which, bool))
 
 
