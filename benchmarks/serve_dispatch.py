@@ -163,6 +163,36 @@ def main(argv=None) -> int:
         b.firsts = []
 
     timed("admit one prompt (its row's reset included)", admit_one)
+
+    # What the server's mix of programs costs a chunk's launch: the launch right after another program ran on the
+    # state (a row reset, an admission), with the chunk before in flight as the server runs it, and the first call
+    # of a program against its repeats (a command buffer recorded, then only updated or replayed).
+    def launch_after(between):
+        def cycle():
+            between()
+            return launch_pipelined()
+        return cycle
+
+    fill()
+    timed("launch with one in flight, after a reset_rows", launch_after(
+        lambda: setattr(b, "state", b.loop.reset_rows(b.state, [last]))), idle=False)
+    fill()
+    timed("launch with one in flight, after an admission", launch_after(admit_one), idle=False)
+    while b.inflight:
+        jax.device_get(b.inflight.popleft()[0].tokens)
+    fill()
+    fresh = b.loop.lower(b.state).compile()  # the same chunk program, a new executable: nothing recorded yet
+    firsts = []
+    for _ in range(3):
+        jax.block_until_ready(b.state)
+        t0 = time.perf_counter()
+        out = fresh(b.loop.leaves, b.loop.loop_weights, b.state)
+        firsts.append(1e3 * (time.perf_counter() - t0))
+        b.state = out.state
+    jax.block_until_ready(b.state)
+    rows["a fresh chunk executable's calls 1, 2, 3 (device idle)"] = {"calls_ms": firsts}
+    print(f"{'a fresh chunk executable: calls 1, 2, 3':52s} " + ", ".join(f"{x:.3f}" for x in firsts) + " ms",
+          flush=True)
     out_dir = args.out or (provenance.smoke_dir("serve_dispatch") if args.smoke
                            else os.path.join(ROOT, "benchmarks", "results", "history"))
     os.makedirs(out_dir, exist_ok=True)
