@@ -13,7 +13,9 @@ arguments: a jitted function of the state returning a scalar, of the models and 
 A row reset is timed as the server makes it (`ChunkedLoop.reset_rows`, one and four rows), with a device scalar
 made eagerly (how it was up to c0fbc86), and compiled without command buffers (`xla_gpu_enable_command_buffer=""`
 and a large `xla_gpu_graph_min_graph_size`: whether updating a CUDA graph's arguments is what a small program's
-launch costs).
+launch costs). Then what the server's mix adds: a chunk's launch right after a row reset or an admission, the launch
+and the launch-and-read cycle while another thread runs Python (the HTTP server's event loop holds the GIL up to the
+switch interval), and a fresh executable's first calls (its command buffer recorded).
 
 Writes <out>/serve_dispatch_<device>_<commit>.json (default benchmarks/results/history; --smoke: a temporary
 directory) and prints each call's median and minimum ms.
@@ -26,6 +28,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,12 +129,20 @@ def main(argv=None) -> int:
             jax.device_get(b.inflight.popleft()[0].tokens)
         return seconds
 
+    def cycle():
+        """The server's cycle as a whole: launch chunk i + 1, read chunk i (its wait for the device included)."""
+        b.launch()
+        while len(b.inflight) > 1:
+            jax.device_get(b.inflight.popleft()[0].tokens)
+
     fill()
     timed(f"launch a chunk ({batch} rows)", launch_dropped)
     fill()
     timed("launch a chunk and wait for it", launch_and_wait)
     fill()
     timed("launch a chunk with one in flight (the launch alone)", launch_pipelined, idle=False)
+    fill()
+    timed("a chunk's cycle (launch, read the one before)", cycle, idle=False)
     fill()
     timed("the chunk's counters copy (_counters)", lambda: sched._counters(b.state))
     last = batch - 1
@@ -178,6 +189,31 @@ def main(argv=None) -> int:
         lambda: setattr(b, "state", b.loop.reset_rows(b.state, [last]))), idle=False)
     fill()
     timed("launch with one in flight, after an admission", launch_after(admit_one), idle=False)
+    while b.inflight:
+        jax.device_get(b.inflight.popleft()[0].tokens)
+    # The HTTP server's event loop shares the GIL with the decode thread: the launch with another thread running
+    # Python all the time, at the interpreter's default switch interval (5 ms: a thread that asked for the GIL may
+    # wait that long) and at 0.5 ms.
+    busy = threading.Event()
+
+    def python_work():
+        while not busy.is_set():
+            json.dumps({"id": 1, "choices": [{"text": "x" * 32, "index": 0}]})
+
+    default_interval = sys.getswitchinterval()
+    for interval in (default_interval, 0.0005):
+        sys.setswitchinterval(interval)
+        busy.clear()
+        worker = threading.Thread(target=python_work, daemon=True)
+        worker.start()
+        fill()
+        timed(f"launch with one in flight, a busy Python thread, switch {1e3 * interval:g} ms", launch_pipelined,
+              idle=False)
+        timed(f"a chunk's cycle (launch, read the one before), busy thread, switch {1e3 * interval:g} ms", cycle,
+              idle=False)
+        busy.set()
+        worker.join()
+    sys.setswitchinterval(default_interval)
     while b.inflight:
         jax.device_get(b.inflight.popleft()[0].tokens)
     fill()
