@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=256, help="the server's --max-len (default 256)")
     p.add_argument("--budget", type=int, default=8, help="a fixed DDTree budget (default 8; 0: autoregressive)")
     p.add_argument("--repeats", type=int, default=30, help="calls timed per measurement (default 30)")
+    p.add_argument("--switch-ms", type=lambda v: [float(x) for x in v.split(",")], default=[5, 0.5, 0.1, 0.02],
+                   help="interpreter switch intervals (ms) to time the calls at beside a busy thread (default 5,0.5,0.1,0.02)")
+    p.add_argument("--busy-duty", type=lambda v: [float(x) for x in v.split(",")], default=[1.0, 0.3],
+                   help="shares of the time the other thread runs Python (default 1,0.3)")
     add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
     p.add_argument("--smoke", action="store_true", help="a small batch, a few repeats, a temporary directory")
@@ -191,28 +195,43 @@ def main(argv=None) -> int:
     timed("launch with one in flight, after an admission", launch_after(admit_one), idle=False)
     while b.inflight:
         jax.device_get(b.inflight.popleft()[0].tokens)
-    # The HTTP server's event loop shares the GIL with the decode thread: the launch with another thread running
-    # Python all the time, at the interpreter's default switch interval (5 ms: a thread that asked for the GIL may
-    # wait that long) and at 0.5 ms.
+    # The HTTP server's event loop shares the GIL with the decode thread: the launch, a read of a chunk already done,
+    # and the whole cycle while another thread runs Python all the time or a share of it (work, then a sleep), at the
+    # interpreter's default switch interval (5 ms: a thread that asked for the GIL may wait that long) and shorter.
     busy = threading.Event()
 
-    def python_work():
+    def python_work(duty):
         while not busy.is_set():
-            json.dumps({"id": 1, "choices": [{"text": "x" * 32, "index": 0}]})
+            t_work = time.perf_counter()
+            while time.perf_counter() - t_work < 0.001:
+                json.dumps({"id": 1, "choices": [{"text": "x" * 32, "index": 0}]})
+            if duty < 1:
+                time.sleep(0.001 * (1 - duty) / duty)
+
+    def read_done():
+        b.launch()
+        out = b.inflight.pop()[0]
+        jax.block_until_ready(out.tokens)
+        t0 = time.perf_counter()
+        jax.device_get((out.tokens, out.start, out.num_out))
+        return time.perf_counter() - t0
 
     default_interval = sys.getswitchinterval()
-    for interval in (default_interval, 0.0005):
-        sys.setswitchinterval(interval)
-        busy.clear()
-        worker = threading.Thread(target=python_work, daemon=True)
-        worker.start()
-        fill()
-        timed(f"launch with one in flight, a busy Python thread, switch {1e3 * interval:g} ms", launch_pipelined,
-              idle=False)
-        timed(f"a chunk's cycle (launch, read the one before), busy thread, switch {1e3 * interval:g} ms", cycle,
-              idle=False)
-        busy.set()
-        worker.join()
+    for duty in args.busy_duty:
+        for interval_ms in args.switch_ms:
+            sys.setswitchinterval(interval_ms / 1e3)
+            busy.clear()
+            worker = threading.Thread(target=python_work, args=(duty,), daemon=True)
+            worker.start()
+            label = f"a thread busy {duty:.0%} of the time, switch {interval_ms:g} ms"
+            fill()
+            timed(f"launch with one in flight, {label}", launch_pipelined, idle=False)
+            fill()
+            timed(f"read a finished chunk's outputs, {label}", read_done)
+            fill()
+            timed(f"a chunk's cycle, {label}", cycle, idle=False)
+            busy.set()
+            worker.join()
     sys.setswitchinterval(default_interval)
     while b.inflight:
         jax.device_get(b.inflight.popleft()[0].tokens)
