@@ -259,3 +259,28 @@ def test_sigterm_ends_a_stream_past_the_drain_timeout_with_an_error_event(tiny_c
     pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
     assert pieces and len(pieces) < 1000  # cut short: the stream had tokens and did not run to max_tokens
     assert float(drain) <= ended < float(drain) + 5, ended
+
+
+def test_the_servers_process_takes_the_gil_back_sooner_than_pythons_default(tiny_checkpoint, tmp_path, monkeypatch):
+    """The decode thread and the event loop share the GIL, and a thread that asks for it waits up to the switch
+    interval: the server sets its own (serve.__main__.SWITCH_INTERVAL_S) before anything is loaded. Run in-process up
+    to the first refusal (a bad generation_config.json), its signal handlers and XLA flags left alone."""
+    import shutil
+    import signal
+
+    from kdtree_jax.serve import __main__ as serve_main
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint, ckpt)
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"top_p": 1.5}, f)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr("kdtree_jax.runtime.configure", lambda *args, **kwargs: False)
+    before = sys.getswitchinterval()
+    try:
+        with pytest.raises(SystemExit):
+            serve_main.main(["--checkpoint", ckpt, "--port", str(_free_port())])
+        assert sys.getswitchinterval() == pytest.approx(serve_main.SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(before)
+    assert serve_main.SWITCH_INTERVAL_S < before  # Python's default is 5 ms

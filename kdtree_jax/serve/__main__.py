@@ -327,6 +327,13 @@ class _Signals:
         return signal.Signals(self.received).name if self.received is not None else ""
 
 
+# The interpreter's switch interval in the server's process (seconds; Python's default is 5 ms). The decode thread
+# and the event loop share the GIL, and a thread that asks for it while the other runs Python waits up to this long;
+# a chunk's launch and read release and retake it many times. On an H100 (benchmarks/serve_dispatch.py, 84299ca), with
+# another thread running Python all the time, a chunk's launch took 12.2 ms and its launch-and-read cycle 177 ms at
+# 5 ms, 2.8 and 17 ms at 0.5 ms, against 2.2 and 2.8 ms with no other thread.
+SWITCH_INTERVAL_S = 0.0005
+
 # What uvicorn may still take after --drain-timeout, once the app has ended the requests still running, before it
 # cancels their tasks (a cancelled stream would drop its connection and log a traceback).
 END_GRACE_S = 5.0
@@ -375,6 +382,7 @@ def main(argv=None) -> int:
     from kdtree_jax.generate import checkpoint_dir, load_models, notice
 
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     from kdtree_jax.serve import chat_template
     from kdtree_jax.serve.api import create_app
     from kdtree_jax.serve.metrics import Metrics
