@@ -76,14 +76,18 @@ def _run(s, *jobs):
     return outs
 
 
-def drive(s, dones):
+def drive(s, dones, max_steps: int = 500):
     """The scheduler's loop on this thread (admission, then a step) until every event in `dones` is set, then its
-    chunks in flight collected."""
+    chunks in flight collected. A request that never ends (a row emptied under it) fails after max_steps."""
     waiting = list(s._waiting)
     s._waiting.clear()
-    while not all(d.is_set() for d in dones):
+    for _ in range(max_steps):
+        if all(d.is_set() for d in dones):
+            break
         waiting = s._admit_waiting(waiting)
         s._step()
+    else:
+        raise AssertionError(f"requests still running after {max_steps} scheduler steps")
     while s.bucket.inflight:
         s.bucket.collect()
 
@@ -340,3 +344,27 @@ def test_the_server_calls_only_public_names_of_the_engine():
                     and node.attr.startswith("_")):
                 private.append(f"{os.path.basename(path)}:{node.lineno} {node.value.id}.{node.attr}")
     assert not private, f"serve/ uses private names: {private}"
+
+
+def test_a_retired_row_a_waiting_request_takes_costs_no_reset_of_its_own(schedulers):
+    """Rows retired by a chunk and taken at once by waiting requests: the admission empties them itself (no reset
+    dispatch), every slot the old requests held is back, and the new requests' tokens are what they get alone."""
+    s = schedulers[True]
+    bucket = s.bucket
+    outs = _run(s, (GREEDY, dict(max_tokens=6)), (SAMPLED, dict(max_tokens=6)))
+    assert [len(o) for o in outs] == [6, 6] and sorted(bucket.retired) == [0, 1]
+    held_before = bucket.state.cache.num_slots - int(bucket.state.cache.num_free)
+    assert held_before > 0  # the old requests' slots, not yet back
+    s.spans.reset()
+    (a, a_done), (b, b_done) = ([], threading.Event()), ([], threading.Event())
+    ra, rb = _request(SAMPLED, a, a_done, max_tokens=7), _request(GREEDY, b, b_done, max_tokens=9)
+    assert s._admit_waiting([ra, rb]) == []
+    assert bucket.retired == [] and "reset_rows" not in s.spans.snapshot()
+    state = bucket.state
+    held = state.cache.num_slots - int(state.cache.num_free)
+    assert held == int(np.asarray(state.cache.seq_lens).sum()) == len(SAMPLED) + len(GREEDY)
+    drive(s, [a_done, b_done])
+    while bucket.inflight:
+        bucket.collect()
+    assert a == _run(schedulers[False], (SAMPLED, dict(max_tokens=7)))[0]
+    assert b == _run(schedulers[False], (GREEDY, dict(max_tokens=9)))[0]

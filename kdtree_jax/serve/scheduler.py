@@ -367,8 +367,14 @@ class Bucket:
     def _admit_prepared(self, prepared: list) -> list:
         """Admit prepared prompts (each with its own free row) in as few dispatches as the group sizes allow, each
         bucket's prompts together, oldest first: -> [(first tokens on the device, index in them)] in their order.
-        The rows retired before are reset first: a reset queued after an admission would empty the admitted row."""
-        self.reset_retired()
+        A retired row that takes a prompt here needs no reset of its own: the admission empties the row first
+        (admission._adopt_row_state), and a reset queued after it would empty the admitted row. The other retired
+        rows stay for the next dispatch's reset (launch): the pool has room for every row at max_len
+        (kv_pool.init_cache), so an admission never waits for their slots. Under load every retired row is taken
+        at once, which saves a dispatch (0.23-0.27 ms of the decode thread on an H100, serve_dispatch.py) per
+        chunk that retires rows."""
+        taken = {p.row for p in prepared}
+        self.retired = [row for row in self.retired if row not in taken]
         by_bucket: dict = {}
         for i, p in enumerate(prepared):
             by_bucket.setdefault(p.ids.size, []).append(i)
@@ -478,8 +484,8 @@ class Bucket:
 
     def reset_retired(self) -> None:
         """Empty every row retired since the last dispatch (their KV slots back to the pool), in one dispatch queued
-        behind the chunk in flight; called before anything else is dispatched on the state (an admission may take
-        those rows, a chunk would decode them)."""
+        behind the chunk in flight; called before a chunk is launched (it would decode them) and when nothing is in
+        flight (the pool's gauge). An admission takes retired rows without it (`_admit_prepared`)."""
         if not self.retired:
             return
         t = time.perf_counter()

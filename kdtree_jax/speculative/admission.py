@@ -223,6 +223,10 @@ class Prepared(NamedTuple):
     ints: np.ndarray  # [5] int32: (prompt length, row, max_tokens, seed, top_k)
     floats: np.ndarray  # [5] float32: (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty)
 
+    @property
+    def row(self) -> int:
+        return int(self.ints[1])
+
 
 def prepare(state: LoopState, prompt_ids, row: int, max_tokens: Optional[int], seed: int, spec: SpecConfig,
             vocab_size: int, sampling: Optional[sampling_ops.SamplingParams] = None) -> Prepared:
