@@ -263,6 +263,9 @@ def main(argv=None) -> int:
         args.no_cli = True
     from kdtree_jax import runtime
     runtime.configure()  # before JAX starts, as the server and the CLI do: on a GPU the loop stays on the device
+    from kdtree_jax.serve.__main__ import SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the server's process: its decode thread shares the GIL
     import jax
 
     import serve_load
