@@ -148,7 +148,13 @@ def main(argv=None) -> int:
     fill()
     timed("a chunk's cycle (launch, read the one before)", cycle, idle=False)
     fill()
-    timed("the chunk's counters copy (_counters)", lambda: sched._counters(b.state))
+    b.launch()
+    last_out = b.inflight.pop()[0]
+    timed("the chunk's host view (one packed array, scheduler.host_view)", lambda: sched.host_view(last_out))
+    view = sched.host_view(last_out)
+    timed("read a chunk's tokens, start and num_out (three arrays, up to 08038bc)",
+          lambda: jax.device_get((last_out.tokens, last_out.start, last_out.num_out)))
+    timed("read a chunk's host view (one array)", lambda: jax.device_get(view))
     last = batch - 1
     timed("reset_rows, one row (the server's)", lambda: setattr(b, "state", b.loop.reset_rows(b.state, [last])))
     four = list(range(max(0, batch - 4), batch))

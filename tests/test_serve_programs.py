@@ -9,6 +9,7 @@ of it the compiles."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -368,3 +369,41 @@ def test_a_retired_row_a_waiting_request_takes_costs_no_reset_of_its_own(schedul
         bucket.collect()
     assert a == _run(schedulers[False], (SAMPLED, dict(max_tokens=7)))[0]
     assert b == _run(schedulers[False], (GREEDY, dict(max_tokens=9)))[0]
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive"])
+def test_a_chunks_host_view_is_what_the_chunk_returned(kind, schedulers, adaptive):
+    """The one array the host reads of a chunk (scheduler.host_view, taken apart by ChunkRead.of) holds the chunk's
+    tokens, start and num_out, the acceptance histogram, the pool's free slots and, with the adaptive budget, the
+    policy's counters, each as read on its own, floats bit for bit."""
+    import jax
+
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.speculative import budget_policy
+
+    s = schedulers[True] if kind == "fixed" else adaptive[0]
+    bucket = s.bucket
+    out_, done = [], threading.Event()
+    req = _request(SAMPLED, out_, done, max_tokens=12, temperature=0.9, seed=3)
+    assert s._admit_waiting([req]) == []
+    bucket.launch()
+    out = bucket.inflight[-1][0]
+    read = sched.ChunkRead.of(jax.device_get(sched.host_view(out)), out)
+    tokens, start, num_out, hist, num_free = jax.device_get((out.tokens, out.start, out.num_out,
+                                                             out.state.accepted_hist, out.state.cache.num_free))
+    assert (read.tokens == tokens).all() and (read.start == start).all() and (read.num_out == num_out).all()
+    assert (read.tokens >= 0).any() and read.tokens.shape == tokens.shape  # the chunk emitted something
+    assert (read.hist == hist).all() and read.num_free == int(num_free) < out.state.cache.num_slots
+    if kind == "fixed":
+        assert read.policy is None
+    else:
+        policy = jax.device_get(out.state.policy)
+        for k in budget_policy.SUMMARY_FIELDS:
+            got, want = np.asarray(getattr(read.policy, k)), np.asarray(getattr(policy, k))
+            assert got.shape == want.shape and got.dtype.kind == want.dtype.kind
+            assert np.array_equal(got.view(np.int32) if got.dtype == np.float32 else got,
+                                  want.view(np.int32) if want.dtype == np.float32 else want), k
+        menu = s.bucket.spec.menu  # (json: a summary of no drafted step has NaN taus)
+        assert json.dumps(budget_policy.summary(read.policy, menu)) == json.dumps(budget_policy.summary(policy, menu))
+    drive(s, [done])
+    assert len(out_) == 12

@@ -61,6 +61,8 @@ import itertools
 import threading
 import time
 import traceback
+import types
+import typing
 from typing import Callable, Optional, Union
 
 import jax
@@ -161,13 +163,63 @@ class Request:
                                        frequency_penalty=self.frequency_penalty)
 
 
+# The policy's counters the host reads after a chunk (budget_policy.summary's fields): the integer ones, then the
+# float ones (their bits carried as int32 in the chunk's host view).
+_POLICY_INTS = ("chosen", "observed_tokens", "sequence_steps")
+_POLICY_FLOATS = ("predicted_tokens", "bin_acc", "bin_pred", "cost_ar", "cost_draft", "cost_verify")
+
+
 @jax.jit
-def _counters(state: engine.LoopState):
-    """Copies of what /metrics reads after a chunk (the chunk's state itself is donated to the next chunk): the
-    acceptance histogram, the pool's free slots and, in an adaptive loop, the budget policy's state (a few small
-    arrays: budget_policy.summary reads it on the host)."""
-    policy = None if state.policy is None else jax.tree.map(lambda x: x + 0, state.policy)
-    return state.accepted_hist + 0, state.cache.num_free + 0, policy
+def _host_view(tokens, start, num_out, hist, num_free, policy: Optional[dict]):
+    """Everything the host reads of a chunk as one int32 vector (`ChunkRead.of` takes it apart): its tokens, start and
+    num_out, the acceptance histogram and the pool's free slots (/metrics) and, in an adaptive loop, the budget
+    policy's counters. One array: a read of each small array on its own is a copy and a wait of its own, and each
+    releases and retakes the GIL, which the HTTP server's event loop may hold for up to the switch interval
+    (benchmarks/serve_dispatch.py). Dispatched behind the chunk, before the next chunk donates its state."""
+    parts = [tokens.ravel(), start, num_out, hist, num_free[None]]
+    if policy is not None:
+        parts += [jnp.ravel(policy[k]) for k in _POLICY_INTS]
+        floats = jnp.concatenate([jnp.ravel(policy[k]).astype(jnp.float32) for k in _POLICY_FLOATS])
+        parts.append(jax.lax.bitcast_convert_type(floats, jnp.int32))
+    return jnp.concatenate([x.astype(jnp.int32) for x in parts])
+
+
+def host_view(out: engine.ChunkOutput):
+    """`_host_view` of a chunk's output (on device, asynchronous)."""
+    state = out.state
+    policy = None if state.policy is None else {k: getattr(state.policy, k) for k in _POLICY_INTS + _POLICY_FLOATS}
+    return _host_view(out.tokens, out.start, out.num_out, state.accepted_hist, state.cache.num_free, policy)
+
+
+class ChunkRead(typing.NamedTuple):
+    """A chunk's host view taken apart (numpy): tokens [B, W], start [B], num_out [B], hist [D + 1], num_free, and the
+    policy's counters (an object with budget_policy.SUMMARY_FIELDS; None without the adaptive budget)."""
+
+    tokens: np.ndarray
+    start: np.ndarray
+    num_out: np.ndarray
+    hist: np.ndarray
+    num_free: int
+    policy: Optional[types.SimpleNamespace]
+
+    @staticmethod
+    def of(flat: np.ndarray, out: engine.ChunkOutput) -> "ChunkRead":
+        """`flat` (the host view read) laid out by `out`'s shapes (static: nothing is read from the device)."""
+        batch, width = out.tokens.shape
+        sizes = [batch * width, batch, batch, out.state.accepted_hist.shape[0], 1]
+        policy = out.state.policy
+        if policy is not None:
+            sizes += [int(np.prod(getattr(policy, k).shape)) for k in _POLICY_INTS + _POLICY_FLOATS]
+        pieces = np.split(np.asarray(flat), np.cumsum(sizes)[:-1])
+        tokens, start, num_out, hist, num_free = pieces[:5]
+        counters = None
+        if policy is not None:
+            ints, floats = pieces[5:5 + len(_POLICY_INTS)], pieces[5 + len(_POLICY_INTS):]
+            fields = {k: v.reshape(getattr(policy, k).shape) for k, v in zip(_POLICY_INTS, ints)}
+            fields.update({k: v.view(np.float32).reshape(getattr(policy, k).shape)
+                           for k, v in zip(_POLICY_FLOATS, floats)})
+            counters = types.SimpleNamespace(**fields)
+        return ChunkRead(tokens.reshape(batch, width), start, num_out, hist, int(num_free[0]), counters)
 
 
 def admit_group_sizes(batch: int, groups: Union[bool, tuple] = True) -> tuple:
@@ -250,7 +302,7 @@ class Bucket:
                                         lone_steps=s.lone_chunk_steps)
             self.programs.compile(self.state)
         self.owner: list[Optional[Request]] = [None] * self.batch
-        self.inflight: collections.deque = collections.deque()  # (ChunkOutput, _counters, owners at launch)
+        self.inflight: collections.deque = collections.deque()  # (ChunkOutput, host_view, owners at launch)
         self.firsts: list = []  # (request, row, first token on the device) admitted, not yet delivered
         self.retired: list[int] = []  # rows freed since the last dispatch, their KV slots not yet back (reset_retired)
         self.hist_seen = np.zeros(depth + 1, np.int64)  # accepted_hist already counted into the metrics
@@ -511,7 +563,7 @@ class Bucket:
         else:
             out = self.loop(self.state)
         self.state = out.state
-        self.inflight.append((out, _counters(out.state), list(self.owner)))
+        self.inflight.append((out, host_view(out), list(self.owner)))
         self.last_used = self.sched.spans.add("launch", t)
 
     def collect(self) -> None:
@@ -519,21 +571,20 @@ class Bucket:
         (a row retired meanwhile, or already given to another request, drops them)."""
         spans = self.sched.spans
         t = time.perf_counter()
-        out, counters, owners = self.inflight.popleft()
-        tokens, start, num_out, (hist, num_free, policy) = jax.device_get((out.tokens, out.start, out.num_out,
-                                                                           counters))
+        out, view, owners = self.inflight.popleft()
+        read = ChunkRead.of(jax.device_get(view), out)
         t = spans.add("collect.read", t)
-        self.sched.metrics.add_steps(np.asarray(hist, np.int64) - self.hist_seen)
-        self.hist_seen = np.asarray(hist, np.int64)
-        if policy is not None:
-            self._publish_policy(policy)
-        self.sched.metrics.set_pool(self.KEY, int(num_free), self.state.cache.num_slots)
+        self.sched.metrics.add_steps(read.hist.astype(np.int64) - self.hist_seen)
+        self.hist_seen = read.hist.astype(np.int64)
+        if read.policy is not None:
+            self._publish_policy(read.policy)
+        self.sched.metrics.set_pool(self.KEY, read.num_free, self.state.cache.num_slots)
         for row, req in enumerate(owners):
             if req is None or self.owner[row] is not req or req.finished:
                 continue
-            n = int(num_out[row]) - int(start[row])
+            n = int(read.num_out[row]) - int(read.start[row])
             if n > 0:
-                self._deliver(row, req, tokens[row, :n].tolist())
+                self._deliver(row, req, read.tokens[row, :n].tolist())
         spans.add("collect.deliver", t)
 
     def refresh_pool(self) -> None:
@@ -581,6 +632,10 @@ class Settings:
     # The warm-up compiles row admission for the prompt buckets of prompts up to this many tokens (None: every prompt a
     # row can take); a longer prompt's bucket compiles on its first use, stalling the rows behind it.
     warmup_prompt_tokens: Optional[int] = None
+
+
+# Chunks the warm-up's request (a few tokens) may take before the warm-up fails instead of waiting for good.
+WARMUP_MAX_CHUNKS = 64
 
 
 # What the adaptive budget's calibration decodes in every row (Settings.calibration_prompt: its tokens, the server's
@@ -765,12 +820,17 @@ class Scheduler:
         if self._stop:
             return False
         self._admit_waiting([req])
-        while not done.is_set():
+        for _ in range(WARMUP_MAX_CHUNKS):  # its few tokens take a few chunks: more is a fault, not a slow device
+            if done.is_set():
+                break
             if self._stop:
                 return False
             bucket.launch()
             bucket.deliver_firsts()
             bucket.collect()
+        else:
+            raise RuntimeError(f"the warm-up's request of {req.max_tokens} tokens did not finish in "
+                               f"{WARMUP_MAX_CHUNKS} chunks")
         while bucket.inflight:
             bucket.collect()
         self.metrics.reset_counts()

@@ -49,6 +49,7 @@ Pure functions on the loop's carry (`PolicyState`); engine.py / step.py call the
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -408,14 +409,18 @@ def bin_ratio(policy: PolicyState) -> np.ndarray:
     return np.asarray(policy.bin_acc) / np.maximum(np.asarray(policy.bin_pred), 1e-6)
 
 
+# The policy's fields `summary` reads.
+SUMMARY_FIELDS = ("chosen", "sequence_steps", "predicted_tokens", "observed_tokens", "bin_acc", "bin_pred", "cost_ar",
+                  "cost_draft", "cost_verify")
+
+
 def summary(policy: PolicyState, menu: Sequence[int]) -> dict:
     """What a run's policy did, for GenerateResult.stats and /metrics: steps per budget (a histogram;
     "steps_without_drafter" counts the autoregressive steps), and the predicted vs observed tokens per sequence-step
     of drafted steps."""
-    # One read of the device for the fields below, not one a field (each a wait and a copy on a GPU).
-    policy = policy._replace(**jax.device_get({k: getattr(policy, k) for k in (
-        "chosen", "sequence_steps", "predicted_tokens", "observed_tokens", "bin_acc", "bin_pred", "cost_ar",
-        "cost_draft", "cost_verify")}))
+    # One read of the device for the fields below, not one a field (each a wait and a copy on a GPU); `policy` may be
+    # any object with them (the server's unpacked copy, serve/scheduler.py).
+    policy = types.SimpleNamespace(**jax.device_get({k: getattr(policy, k) for k in SUMMARY_FIELDS}))
     chosen = np.asarray(policy.chosen).tolist()
     seq_steps = float(policy.sequence_steps)
     return {
