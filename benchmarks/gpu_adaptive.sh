@@ -51,4 +51,6 @@ has autotune && for t in 1 8; do stage "autotune_threads$t" ${AUTOTUNE_S:-300} p
   --cache-dir "/tmp/jax_cache_threads$t" --deadline-s $(( ${AUTOTUNE_S:-300} - 20 )) && grep '^| 128' "$OUT"/threads$t/budget_sweep_*.md; done
 has overhead && stage overhead 120 python3 benchmarks/adaptive_overhead.py --batch ${OVERHEAD_BATCH:-16} \
   --menu ${OVERHEAD_MENU:-0,8,32} --out "$OUT" ${OVERHEAD_ARGS:-} && cat "$OUT"/adaptive_overhead_*.md
+# The device returns at most eight files of $OUT, in name order: every result also in one archive named to come first.
+tar -czf "$OUT/0_results.tgz" -C "$OUT" --exclude 0_results.tgz . 2>/dev/null
 ls -la "$OUT"
