@@ -62,8 +62,7 @@ import threading
 import time
 import traceback
 import types
-import typing
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +190,7 @@ def host_view(out: engine.ChunkOutput):
     return _host_view(out.tokens, out.start, out.num_out, state.accepted_hist, state.cache.num_free, policy)
 
 
-class ChunkRead(typing.NamedTuple):
+class ChunkRead(NamedTuple):
     """A chunk's host view taken apart (numpy): tokens [B, W], start [B], num_out [B], hist [D + 1], num_free, and the
     policy's counters (an object with budget_policy.SUMMARY_FIELDS; None without the adaptive budget)."""
 
