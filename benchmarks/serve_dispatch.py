@@ -133,6 +133,10 @@ def main(argv=None) -> int:
             jax.device_get(b.inflight.popleft()[0].tokens)
         return seconds
 
+    def drain():
+        while b.inflight:
+            jax.device_get(b.inflight.popleft()[0].tokens)
+
     def cycle():
         """The server's cycle as a whole: launch chunk i + 1, read chunk i (its wait for the device included)."""
         b.launch()
@@ -189,18 +193,17 @@ def main(argv=None) -> int:
     # state (a row reset, an admission), with the chunk before in flight as the server runs it, and the first call
     # of a program against its repeats (a command buffer recorded, then only updated or replayed).
     def launch_after(between):
-        def cycle():
+        def between_then_launch():
             between()
             return launch_pipelined()
-        return cycle
+        return between_then_launch
 
     fill()
     timed("launch with one in flight, after a reset_rows", launch_after(
         lambda: setattr(b, "state", b.loop.reset_rows(b.state, [last]))), idle=False)
     fill()
     timed("launch with one in flight, after an admission", launch_after(admit_one), idle=False)
-    while b.inflight:
-        jax.device_get(b.inflight.popleft()[0].tokens)
+    drain()
     # The HTTP server's event loop shares the GIL with the decode thread: the launch, a read of a chunk already done,
     # and the whole cycle while another thread runs Python all the time or a share of it (work, then a sleep), at the
     # interpreter's default switch interval (5 ms: a thread that asked for the GIL may wait that long) and shorter.
@@ -215,11 +218,12 @@ def main(argv=None) -> int:
                 time.sleep(0.001 * (1 - duty) / duty)
 
     def read_done():
+        """The server's read of a chunk already done (its host view)."""
         b.launch()
-        out = b.inflight.pop()[0]
-        jax.block_until_ready(out.tokens)
+        view = b.inflight.pop()[1]
+        jax.block_until_ready(view)
         t0 = time.perf_counter()
-        jax.device_get((out.tokens, out.start, out.num_out))
+        jax.device_get(view)
         return time.perf_counter() - t0
 
     default_interval = sys.getswitchinterval()
@@ -233,14 +237,13 @@ def main(argv=None) -> int:
             fill()
             timed(f"launch with one in flight, {label}", launch_pipelined, idle=False)
             fill()
-            timed(f"read a finished chunk's outputs, {label}", read_done)
+            timed(f"read a finished chunk's host view, {label}", read_done)
             fill()
             timed(f"a chunk's cycle, {label}", cycle, idle=False)
             busy.set()
             worker.join()
     sys.setswitchinterval(default_interval)
-    while b.inflight:
-        jax.device_get(b.inflight.popleft()[0].tokens)
+    drain()
     fill()
     fresh = b.loop.lower(b.state).compile()  # the same chunk program, a new executable: nothing recorded yet
     firsts = []

@@ -162,31 +162,30 @@ class Request:
                                        frequency_penalty=self.frequency_penalty)
 
 
-# The policy's counters the host reads after a chunk (budget_policy.summary's fields): the integer ones, then the
-# float ones (their bits carried as int32 in the chunk's host view).
-_POLICY_INTS = ("chosen", "observed_tokens", "sequence_steps")
-_POLICY_FLOATS = ("predicted_tokens", "bin_acc", "bin_pred", "cost_ar", "cost_draft", "cost_verify")
+def _as_int32(x):
+    """A counter's bits as int32 (a float32's bit-cast, so it comes back exactly)."""
+    x = jnp.ravel(x)
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.int32)
 
 
 @jax.jit
 def _host_view(tokens, start, num_out, hist, num_free, policy: Optional[dict]):
     """Everything the host reads of a chunk as one int32 vector (`ChunkRead.of` takes it apart): its tokens, start and
     num_out, the acceptance histogram and the pool's free slots (/metrics) and, in an adaptive loop, the budget
-    policy's counters. One array: a read of each small array on its own is a copy and a wait of its own, and each
-    releases and retakes the GIL, which the HTTP server's event loop may hold for up to the switch interval
-    (benchmarks/serve_dispatch.py). Dispatched behind the chunk, before the next chunk donates its state."""
+    policy's counters (budget_policy.SUMMARY_FIELDS, int32 and float32 arrays). One array: a read of each small array
+    on its own is a copy and a wait of its own, and each releases and retakes the GIL, which the HTTP server's event
+    loop may hold for up to the switch interval (benchmarks/serve_dispatch.py). Dispatched behind the chunk, before
+    the next chunk donates its state."""
     parts = [tokens.ravel(), start, num_out, hist, num_free[None]]
     if policy is not None:
-        parts += [jnp.ravel(policy[k]) for k in _POLICY_INTS]
-        floats = jnp.concatenate([jnp.ravel(policy[k]).astype(jnp.float32) for k in _POLICY_FLOATS])
-        parts.append(jax.lax.bitcast_convert_type(floats, jnp.int32))
-    return jnp.concatenate([x.astype(jnp.int32) for x in parts])
+        parts += [policy[k] for k in budget_policy.SUMMARY_FIELDS]
+    return jnp.concatenate([_as_int32(x) for x in parts])
 
 
 def host_view(out: engine.ChunkOutput):
     """`_host_view` of a chunk's output (on device, asynchronous)."""
     state = out.state
-    policy = None if state.policy is None else {k: getattr(state.policy, k) for k in _POLICY_INTS + _POLICY_FLOATS}
+    policy = None if state.policy is None else {k: getattr(state.policy, k) for k in budget_policy.SUMMARY_FIELDS}
     return _host_view(out.tokens, out.start, out.num_out, state.accepted_hist, state.cache.num_free, policy)
 
 
@@ -203,21 +202,18 @@ class ChunkRead(NamedTuple):
 
     @staticmethod
     def of(flat: np.ndarray, out: engine.ChunkOutput) -> "ChunkRead":
-        """`flat` (the host view read) laid out by `out`'s shapes (static: nothing is read from the device)."""
+        """`flat` (the host view read) laid out by `out`'s shapes and dtypes (nothing is read from the device)."""
         batch, width = out.tokens.shape
         sizes = [batch * width, batch, batch, out.state.accepted_hist.shape[0], 1]
         policy = out.state.policy
-        if policy is not None:
-            sizes += [int(np.prod(getattr(policy, k).shape)) for k in _POLICY_INTS + _POLICY_FLOATS]
-        pieces = np.split(np.asarray(flat), np.cumsum(sizes)[:-1])
+        fields = [getattr(policy, k) for k in budget_policy.SUMMARY_FIELDS] if policy is not None else []
+        pieces = np.split(np.asarray(flat), np.cumsum(sizes + [int(np.prod(x.shape)) for x in fields])[:-1])
         tokens, start, num_out, hist, num_free = pieces[:5]
         counters = None
         if policy is not None:
-            ints, floats = pieces[5:5 + len(_POLICY_INTS)], pieces[5 + len(_POLICY_INTS):]
-            fields = {k: v.reshape(getattr(policy, k).shape) for k, v in zip(_POLICY_INTS, ints)}
-            fields.update({k: v.view(np.float32).reshape(getattr(policy, k).shape)
-                           for k, v in zip(_POLICY_FLOATS, floats)})
-            counters = types.SimpleNamespace(**fields)
+            counters = types.SimpleNamespace(**{
+                k: (v.view(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else v).reshape(x.shape)
+                for k, x, v in zip(budget_policy.SUMMARY_FIELDS, fields, pieces[5:])})
         return ChunkRead(tokens.reshape(batch, width), start, num_out, hist, int(num_free[0]), counters)
 
 
