@@ -5,7 +5,10 @@
   method without its state changes), with a warm-up call per entry, the median of 3;
 - `decode`: the adaptive loop forced to the entry decoding the batch to the end through ChunkedLoop.run (one chunk
   in flight, as generate decodes): wall ms / steps;
-- `fixed decode`: the same for the fixed program of that budget (autoregressive for "ar").
+- `fixed decode`: the same for the fixed program of that budget (autoregressive for "ar");
+- `generate`: engine.generate of the same prompts as spec_decode.py's static rows call it (warmed up, no stop ids), the
+  fixed budget's ms per step, and `auto` (the policy free, its cost model calibrated by the warm-up call) with the
+  steps it gave each entry: whether the adaptive decode pays what the calibration and the forced decode measured.
 
     python benchmarks/calibration_check.py --batch 16 --menu 0,8,16       # the default pair, GPU
     python benchmarks/calibration_check.py --smoke                        # random tiny pair, CPU
@@ -35,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
+from kdtree_jax.speculative.engine import generate as generate_call  # noqa: E402
 from spec_decode import base_meta, device_slug, greedy_loop_state, heldout_prompts, load_pair  # noqa: E402
 
 
@@ -97,19 +101,34 @@ def main(argv=None) -> int:
             row = rows.setdefault(name if name != "0" else "probe (drafter + root)", {})
             row.update(calibrate=measured.get(key), chained=chained, decode=decode_ms(loop, forced))
             print(f"B={batch} {name:>5s}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        for name, budget in [(("ar" if b == 0 else str(b)), b) for b in menu] + [("auto", "auto")]:
+            kw = dict(max_new_tokens=args.max_new_tokens, budget=budget, chunk_steps=args.chunk_steps, temperature=0.0)
+            if budget == "auto":
+                kw["menu"] = menu
+            generate_call(target, drafter, prompts, calibrate=budget == "auto", **kw)  # compile (and calibrate)
+            res = generate_call(target, drafter, prompts, **kw)
+            row = rows.setdefault(name, {})
+            row["generate"] = (1e3 * res.stats["decode_seconds"] / max(res.stats["steps"], 1), res.stats["steps"])
+            if budget == "auto":
+                policy = res.stats["budget_policy"]
+                row["budget_steps"] = {**policy["budget_steps"], "ar": policy["steps_without_drafter"]}
+            print(f"B={batch} generate {name:>5s}: {json.dumps(row)}", file=sys.stderr, flush=True)
         results[batch] = rows
     meta = {**base_meta(args, target, drafter, pair), "menu": list(menu),
             "commit": os.environ.get("KDTREE_COMMIT") or base_meta(args, target, drafter, pair)["commit"]}
     lines = [f"# Calibration against the decode ({meta['device']})", "",
              f"commit {meta['commit']} · {pair} · greedy · menu {list(menu)} · {args.max_new_tokens} new tokens · "
              f"chunks of {args.chunk_steps} steps · ms per step (decode: wall / steps, steps in brackets)", "",
-             "| batch | entry | calibrate | chained | decode (adaptive, forced) | decode (fixed program) |",
-             "|---|---|---|---|---|---|"]
+             "| batch | entry | calibrate | chained | decode (adaptive, forced) | decode (fixed program) | generate |",
+             "|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else (f"{v[0]:.4f} ({v[1]})" if isinstance(v, (tuple, list)) else f"{v:.4f}")  # noqa: E731
     for batch, rows in results.items():
         for name, r in rows.items():
             lines.append(f"| {batch} | {name} | {fmt(r.get('calibrate'))} | {fmt(r.get('chained'))} | "
-                         f"{fmt(r.get('decode'))} | {fmt(r.get('fixed_decode'))} |")
+                         f"{fmt(r.get('decode'))} | {fmt(r.get('fixed_decode'))} | {fmt(r.get('generate'))} |")
+        auto = rows.get("auto", {}).get("budget_steps")
+        if auto:
+            lines += ["", f"batch {batch}, generate auto: steps per budget {auto} (ar: without the drafter)", ""]
     out_dir = args.out or tempfile.mkdtemp(prefix="calibration_check_")
     os.makedirs(out_dir, exist_ok=True)
     name = f"calibration_check_{'smoke_' if args.smoke else ''}{device_slug()}"
