@@ -129,6 +129,33 @@ def test_budget_sweep_cell_bookkeeping(monkeypatch):
     assert "## Errors" in md and "RuntimeError: pool exhausted" in md
 
 
+def test_budget_sweep_passes_round_robin(monkeypatch):
+    """Every decoder warms up first, then the timed passes go round the decoders (pass 1 of each, pass 2 of each):
+    a drift of the device's speed during a cell falls on all of them alike."""
+    calls = []
+
+    def fake_generate(target, drafter, prompts, **kw):
+        calls.append(kw["budget"])
+        stats = {"sequence_steps": 10, "new_tokens": 5, "tau": 1.0, "decode_seconds": 1.0, "acceptance_by_depth": [],
+                 "steps": 10, "prefill_seconds": 0.0, "num_nodes": 1, "compile_seconds": 0.0, "decoding": "x"}
+        if kw["budget"] == "auto":
+            stats["budget_policy"] = {"menu": [0, 4], "budget_steps": {"0": 0, "4": 1}, "steps_without_drafter": 0,
+                                      "predicted_tau": 1.0, "observed_tau": 1.0, "calibrated": False,
+                                      "calibration_seconds": 0.0, "costs_ms": None}
+        return _FakeResult(tokens=[[1] * 5 for _ in prompts], stats=stats)
+
+    monkeypatch.setattr(budget_sweep, "generate", fake_generate)
+    args = types.SimpleNamespace(budgets=[0, 4], max_new_tokens=5, topk=4, tree_temperature=1.0, top_k=0,
+                                 top_p=0.95, seed=0, impl="auto", chunk_steps=8, calibrate=False, repeats=2)
+    cell = {"context": 16, "temperature": 0.7, "top_p": 0.95, "batch": 1, "prompts": 2, "prompt_cuts": [],
+            "batches": [[[1]], [[2]]]}
+    rec = budget_sweep.run_cell(None, object(), cell, args, [0, 4])
+    one_pass = [0, 0, 4, 4, "auto", "auto"]
+    assert calls == [0, 4, "auto"] + one_pass + one_pass
+    assert [d["decoder"] for d in rec["decoders"]] == ["autoregressive", "DDTree 4", "auto"]
+    assert all(len(d["tokens_per_second_passes"]) == 2 for d in rec["decoders"])
+
+
 def test_context_prompts_held_out_and_long():
     """Prompts longer than any held-out file come from the held-out files concatenated; shorter ones are
     spec_decode's."""
