@@ -571,7 +571,11 @@ def test_calibrate_measures_the_cost_model_again(side_servers, monkeypatch):
         body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
         assert httpx.post(calibrated["url"] + "/v1/completions", json=body, timeout=60).status_code == 200
         m = _metrics(calibrated["url"])
-        assert sum(v for k, v in m.items() if k.startswith("budget_steps_total")) + m["steps_without_drafter_total"] > 0
+        steps = sum(v for k, v in m.items() if k.startswith("budget_steps_total")) + m["steps_without_drafter_total"]
+        if "(batch 4, measured now): serving autoregressively" in log:  # no budget pays here (this CPU): the plain
+            assert greedy["decision"] == "autoregressive" and steps == 0  # autoregressive program, as a restart's
+        else:
+            assert steps > 0
         assert cost_model.cache_dir() == tmp_path
     finally:
         _stop_server(calibrated)

@@ -407,3 +407,40 @@ def test_a_chunks_host_view_is_what_the_chunk_returned(kind, schedulers, adaptiv
         assert json.dumps(budget_policy.summary(read.policy, menu)) == json.dumps(budget_policy.summary(policy, menu))
     drive(s, [done])
     assert len(out_) == 12
+
+
+def test_a_cost_model_measured_at_start_that_refuses_serves_the_autoregressive_programs(pair, schedulers, monkeypatch,
+                                                                                        tmp_path):
+    """A first start (no cached cost model) measures the adaptive budget's costs; where no budget pays (a CPU) the
+    bucket is built again as the next start builds it from that cache: the plain autoregressive program and its row
+    programs (a lone row runs one row, not the batch), saying so, its cost info marked measured. (The measurement is a
+    stand-in that refuses: a real one on this CPU refuses too, but takes ~25 s.)"""
+    from kdtree_jax.serve import scheduler as sched
+    from kdtree_jax.serve.metrics import Metrics
+    from kdtree_jax.speculative import cost_model, engine
+
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    measured = []
+
+    def refusing(loop, state, spec, **kw):  # every drafting entry 50x an autoregressive step
+        measured.append(spec.menu)
+        batch = state.bonus.shape[0]
+        context = float(np.asarray(state.cache.seq_lens)[:batch].mean())
+        return cost_model.make_point(batch, context, spec.menu,
+                                     {"ar": 1.0, **{i: 50.0 for i, b in enumerate(spec.menu) if b > 0}},
+                                     expected=[1.0 if b == 0 else 2.0 for b in spec.menu])
+
+    monkeypatch.setattr(engine, "calibrate", refusing)
+    said = []
+    s = sched.Scheduler(*pair, sched.Settings(**{**SETTINGS, "budget": "auto", "menu": MENU}), Metrics(),
+                        say=said.append)
+    bucket = s._get_bucket()
+    assert measured == [MENU]
+    assert bucket.spec.menu == () and bucket.drafter is None and bucket.programs is not None
+    assert any("measured now): serving autoregressively" in line for line in said)
+    info = s.metrics.budget_policy()["buckets"]["batch"]
+    assert info["calibrated"] is True and info["decision"] == "autoregressive"
+    runs = bucket.programs.runs.copy()
+    assert _run(s, (GREEDY, {})) == _run(schedulers[False], (GREEDY, {}))  # float32: greedy is the target's own
+    assert set(bucket.programs.runs - runs) == {(1, True, LONE)}  # one row, not the batch
+    s.stop(drain=False, timeout=30)

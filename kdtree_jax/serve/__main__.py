@@ -460,9 +460,11 @@ def main(argv=None) -> int:
         if scheduler.menu:
             bucket = scheduler.bucket  # made by the warm-up (none with --no-warmup)
             cost_info = bucket.cost_info if bucket is not None else None
-            shape = ("adaptive DDTree budget from {" + ", ".join(map(str, scheduler.menu)) + "}"
-                     + ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
-                        " (cost model from the cache)"))
+            source = ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
+                      " (cost model from the cache)")
+            menu = "{" + ", ".join(map(str, scheduler.menu)) + "}"
+            shape = (f"adaptive DDTree budget from {menu}{source}" if bucket is None or bucket.refusal is None else
+                     f"no DDTree budget of {menu} pays here{source}")
         else:
             shape = f"DDTree budget {scheduler.budget}"
         print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"

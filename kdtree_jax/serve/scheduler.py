@@ -242,20 +242,27 @@ class Bucket:
 
     KEY = "batch"  # its name in the metrics
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: "Scheduler", measured: Optional[dict] = None):
+        """measured: the cost info of the calibration a bucket made just before this one (Scheduler._get_bucket):
+        its point is in the cache, and this bucket takes the cache's verdict even under Settings.calibrate."""
         self.sched = sched
         target, drafter = sched.target, sched.drafter
         s = sched.settings
         self.spec = sched.spec()
         # The adaptive budget whose cached costs say no budget pays here (a CPU): the plain autoregressive program.
         self.refusal = None
-        if self.spec.menu and s.costs is None and not s.calibrate:
+        refusal_info = None  # the cost info of a refused bucket (no costs of its own to prepare)
+        if self.spec.menu and s.costs is None and (not s.calibrate or measured is not None):
             self.refusal = engine.cached_refusal(sched.cost_model(), self.spec.menu, s.max_batch,
                                                  float(len(sched.calibration_prompt())))
             if self.refusal is not None:
                 self.spec = dataclasses.replace(self.spec, menu=(), budget=0)
-                sched.metrics.set_cost_info(self.KEY, {**self.refusal, "seconds": 0.0})
-                sched.say(f"[tree-budget cost model ({self._label()}, cached): "
+                info = {**self.refusal, "seconds": 0.0}
+                if measured is not None:
+                    info.update(calibrated=True, seconds=measured.get("seconds", 0.0))
+                sched.metrics.set_cost_info(self.KEY, info)
+                refusal_info = info
+                sched.say(f"[tree-budget cost model ({self._label()}, {'measured now' if measured else 'cached'}): "
                           f"serving autoregressively: {self.refusal['why']}]")
         self.drafter = drafter if self.spec.budget > 0 else None  # budget 0: autoregressive, no drafter pass
         self.batch, self.max_len = s.max_batch, s.max_len
@@ -305,7 +312,7 @@ class Bucket:
         # observed tokens, sequence steps of drafted steps).
         self.chosen_seen = np.zeros(len(self.spec.menu) + 1, np.int64)
         self.sums_seen = np.zeros(3, np.float64)
-        self.cost_info: Optional[dict] = None
+        self.cost_info: Optional[dict] = refusal_info
         if self.spec.menu:
             self._prepare_costs()
         self.last_used = time.perf_counter()
@@ -885,7 +892,18 @@ class Scheduler:
 
     def _get_bucket(self) -> Bucket:
         if self.bucket is None:
-            self.bucket = Bucket(self)
+            bucket = Bucket(self)
+            info = bucket.cost_info
+            if info is not None and info.get("calibrated") and engine.cached_refusal(
+                    self.cost_model(), bucket.spec.menu, self.settings.max_batch,
+                    float(len(self.calibration_prompt()))) is not None:
+                # Measured just now, and no budget pays at this batch size (a CPU): serve as the next start will with
+                # this cache, the plain autoregressive program and its row programs, instead of the adaptive program
+                # whose every step costs the whole batch (on the 2-core CPU a lone stream ran at 23 tok/s on it
+                # against the CLI's 314, e0585f6).
+                bucket = None  # its pool freed before the next one's
+                bucket = Bucket(self, measured=info)
+            self.bucket = bucket
         return self.bucket
 
     def _step(self) -> None:
