@@ -86,6 +86,9 @@ def _xla_optimized_when_marked(request):
     global _optimized
     want = FAST_COMPILE and request.node.get_closest_marker("xla_optimized") is not None
     if want != _optimized:
+        from kdtree_jax.speculative import engine
+
+        engine.clear_loops()  # their programs were compiled with the other options
         jax.clear_caches()
         _optimized = want
     yield
@@ -119,6 +122,9 @@ def release_executables_if_many_maps(limit=None) -> bool:
     mappings; True if it did."""
     if memory_maps() <= (max_memory_maps() // 2 if limit is None else limit):
         return False
+    from kdtree_jax.speculative import engine
+
+    engine.clear_loops()  # the chunked loops generate keeps hold their programs
     jax.clear_caches()
     gc.collect()
     return True

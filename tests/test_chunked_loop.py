@@ -254,3 +254,22 @@ ENTRY %main (x: f32[3]) -> f32[3] {
     assert runtime.host_driven_loops(compiled, configured=False) == 1
     # Loop capture asked for, and a text without any command buffer: an XLA that converts after the HLO; unknown.
     assert runtime.host_driven_loops(compiled, configured=True) is None
+
+
+@needs_default
+def test_calls_that_alternate_settings_each_reuse_their_own_loop(pair, prompts, monkeypatch):
+    """generate keeps the last LOOPS_KEPT chunked loops: calls that alternate two settings each find their own (no new
+    loop, so no compile and no fresh executable inside the decode's time), a new loop of the same target shares the
+    kept one's loop weights, and past LOOPS_KEPT settings the oldest loop goes."""
+    monkeypatch.setattr(engine, "_LOOPS", [])
+    first, second = dict(budget=16, chunk_steps=3), dict(budget=0, chunk_steps=1)
+    _generate(pair, prompts, **first)
+    loop_a = engine._LOOPS[-1]
+    _generate(pair, prompts, **second)
+    loop_b = engine._LOOPS[-1]
+    assert loop_b is not loop_a and loop_b.loop_weights is loop_a.loop_weights
+    again = _generate(pair, prompts, **first)
+    assert engine._LOOPS == [loop_b, loop_a] and again.stats["compile_seconds"] < 1.0
+    monkeypatch.setattr(engine, "LOOPS_KEPT", 2)
+    _generate(pair, prompts, budget=16, chunk_steps=2)  # a third setting: loop_b, the oldest, goes
+    assert len(engine._LOOPS) == 2 and loop_b not in engine._LOOPS and engine._LOOPS[0] is loop_a

@@ -256,12 +256,15 @@ class ChunkedLoop:
     """
 
     def __init__(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig,
-                 steps: int = DEFAULT_CHUNK_STEPS):
+                 steps: int = DEFAULT_CHUNK_STEPS, loop_weights=None):
+        """loop_weights: the target's `loop_weights()` when the caller has them (another loop of the same target:
+        `chunked_loop` shares them, as they can be a copy of every expert's weights)."""
         if steps < 1:
             raise ValueError(f"chunk steps must be >= 1; got {steps}")
         self.spec, self.steps = spec, int(steps)
         self.leaves, self.structure = jax.tree.flatten((target, drafter))
-        self.loop_weights = _loop_weights(target)  # once, not per chunk (nor per step: see decode_loop)
+        # Once, not per chunk (nor per step: see decode_loop).
+        self.loop_weights = _loop_weights(target) if loop_weights is None else loop_weights
         self.compiled = None
         self._programs = {}  # (the id of the state's shapes, entry) -> Compiled
         self._keys = {}  # the state's _shapes -> its id (hashing the shapes costs ~30 us: once per chain of calls)
@@ -313,9 +316,17 @@ class ChunkedLoop:
 
     def uses(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> bool:
         """Whether this loop runs these models (the very same arrays) with these settings."""
-        leaves, structure = jax.tree.flatten((target, drafter))
+        return self.runs(*jax.tree.flatten((target, drafter)), spec, steps)
+
+    def runs(self, leaves: list, structure, spec: SpecConfig, steps: int) -> bool:
+        """`uses` for the models' flattened (target, drafter) (flattening two NNX modules costs ~1 ms: once a call)."""
         return (structure == self.structure and spec == self.spec and steps == self.steps
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
+
+    def runs_target(self, target_leaves: list) -> bool:
+        """Whether this loop's target is the one with these leaves (the very same arrays): (target, drafter) flattens
+        the target's leaves first."""
+        return len(target_leaves) <= len(self.leaves) and all(a is b for a, b in zip(target_leaves, self.leaves))
 
     def _record(self, state: LoopState) -> Optional[_Call]:
         """This loop's record of the call whose output `state` is (or that admit / reset_rows made it from), or None."""
@@ -785,20 +796,39 @@ def _run_loop(target: Transformer, drafter: Optional[Drafter], state: LoopState,
     return final, t_compile, t_decode, step_profile, host_syncs, host_loops
 
 
-_LAST_LOOP: list = [None]  # the ChunkedLoop of the last generate (or chunked_loop) call
+# The ChunkedLoops of the last generate (or chunked_loop) calls, the most recent last. Several, so that calls that
+# alternate settings (a benchmark's decoders pass after pass, a program's two budgets) each find their own: a new
+# loop compiles again (or reads its programs back from the compilation cache), and on a GPU a new executable's first
+# calls record its command buffers (2.4-2.9 ms the first call, ~1 ms the second, H100 at 80c0990,
+# history/serve_dispatch_h100_80c0990_default.json), inside the decode's time.
+_LOOPS: list = []
+LOOPS_KEPT = 8
 
 
 def chunked_loop(target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> ChunkedLoop:
-    """The ChunkedLoop of the last call (generate's, or this function's) while it runs these very models and
-    settings, else a new one that replaces it. Reusing it reuses its loop weights and its programs compiled ahead
-    (`ChunkedLoop.compile`: jax caches no ahead-of-time compile, and a fresh ChunkedLoop would also recompute the
-    weights and run a new program object, ~10 ms of a CPU decode). It holds the models' arrays until a call with
-    others replaces it."""
-    runner = _LAST_LOOP[0]
-    if runner is None or not runner.uses(target, drafter, spec, steps):
-        _LAST_LOOP[0] = None
-        runner = _LAST_LOOP[0] = ChunkedLoop(target, drafter, spec, steps)
+    """A ChunkedLoop of one of the last LOOPS_KEPT calls (generate's, or this function's) that runs these very models
+    and settings, else a new one that replaces the oldest. Reusing it reuses its loop weights and its programs
+    compiled ahead (`ChunkedLoop.compile`: jax caches no ahead-of-time compile, and a fresh ChunkedLoop would also
+    recompute the weights and run a new program object, ~10 ms of a CPU decode). A new loop of a target a kept loop
+    runs shares that loop's weights. The kept loops hold their models' arrays until calls with others replace them."""
+    leaves, structure = jax.tree.flatten((target, drafter))
+    runner = next((r for r in _LOOPS if r.runs(leaves, structure, spec, steps)), None)
+    if runner is None:
+        target_leaves = leaves[:len(jax.tree.leaves(target))]
+        shared = next((r.loop_weights for r in reversed(_LOOPS) if r.runs_target(target_leaves)), None)
+        if len(_LOOPS) >= LOOPS_KEPT:
+            del _LOOPS[0]
+        runner = ChunkedLoop(target, drafter, spec, steps, loop_weights=shared)
+    else:
+        _LOOPS.remove(runner)
+    _LOOPS.append(runner)
     return runner
+
+
+def clear_loops() -> None:
+    """Drop the kept chunked loops (`chunked_loop`): their programs and the models' arrays they hold go with the
+    last other reference (with jax.clear_caches(), what frees a process's executables)."""
+    _LOOPS.clear()
 _HOST_LOOPS: dict = {}  # (models' structure, spec, chunk steps, state shapes) -> runtime.host_driven_loops
 
 
