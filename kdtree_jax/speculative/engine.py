@@ -809,15 +809,16 @@ def chunked_loop(target: Transformer, drafter: Optional[Drafter], spec: SpecConf
     """A ChunkedLoop of one of the last LOOPS_KEPT calls (generate's, or this function's) that runs these very models
     and settings, else a new one that replaces the oldest. Reusing it reuses its loop weights and its programs
     compiled ahead (`ChunkedLoop.compile`: jax caches no ahead-of-time compile, and a fresh ChunkedLoop would also
-    recompute the weights and run a new program object, ~10 ms of a CPU decode). A new loop of a target a kept loop
-    runs shares that loop's weights. The kept loops hold their models' arrays until calls with others replace them."""
+    recompute the weights and run a new program object, ~10 ms of a CPU decode). Loops are kept for one target at a
+    time: a new loop of another target drops the others (they hold their models' arrays), and a new loop of the kept
+    target shares its loop weights."""
     leaves, structure = jax.tree.flatten((target, drafter))
     runner = next((r for r in _LOOPS if r.runs(leaves, structure, spec, steps)), None)
     if runner is None:
         target_leaves = leaves[:len(jax.tree.leaves(target))]
-        shared = next((r.loop_weights for r in reversed(_LOOPS) if r.runs_target(target_leaves)), None)
-        if len(_LOOPS) >= LOOPS_KEPT:
-            del _LOOPS[0]
+        # Only this target's loops stay: another model's would hold its arrays (and executables) alive.
+        _LOOPS[:] = [r for r in _LOOPS if r.runs_target(target_leaves)][-(LOOPS_KEPT - 1):] if LOOPS_KEPT > 1 else []
+        shared = _LOOPS[-1].loop_weights if _LOOPS else None
         runner = ChunkedLoop(target, drafter, spec, steps, loop_weights=shared)
     else:
         _LOOPS.remove(runner)
@@ -829,6 +830,8 @@ def clear_loops() -> None:
     """Drop the kept chunked loops (`chunked_loop`): their programs and the models' arrays they hold go with the
     last other reference (with jax.clear_caches(), what frees a process's executables)."""
     _LOOPS.clear()
+
+
 _HOST_LOOPS: dict = {}  # (models' structure, spec, chunk steps, state shapes) -> runtime.host_driven_loops
 
 
