@@ -38,7 +38,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kdtree_jax.speculative import engine  # noqa: E402
-from kdtree_jax.speculative.engine import generate as generate_call  # noqa: E402
 from spec_decode import base_meta, device_slug, greedy_loop_state, heldout_prompts, load_pair  # noqa: E402
 
 
@@ -105,8 +104,8 @@ def main(argv=None) -> int:
             kw = dict(max_new_tokens=args.max_new_tokens, budget=budget, chunk_steps=args.chunk_steps, temperature=0.0)
             if budget == "auto":
                 kw["menu"] = menu
-            generate_call(target, drafter, prompts, calibrate=budget == "auto", **kw)  # compile (and calibrate)
-            res = generate_call(target, drafter, prompts, **kw)
+            engine.generate(target, drafter, prompts, calibrate=budget == "auto", **kw)  # compile (and calibrate)
+            res = engine.generate(target, drafter, prompts, **kw)
             row = rows.setdefault(name, {})
             row["generate"] = (1e3 * res.stats["decode_seconds"] / max(res.stats["steps"], 1), res.stats["steps"])
             if budget == "auto":

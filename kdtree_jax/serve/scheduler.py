@@ -253,8 +253,7 @@ class Bucket:
         self.refusal = None
         refusal_info = None  # the cost info of a refused bucket (no costs of its own to prepare)
         if self.spec.menu and s.costs is None and (not s.calibrate or measured is not None):
-            self.refusal = engine.cached_refusal(sched.cost_model(), self.spec.menu, s.max_batch,
-                                                 float(len(sched.calibration_prompt())))
+            self.refusal = sched.cached_refusal(self.spec.menu)
             if self.refusal is not None:
                 self.spec = dataclasses.replace(self.spec, menu=(), budget=0)
                 info = {**self.refusal, "seconds": 0.0}
@@ -713,6 +712,11 @@ class Scheduler:
         by batch size (max_batch) and context (len(calibration_prompt()))."""
         return cost_model.CostModel.load(cost_model.fingerprint(self.target, self.drafter, self.spec()))
 
+    def cached_refusal(self, menu) -> Optional[dict]:
+        """engine.cached_refusal for a bucket of `menu` at --max-batch rows and the calibration prompt's context."""
+        return engine.cached_refusal(self.cost_model(), menu, self.settings.max_batch,
+                                     float(len(self.calibration_prompt())))
+
     def calibration_prompt(self) -> list:
         """The tokens the adaptive budget's calibration admits into every row."""
         prompt = self.settings.calibration_prompt
@@ -894,9 +898,7 @@ class Scheduler:
         if self.bucket is None:
             bucket = Bucket(self)
             info = bucket.cost_info
-            if info is not None and info.get("calibrated") and engine.cached_refusal(
-                    self.cost_model(), bucket.spec.menu, self.settings.max_batch,
-                    float(len(self.calibration_prompt()))) is not None:
+            if info is not None and info.get("calibrated") and self.cached_refusal(bucket.spec.menu) is not None:
                 # Measured just now, and no budget pays at this batch size (a CPU): serve as the next start will with
                 # this cache, the plain autoregressive program and its row programs, instead of the adaptive program
                 # whose every step costs the whole batch (on the 2-core CPU a lone stream ran at 23 tok/s on it

@@ -314,12 +314,9 @@ class ChunkedLoop:
     def _key(self, shapes: tuple) -> int:
         return self._keys.setdefault(shapes, len(self._keys))
 
-    def uses(self, target: Transformer, drafter: Optional[Drafter], spec: SpecConfig, steps: int) -> bool:
-        """Whether this loop runs these models (the very same arrays) with these settings."""
-        return self.runs(*jax.tree.flatten((target, drafter)), spec, steps)
-
     def runs(self, leaves: list, structure, spec: SpecConfig, steps: int) -> bool:
-        """`uses` for the models' flattened (target, drafter) (flattening two NNX modules costs ~1 ms: once a call)."""
+        """Whether this loop runs these models (the very same arrays: their flattened (target, drafter), flattened once
+        by the caller, as that costs ~1 ms for two NNX modules) with these settings."""
         return (structure == self.structure and spec == self.spec and steps == self.steps
                 and len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)))
 
