@@ -9,7 +9,7 @@
 #
 #   KDTREE_COMMIT=<hash from your checkout, not git on the device copy> bash benchmarks/gpu_serve_load.sh      # carry: [".device_wheels"]
 #
-# The device image has no fastapi/uvicorn/pydantic: they travel as cp312 wheels in the gitignored .device_wheels/
+# The device image has no fastapi/uvicorn/pydantic/jinja2: they travel as cp312 wheels in the gitignored .device_wheels/
 # (fetch them here with `bash benchmarks/gpu_serve_load.sh --fetch-wheels`) and are installed into /tmp/serve_site.
 # Results name $KDTREE_COMMIT when it is set: pass the commit you run (the device copy's git metadata can be stale).
 #
@@ -39,7 +39,8 @@ if [ "${1:-}" = --fetch-wheels ]; then  # here (a machine with pip and a registr
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
-    typing-inspection==0.4.5 typing_extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0
+    typing-inspection==0.4.5 typing_extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
+    jinja2==3.1.6 markupsafe==3.0.4
   exit $?
 fi
 OUT=${OUT:-/tmp/out}

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone-row-programs", action="store_true",
                    help="the adaptive budget's row programs (the server's --lone-row-programs) in-process and over "
                         "HTTP")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the HTTP runs twice: the server as it is by default (its decode loop on a thread of the HTTP "
+                        "process) and with --engine-process (the decode loop in a process of its own), in that order")
     p.add_argument("--no-cli", action="store_true", help="skip the generate subprocess (the in-process call stays)")
     p.add_argument("--label", default="", help="a name for this run in the output (before / after)")
     p.add_argument("--out", default=None, help="output directory (default: benchmarks/results/history)")
@@ -186,8 +189,9 @@ def cli_stream(args, checkpoint: str) -> dict:
                 "steps_without_drafter")}
 
 
-def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
-    """The server subprocess: the single stream, then the concurrency run, and its decode thread's spans."""
+def http_runs(args, checkpoint: str, stream_ids: list, requests: list, engine_process: bool = False) -> dict:
+    """The server subprocess (engine_process: with --engine-process): the single stream, then the concurrency run,
+    and its decode thread's spans."""
     import httpx
 
     import serve_load
@@ -195,7 +199,7 @@ def http_runs(args, checkpoint: str, stream_ids: list, requests: list) -> dict:
 
     ns = argparse.Namespace(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, checkpoint=checkpoint,
                             chunk_steps=args.chunk_steps, budget=None, calibrate=False,
-                            lone_row_programs=args.lone_row_programs)
+                            lone_row_programs=args.lone_row_programs, engine_process=engine_process)
     log = tempfile.mktemp(prefix="serve_host_", suffix=".log")
     proc, url = serve_load.launch_server("speculative", ns, log)
     out = {}
@@ -371,6 +375,11 @@ def main(argv=None) -> int:
         result["http"] = http_runs(args, checkpoint, stream_ids, requests)
         print(f"  HTTP: stream {result['http']['stream']['tokens_per_s']:.1f} tok/s, c={args.concurrency} "
               f"{result['http']['concurrent']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        if args.engine_process:
+            result["http_engine"] = http_runs(args, checkpoint, stream_ids, requests, engine_process=True)
+            print(f"  HTTP, engine process: stream {result['http_engine']['stream']['tokens_per_s']:.1f} tok/s, "
+                  f"c={args.concurrency} {result['http_engine']['concurrent']['tokens_per_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
     return _write(args, result)
 
 
@@ -527,6 +536,7 @@ def write_report(path: str, runs: list, title: str = "") -> None:
               "scheduler c tok/s (x loop) | HTTP c tok/s (x loop) | loop chunk ms | scheduler TTFT p50 ms (chunks) | "
               "HTTP TTFT p50 ms (chunks) | outputs = loop's | compiles |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    engine_rows = []
     for r in runs:
         cli = r.get("stream_cli", r["stream_generate"])["tokens_per_s"]
         st, lp, c = r["stream_scheduler"], r["concurrent_loop"], r["concurrent_scheduler"]
@@ -542,6 +552,18 @@ def write_report(path: str, runs: list, title: str = "") -> None:
             + (f"{hc['ttft_p50_ms']:.0f} ({hc['ttft_p50_ms'] / chunk:.1f})" if hc else "-")
             + f" | {r['concurrent_identical']} of {m['requests']} | {c['compiles']}"
             + (f" / {hc['compiles']}" if hc else "") + " |")
+        e = r.get("http_engine")
+        if e:
+            es, ec = e["stream"], e["concurrent"]
+            engine_rows.append(
+                f"| {r['meta']['label']} | {es['tokens_per_s']:.0f} ({ratio(es['tokens_per_s'], cli):.2f}) | "
+                f"{ec['tokens_per_s']:.0f} ({ratio(ec['tokens_per_s'], lp['tokens_per_s']):.2f}) | "
+                f"{ec['ttft_p50_ms']:.0f} ({ec['ttft_p50_ms'] / chunk:.1f}) | {ec['compiles']} |")
+    if engine_rows:
+        lines += ["", "The same server with --engine-process (the decode loop in a process of its own), run after "
+                  "the one above:", "",
+                  "| run | HTTP stream tok/s (x CLI) | HTTP c tok/s (x loop) | HTTP TTFT p50 ms (chunks) | compiles |",
+                  "|---|---|---|---|---|", *engine_rows]
     lines += ["", "The decode thread's time by phase (scheduler.HostSpans; seconds, calls, share of the run's wall "
               "time; a read includes its wait for the device: on a CPU that is the decode itself; `reset_rows`: "
               "the rows retired since the last dispatch, reset together; up to c0fbc86, `retire.reset_row`, a "
@@ -579,6 +601,13 @@ def summary(r: dict) -> str:
                      f" of the CLI's); concurrency {r['meta']['concurrency']} {h['concurrent']['tokens_per_s']:.1f} "
                      f"tok/s ({h['concurrent']['tokens_per_s'] / lp['tokens_per_s']:.0%} of the loop's), TTFT p50 "
                      f"{h['concurrent']['ttft_p50_ms']:.0f} ms, compiles {h['concurrent']['compiles']}")
+    if "http_engine" in r:
+        h = r["http_engine"]
+        lines.append(f"HTTP, engine process: stream {h['stream']['tokens_per_s']:.1f} tok/s "
+                     f"({h['stream']['tokens_per_s'] / ref:.0%} of the CLI's); concurrency {r['meta']['concurrency']} "
+                     f"{h['concurrent']['tokens_per_s']:.1f} tok/s ({h['concurrent']['tokens_per_s'] / lp['tokens_per_s']:.0%}"
+                     f" of the loop's), TTFT p50 {h['concurrent']['ttft_p50_ms']:.0f} ms, compiles "
+                     f"{h['concurrent']['compiles']}")
     for key, title in (("stream_scheduler", "single stream"), ("concurrent_scheduler", "concurrency")):
         wall = r[key]["wall_s"]
         lines.append(f"decode thread, {title} (wall {wall:.2f} s): " + ", ".join(

@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone-row-programs", action="store_true",
                    help="pass --lone-row-programs to the speculative server (--budget auto: a lone request runs "
                         "one-row programs priced at one row's costs)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="pass --engine-process to both servers (the decode loop in a process of its own)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
     p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
                    help="the load client's processes, the concurrency split among them (one Python client reads a "
@@ -321,6 +323,8 @@ def launch_server(mode: str, args, log_path: str):
         cmd += ["--checkpoint", args.checkpoint]
     if args.chunk_steps is not None:
         cmd += ["--chunk-steps", str(args.chunk_steps)]
+    if getattr(args, "engine_process", False):
+        cmd += ["--engine-process"]
     if mode == "autoregressive":
         cmd += ["--no-speculative"]
     else:

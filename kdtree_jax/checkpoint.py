@@ -457,13 +457,18 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
         d_dtype = jnp.dtype(dtype if dtype is not None else meta["drafter"]["dtype"])
         drafter = _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)),
                                   meta["drafter"]["pieces"], shardings, "drafter")
-    tok = meta.get("tokenizer") or {"kind": "byte"}
+    return target, drafter, load_checkpoint_tokenizer(path, meta)
+
+
+def load_checkpoint_tokenizer(path, meta: Optional[dict] = None):
+    """The tokenizer of a checkpoint directory, without its models (meta: its read_metadata, if read already)."""
+    path = os.path.abspath(os.fspath(path))
+    tok = (meta if meta is not None else read_metadata(path)).get("tokenizer") or {"kind": "byte"}
     try:
-        tokenizer = tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
+        return tokenizer_lib.load_tokenizer(os.path.join(path, "tokenizer"), kind=tok["kind"])
     except Exception as e:  # noqa: BLE001 - tokenizers and tiktoken raise their own kinds on a corrupt file
         raise CorruptCheckpoint(f"the tokenizer in {os.path.join(path, 'tokenizer')} is corrupt ({type(e).__name__}: "
                                 f"{_one_line(e)}); re-copy it") from None
-    return target, drafter, tokenizer
 
 
 def load_sharded(path, mesh: Mesh, layout: str = "tp", *, dtype=None):

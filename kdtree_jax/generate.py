@@ -190,6 +190,18 @@ def load_models(checkpoint: str | None, dtype: str = "auto", mesh=None, layout: 
             recommended_tree_temperature(checkpoint))
 
 
+def load_tokenizer_of(checkpoint: str | None):
+    """The tokenizer load_models gives for this checkpoint, without the models (the server's HTTP process, whose engine
+    process loaded and checked the checkpoint)."""
+    from kdtree_jax.checkpoint import load_checkpoint_tokenizer
+    from kdtree_jax.tokenizer import load_tokenizer
+
+    checkpoint = checkpoint_dir(checkpoint)
+    if os.path.exists(os.path.join(checkpoint, "config.json")):
+        return load_tokenizer(checkpoint)
+    return load_checkpoint_tokenizer(checkpoint)
+
+
 def _byte_notice(checkpoint, tokenizer, target) -> None:
     from kdtree_jax.tokenizer import ByteTokenizer
 

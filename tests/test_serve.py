@@ -539,7 +539,7 @@ def side_servers(server, tmp_path_factory):
             _, _, menu = _greedy_cost_model()
             _seed_cost_model({"ar": 1.0, **{i: 20.0 + i for i in range(len(menu))}},
                              expected=[1.0] + [2.0] * (len(menu) - 1))
-            servers.append(_launch_server())
+            servers.append(_launch_server("--engine-process"))
             yield {"calibrated": (servers[0], calibrate_cache, stale), "plain": (servers[1], plain_cache)}
         finally:
             for s in servers:
@@ -581,24 +581,95 @@ def test_calibrate_measures_the_cost_model_again(side_servers, monkeypatch):
         _stop_server(calibrated)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` ends (or is a zombie) within `timeout` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, side_servers):
     """A cached point whose drafter costs more than any budget earns at its acceptance prior: the greedy bucket runs
     the plain autoregressive program (it says so at start-up, steps no budget) and answers as the module's server
     (greedy: the target's own tokens whatever the tree; its speculative program is the independent reference, and a
-    --budget 0 server started for the text alone cost ~25 s)."""
+    --budget 0 server started for the text alone cost ~25 s).
+
+    This server runs its decode loop in a process of its own (--engine-process): requests streamed and whole, several
+    at once, answer as the module's in-process server does, /metrics comes from the engine, and SIGTERM drains the
+    stream in flight, exits 0 and takes the engine process with it."""
     import httpx
 
-    want = _complete(client, PROMPTS[0], 12)[0]
+    lengths = [12, 9, 15, 7, 11]
+    want = [_complete(client, p, n) for p, n in zip(PROMPTS, lengths)]
     plain, _ = side_servers["plain"]
     try:
         _wait_ready(plain)
-        assert "serving autoregressively" in _log(plain)
-        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 12, **GREEDY}
-        got = httpx.post(plain["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-        assert not any(k.startswith("budget_steps_total") and v for k, v in _metrics(plain["url"]).items())
+        log = _log(plain)
+        assert "serving autoregressively" in log and "the decode loop in its own process" in log
+        engines = _children(plain["proc"].pid)
+        assert engines, "no engine process"
+        import openai
+
+        plain_client = openai.OpenAI(base_url=plain["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(len(lengths)) as pool:
+            got = list(pool.map(lambda a: _complete(plain_client, *a, stream=a[0] in PROMPTS[::2]),
+                                zip(PROMPTS, lengths)))
+        m = _metrics(plain["url"])
+        assert not any(k.startswith("budget_steps_total") and v for k, v in m.items())
+        assert m['requests_total{outcome="ok"}'] == len(lengths) and m["generated_tokens_total"] >= sum(lengths)
+        # SIGTERM with a stream in flight: it runs to its end, the server exits 0, the engine process ends with it.
+        body = {"model": "default", "prompt": "def g(y):", "max_tokens": 40, **GREEDY, "stream": True}
+        lines = []
+        with httpx.stream("POST", plain["url"] + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    if len(lines) == 1:
+                        plain["proc"].send_signal(signal.SIGTERM)
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
+        assert plain["proc"].wait(timeout=60) == 0
+        assert all(_gone(pid, 30) for pid in engines)
+        assert "Traceback" not in _log(plain)
     finally:
         _stop_server(plain)
-    assert got == want and got
+    assert got == want and all(text for text, _ in got)
+
+
+def test_the_engine_process_ends_when_the_http_process_dies(tmp_path, monkeypatch):
+    """--engine-process: the HTTP process killed outright (SIGKILL: no handler runs) closes the pipe, and the engine
+    process stops on its own instead of holding the device."""
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    server = _wait_ready(_launch_server("--engine-process", "--no-warmup", "--budget", "0"))
+    try:
+        engines = _children(server["proc"].pid)
+        assert engines
+        server["proc"].kill()
+        server["proc"].wait()
+        assert all(_gone(pid, 30) for pid in engines), _log(server)
+    finally:
+        _stop_server(server)
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):

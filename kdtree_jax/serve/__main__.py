@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import os
 import signal
@@ -145,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the warm-up compiles row admission only for prompts up to N tokens (default: every prompt "
                         "length a row takes); a longer prompt's admission compiles on its first use, which stalls "
                         "the requests behind it. A faster start-up where prompts are known to be short")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the decode loop (the models, every JAX call) in a process of its own, the HTTP side "
+                        "(tokenizing, detokenizing, the streams) in this one: their Python then never waits for the "
+                        "other's (one process shares one interpreter lock, and a chunk's launch waits behind the "
+                        "streams' work)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     return p
@@ -366,44 +372,44 @@ def _server_class(signals: _Signals, drain_timeout: float):
     return Server
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    check_flags(args)
-    try:
-        import fastapi  # noqa: F401
-        import jinja2  # noqa: F401 - chat templates
-        import uvicorn
-    except ImportError as e:
-        _fail(f"the server needs the 'serve' extra ({e.name} is missing): pip install -e \".[serve]\"")
-    sock = bind(args.host, args.port)
-    signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
+class StartupStopped(Exception):
+    """A signal came during the start-up; the message names the phase it stopped (the model's load, the warm-up)."""
 
-    from kdtree_jax import generation_config, runtime
+
+@dataclasses.dataclass
+class Engine:
+    """A started scheduler with what the HTTP side needs of it (start_engine)."""
+
+    scheduler: object
+    metrics: object
+    tokenizer: object
+    summary: object  # engine_process.Summary
+
+
+def start_engine(args, stop_asked=lambda: False) -> Engine:
+    """Load the checkpoint, make the scheduler and run its warm-up (compiles, the cost model), in this process: the
+    server's own (in-process) or the engine process's (engine_process.engine_main). stop_asked() true at a check
+    (after the load, during the warm-up) stops there: StartupStopped. Bad flags or a bad checkpoint: SystemExit with
+    its one line printed."""
+    from kdtree_jax import runtime
     from kdtree_jax.generate import checkpoint_dir, load_models, notice
-
-    runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    from kdtree_jax.serve import chat_template
-    from kdtree_jax.serve.api import create_app
+    from kdtree_jax.serve.engine_process import Summary
     from kdtree_jax.serve.metrics import Metrics
     from kdtree_jax.serve.scheduler import CALIBRATION_TEXT, Scheduler, compile_count
     from kdtree_jax.speculative import tree as trees
     from kdtree_jax.speculative import validation
 
+    runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
-    try:  # read before the weights: a bad file is one line at once
-        sampling_defaults = generation_config.load(checkpoint_dir(args.checkpoint))
-    except ValueError as e:
-        _fail(str(e))
     mesh = serving_mesh(args.mesh, args.layout, checkpoint_dir(args.checkpoint))
     print("[loading the model ...]", file=sys.stderr, flush=True)
     target, drafter, tokenizer, description, recommended = load_models(args.checkpoint, args.dtype, mesh, args.layout)
     mesh = getattr(target, "mesh", None)  # what /health and the start-up lines report: the model as loaded
     if mesh is not None:
         description += f", {args.layout} over {mesh.size} {mesh.devices.flat[0].platform} devices"
-    if signals.received is not None:
-        print(f"[{signals.name} while loading the model: stopped]", file=sys.stderr, flush=True)
-        return 0
+    if stop_asked():
+        raise StartupStopped("while loading the model")
     budget = 0 if args.no_speculative else args.budget
     if drafter is not None and budget not in (0, "auto"):
         limit = min(trees.max_ddtree_budget(drafter.cfg.depth, args.topk), validation.MAX_TREE_NODES - 1)
@@ -436,43 +442,94 @@ def main(argv=None) -> int:
     # The warm-up runs on the decode thread (which owns every JAX call): this thread stays free to take a signal
     # at once instead of after the compile in flight, and the thread leaves at its next safe point when stopped.
     scheduler.start(warmup=not args.no_warmup)
+    while not scheduler.ready.wait(0.1) and not stop_asked():
+        pass
+    if stop_asked():  # the decode thread leaves after the compile in flight
+        phase = "during the warm-up" if not scheduler.ready.is_set() else "during the start-up"
+        scheduler.stop(drain=False, timeout=None)
+        raise StartupStopped(phase)
+    if scheduler.warmup_error is not None:
+        scheduler.stop(drain=False, timeout=None)
+        raise scheduler.warmup_error
+    if scheduler.menu:
+        bucket = scheduler.bucket  # made by the warm-up (none with --no-warmup)
+        cost_info = bucket.cost_info if bucket is not None else None
+        source = ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
+                  " (cost model from the cache)")
+        menu = "{" + ", ".join(map(str, scheduler.menu)) + "}"
+        shape = (f"adaptive DDTree budget from {menu}{source}" if bucket is None or bucket.refusal is None else
+                 f"no DDTree budget of {menu} pays here{source}")
+    else:
+        shape = f"DDTree budget {scheduler.budget}"
+    serving = (info["decoding"] + (f", {shape}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
+                                   if scheduler.speculative else "")
+               + f"; max batch {args.max_batch}, {args.max_len} positions a row"
+               + ("" if mesh is None else f"; {args.layout} over {mesh.size} devices"))
+    summary = Summary(vocab_size=target.cfg.vocab_size, context=target.cfg.max_position_embeddings,
+                      settings=settings, num_nodes=scheduler.num_nodes, depth=scheduler.depth, info=info,
+                      model_name=name, description=description, serving=serving, compiles=compile_count())
+    return Engine(scheduler, metrics, tokenizer, summary)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_flags(args)
     try:
-        while not scheduler.ready.wait(0.1) and signals.received is None:
-            pass
-        if signals.received is not None:  # the decode thread leaves after the compile in flight
-            phase = "the warm-up" if not scheduler.ready.is_set() else "the start-up"
-            scheduler.stop(drain=False, timeout=None)
-            print(f"[{signals.name} during {phase}: stopped]", file=sys.stderr, flush=True)
+        import fastapi  # noqa: F401
+        import jinja2  # noqa: F401 - chat templates
+        import uvicorn
+    except ImportError as e:
+        _fail(f"the server needs the 'serve' extra ({e.name} is missing): pip install -e \".[serve]\"")
+    sock = bind(args.host, args.port)
+    signals = _Signals()  # from here on a signal stops the server cleanly, whatever it is doing
+
+    from kdtree_jax import generation_config
+    from kdtree_jax.generate import checkpoint_dir, load_tokenizer_of, notice
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    from kdtree_jax.serve import chat_template
+    from kdtree_jax.serve.api import create_app
+
+    t0 = time.perf_counter()
+    try:  # read before the weights: a bad file is one line at once
+        sampling_defaults = generation_config.load(checkpoint_dir(args.checkpoint))
+    except ValueError as e:
+        _fail(str(e))
+    stop_asked = lambda: signals.received is not None  # noqa: E731
+    engine = None
+    if args.engine_process:
+        from kdtree_jax.serve.engine_process import EngineClient
+
+        server_side = engine = EngineClient.spawn(args)
+        summary = engine.wait_started(stop_asked)
+        if summary is None:
+            if stop_asked():
+                print(f"[{signals.name} during the start-up: stopped]", file=sys.stderr, flush=True)
+                return 0
+            return engine.exitcode  # the engine printed why
+        tokenizer, metrics = load_tokenizer_of(args.checkpoint), engine.metrics
+    else:
+        try:
+            started = start_engine(args, stop_asked)
+        except StartupStopped as e:
+            print(f"[{signals.name} {e}: stopped]", file=sys.stderr, flush=True)
             return 0
-        if scheduler.warmup_error is not None:
-            raise scheduler.warmup_error
+        server_side, tokenizer, metrics, summary = started.scheduler, started.tokenizer, started.metrics, started.summary
+    try:
         try:
             template = chat_template.for_tokenizer(tokenizer)
         except ValueError as e:
             _fail(f"the checkpoint's chat template: {e}")
-        app = create_app(scheduler, tokenizer, metrics, model_name=name, info=info, template=template,
-                         sampling_defaults=sampling_defaults)
+        app = create_app(server_side, tokenizer, metrics, model_name=summary.model_name, info=summary.info,
+                         template=template, sampling_defaults=sampling_defaults)
         if sampling_defaults:
             notice(f"a request's sampling fields default to {generation_config.FILENAME}'s "
                    + _settings(sampling_defaults)
                    + " (a field the request sets overrides it)")
-
-        if scheduler.menu:
-            bucket = scheduler.bucket  # made by the warm-up (none with --no-warmup)
-            cost_info = bucket.cost_info if bucket is not None else None
-            source = ("" if cost_info is None else " (cost model measured now)" if cost_info["calibrated"] else
-                      " (cost model from the cache)")
-            menu = "{" + ", ".join(map(str, scheduler.menu)) + "}"
-            shape = (f"adaptive DDTree budget from {menu}{source}" if bucket is None or bucket.refusal is None else
-                     f"no DDTree budget of {menu} pays here{source}")
-        else:
-            shape = f"DDTree budget {scheduler.budget}"
-        print(f"[serving '{name}' on http://{args.host}:{args.port} ({info['decoding']}"
-              + (f", {shape}, topk {args.topk}, tree temperature {settings.tree_temperature:g}"
-                 if scheduler.speculative else "")
-              + f"; max batch {args.max_batch}, {args.max_len} positions a row"
-              + ("" if mesh is None else f"; {args.layout} over {mesh.size} devices")
-              + f"; ready in {time.perf_counter() - t0:.1f} s, {compile_count()} compiles)]", file=sys.stderr, flush=True)
+        print(f"[serving '{summary.model_name}' on http://{args.host}:{args.port} ({summary.serving}"
+              + ("; the decode loop in its own process" if engine is not None else "")
+              + f"; ready in {time.perf_counter() - t0:.1f} s, {summary.compiles} compiles)]", file=sys.stderr,
+              flush=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
         server = signals.server = _server_class(signals, args.drain_timeout)(config)
@@ -480,13 +537,13 @@ def main(argv=None) -> int:
             server.should_exit = True
         server.run(sockets=[sock])  # returns after SIGINT/SIGTERM and the drain of the requests in flight
     finally:
-        # Whatever is left after --drain-timeout is cancelled; the thread leaves after the compile or chunk in flight
-        # (not bounded: tearing a thread down inside XLA aborts the process; a second SIGINT exits at once).
-        if scheduler.alive():
-            scheduler.stop(drain=False, timeout=1.0)
-            if scheduler.alive():
+        # Whatever is left after --drain-timeout is cancelled; the decode thread leaves after the compile or chunk in
+        # flight (not bounded: tearing a thread down inside XLA aborts the process; a second SIGINT exits at once).
+        if server_side.alive():
+            server_side.stop(drain=False, timeout=1.0)
+            if server_side.alive():
                 _say("[waiting for the decode thread's compile or chunk in flight ...]")
-                scheduler.stop(drain=False, timeout=None)
+                server_side.stop(drain=False, timeout=None)
     print("[stopped]", file=sys.stderr, flush=True)
     return 0
 

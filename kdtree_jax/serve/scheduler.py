@@ -122,6 +122,12 @@ class HostSpans:
         self.calls.clear()
 
 
+def max_tokens_for(prompt_len: int, *, max_len: int, num_nodes: int, depth: int, context: int) -> int:
+    """The most new tokens a prompt of this length may ask for: the pool row (max_len positions) holds the prompt, the
+    output and one verify tree (num_nodes, the drafter's depth) past it; the model's context holds prompt + output."""
+    return min(max_len - prompt_len - num_nodes - depth - 1, context - prompt_len)
+
+
 class QueueFull(Exception):
     """The waiting queue is at --max-queue: the server answers 429."""
 
@@ -736,11 +742,8 @@ class Scheduler:
                    self.target.cfg.max_position_embeddings - 1)
 
     def max_tokens_for(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of this length may ask for: the pool row holds the prompt, the output and one
-        verify tree past it; the model's context holds prompt + output."""
-        pool = self.settings.max_len - prompt_len - self.num_nodes - self.depth - 1
-        context = self.target.cfg.max_position_embeddings - prompt_len
-        return min(pool, context)
+        return max_tokens_for(prompt_len, max_len=self.settings.max_len, num_nodes=self.num_nodes, depth=self.depth,
+                              context=self.target.cfg.max_position_embeddings)
 
     # -- the web side ---------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
