@@ -528,8 +528,9 @@ def write_report(path: str, runs: list, title: str = "") -> None:
                      f"load average (1 min) {m['loadavg_before']:.1f} before / {m['loadavg_after']:.1f} after")
     m = metas[0]
     lines += ["", f"Server settings: --max-batch {m['max_batch']}, --max-len {m['max_len']}, --chunk-steps "
-              f"{m['chunk_steps']}, the default --budget auto (on this CPU the cached cost model refuses every "
-              f"budget: autoregressive). Single stream: {m['stream_tokens']} greedy tokens of one prompt; "
+              f"{m['chunk_steps']}, the default --budget auto"
+              + (" (on this CPU the cached cost model refuses every budget: autoregressive)" if m["device"] == "cpu"
+                 else "") + f". Single stream: {m['stream_tokens']} greedy tokens of one prompt; "
               f"concurrency {m['concurrency']}: the load test's {m['requests']} seeded requests (prompts of 8-64 "
               "held-out tokens, max_tokens 16-96), greedy.", "",
               "| run | CLI tok/s | scheduler stream tok/s (x CLI) | HTTP stream tok/s (x CLI) | loop refill tok/s | "
