@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone-row-programs", action="store_true",
                    help="the adaptive budget's row programs (the server's --lone-row-programs) in-process and over "
                         "HTTP")
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                   help="the HTTP concurrency run's client processes (serve_load.py's --client-processes: one Python "
+                        "client reads a few thousand streamed events a second)")
     p.add_argument("--engine-process", action="store_true",
                    help="the HTTP runs twice: the server as it is by default (its decode loop on a thread of the HTTP "
                         "process) and with --engine-process (the decode loop in a process of its own), in that order")
@@ -230,7 +233,10 @@ def http_runs(args, checkpoint: str, stream_ids: list, requests: list, engine_pr
                          "spans": {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
                                    for k, v in after.items()}}
         before = after
-        res, wall, occupancy = asyncio.run(serve_load.run_level(url, requests, args.concurrency, model))
+        # The concurrency run's client in several processes (serve_load.drive): one Python client reads a few thousand
+        # streamed events a second, under a GPU server's rate at concurrency 16.
+        res, wall, occupancy = serve_load.drive(url, requests, args.concurrency, model,
+                                                processes=args.client_processes)
         after, m1 = spans()
         ok = [r for r in res if "error" not in r]
         tokens = sum(r["tokens"] for r in ok)
@@ -297,6 +303,7 @@ def main(argv=None) -> int:
                        "label": args.label, "max_batch": args.max_batch, "max_len": args.max_len,
                        "chunk_steps": settings.chunk_steps, "requests": args.requests,
                        "concurrency": args.concurrency, "stream_tokens": args.stream_tokens,
+                       "client_processes": args.client_processes,
                        "loadavg_before": os.getloadavg()[0]}}
     print(f"[serve_host {args.label}: {result['meta']['commit']}]", file=sys.stderr, flush=True)
 

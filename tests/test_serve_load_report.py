@@ -180,12 +180,19 @@ def test_serve_host_report_of_runs(tmp_path):
                                         "spans": spans, "compiles": 0}}}
 
     out = tmp_path / "r.md"
-    module.write_report(str(out), [run("before", 70.0, 700.0), run("after", 700.0, 1400.0)], "t")
+    after = run("after", 700.0, 1400.0)
+    # --engine-process: the same server with its decode loop in a process of its own, a table of its own.
+    after["http_engine"] = {"stream": {"tokens_per_s": 560.0, "wall_s": 1.2, "spans": {}},
+                            "concurrent": {"tokens_per_s": 1050.0, "ttft_p50_ms": 102.0, "wall_s": 2.3,
+                                           "spans": {}, "compiles": 0}}
+    module.write_report(str(out), [run("before", 70.0, 700.0), after], "t")
     text = out.read_text()
     assert "| before | 700 | 70 (0.10) | 63 (0.09) | 1400 | 700 (0.50) | 630 (0.45) | 34.0 | 68 (2.0) | 80 (2.4) |" \
         in text
     assert "| after | 700 | 700 (1.00) |" in text
     assert "- after, single stream, in-process (wall 1.00 s): collect.read 0.800 s / 150 (80%), launch" in text
+    assert "| after | 560 (0.80) | 1050 (0.75) | 102 (3.0) | 0 |" in text
+    assert text.count("with --engine-process") == 1  # one table, the before run (no engine process) not in it
 
 
 def test_the_load_client_in_several_processes_keeps_every_request_in_order():
