@@ -657,19 +657,38 @@ def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, side_s
     assert got == want and all(text for text, _ in got)
 
 
-def test_the_engine_process_ends_when_the_http_process_dies(tmp_path, monkeypatch):
-    """--engine-process: the HTTP process killed outright (SIGKILL: no handler runs) closes the pipe, and the engine
-    process stops on its own instead of holding the device."""
-    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
-    server = _wait_ready(_launch_server("--engine-process", "--no-warmup", "--budget", "0"))
+def _cmdline(pid: int) -> str:
     try:
-        engines = _children(server["proc"].pid)
-        assert engines
-        server["proc"].kill()
-        server["proc"].wait()
-        assert all(_gone(pid, 30) for pid in engines), _log(server)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_either_process_of_an_engine_process_server_ending_ends_the_other(tmp_path, monkeypatch):
+    """--engine-process, two servers: the HTTP process killed outright (SIGKILL: no handler runs) closes the pipe, and
+    the engine stops on its own instead of holding the device; the engine killed while serving makes the HTTP process
+    say so on one line and exit 1 (a supervisor restarts it) instead of answering /health without a decoder."""
+    import httpx
+
+    monkeypatch.setenv("KDTREE_JAX_CACHE", str(tmp_path))
+    servers = [_launch_server("--engine-process", "--no-warmup", "--budget", "0") for _ in range(2)]
+    try:
+        http_killed, engine_killed = (_wait_ready(s) for s in servers)
+        engines = [[pid for pid in _children(s["proc"].pid) if "spawn_main" in _cmdline(pid)] for s in servers]
+        assert all(len(e) == 1 for e in engines), engines
+        http_killed["proc"].kill()
+        http_killed["proc"].wait()
+        assert _gone(engines[0][0], 30), _log(http_killed)
+        os.kill(engines[1][0], signal.SIGKILL)
+        assert engine_killed["proc"].wait(timeout=30) == 1
+        log = _log(engine_killed)
+        assert "error: the engine process ended while serving" in log and "Traceback" not in log
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(engine_killed["url"] + "/health", timeout=5)
     finally:
-        _stop_server(server)
+        for s in servers:
+            _stop_server(s)
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):

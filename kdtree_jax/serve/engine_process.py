@@ -9,7 +9,7 @@ never touches a device, and its Python no longer delays a launch.
 The two talk over one duplex pipe (multiprocessing, "spawn": a forked JAX runtime is not safe). HTTP -> engine:
 
     ("submit", call, rid, prompt, max_tokens, sampling, seed, submitted)   answered ("reply", call, None | error)
-    ("cancel", rid, reason)        ("count", name)        ("query", call, what)   answered ("reply", call, value)
+    ("cancel", rid, reason)        ("count", name, n)     ("query", call, what)   answered ("reply", call, value)
     ("stop", drain)
 
 engine -> HTTP: ("started", summary) once the warm-up is over (or ("exit", status) if the start-up failed: the
@@ -20,7 +20,8 @@ itself (a few small writes a chunk), so no third thread there competes for the G
 A submit waits for the engine's answer, so that a full queue is still a 429 before a stream starts; /metrics and
 /health ask the engine for its counters. The engine ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the
 whole process group): the HTTP process decides when it stops, and an engine whose pipe closes (the HTTP process
-died) stops at once.
+died) stops at once. An engine that dies while serving fails the requests it had and stops the HTTP process, with
+status 1 (`EngineClient.on_lost`): a server that can no longer decode should not answer /health.
 """
 
 from __future__ import annotations
@@ -36,24 +37,9 @@ import types
 from typing import Callable, Optional
 
 from kdtree_jax.serve import scheduler as sched
+from kdtree_jax.serve.startup import StartupStopped, Summary, start_engine
 
 START_METHOD = "spawn"
-
-
-@dataclasses.dataclass
-class Summary:
-    """What the HTTP process needs of the started engine: the request limits, the start-up line, /health's info."""
-
-    vocab_size: int
-    context: int  # the model's max_position_embeddings
-    settings: sched.Settings
-    num_nodes: int
-    depth: int
-    info: dict  # /health and /v1/models' decoding fields
-    model_name: str
-    description: str
-    serving: str  # the start-up line's middle, e.g. "speculative, adaptive DDTree budget from {0, 4} ..."
-    compiles: int
 
 
 class RemoteMetrics:
@@ -92,6 +78,9 @@ class EngineClient:
         self._summary: Optional[Summary] = None
         self.exitcode: Optional[int] = None
         self.metrics = RemoteMetrics(self)
+        self.on_lost: Optional[Callable[[], None]] = None  # called (on the reader thread) if the engine dies serving
+        self._stopping = False
+        self.lost = False  # whether the engine died while serving
         self._reader = threading.Thread(target=self._read, name="kdtree-serve-engine-reader", daemon=True)
         self._reader.start()
 
@@ -157,6 +146,10 @@ class EngineClient:
             for job in list(self._jobs.values()):
                 job.emit("error", "the engine process ended")
             self._jobs.clear()
+            if self._summary is not None and not self._stopping:
+                self.lost = True
+                if self.on_lost is not None:
+                    self.on_lost()
 
     # -- start and stop --------------------------------------------------------------------------------------------
     def wait_started(self, stop_asked: Callable[[], bool] = lambda: False) -> Optional[Summary]:
@@ -178,6 +171,7 @@ class EngineClient:
     def stop(self, drain: bool = False, timeout: Optional[float] = None) -> None:
         """Stop the engine (drain: finish what it accepted first) and wait for its process (after the compile or
         chunk in flight; timeout None: however long that takes)."""
+        self._stopping = True
         self.send(("stop", drain))
         self.process.join(timeout)
 
@@ -223,12 +217,9 @@ class EngineClient:
 
 # -- the engine process -------------------------------------------------------------------------------------------
 def engine_main(conn, args) -> None:
-    """The engine process: start the scheduler as `python -m kdtree_jax.serve` would in-process (serve.__main__.
-    start_engine), report, then serve the pipe's commands until told to stop or the pipe closes."""
+    """The engine process: start the scheduler as `python -m kdtree_jax.serve` would in-process (startup.start_engine), report, then serve the pipe's commands until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from kdtree_jax.serve import __main__ as cli
-
     send_lock = threading.Lock()
 
     def send(message) -> None:
@@ -253,8 +244,8 @@ def engine_main(conn, args) -> None:
     watcher = threading.Thread(target=watch_pipe, daemon=True)
     watcher.start()
     try:
-        started = cli.start_engine(args, stop_asked=stopping.is_set)
-    except cli.StartupStopped:
+        started = start_engine(args, stop_asked=stopping.is_set)
+    except StartupStopped:
         send(("exit", 0))
         return
     except SystemExit as e:
