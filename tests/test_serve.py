@@ -639,6 +639,13 @@ def test_cached_costs_where_no_budget_pays_serve_autoregressively(client, side_s
         m = _metrics(plain["url"])
         assert not any(k.startswith("budget_steps_total") and v for k, v in m.items())
         assert m['requests_total{outcome="ok"}'] == len(lengths) and m["generated_tokens_total"] >= sum(lengths)
+        # A full queue is still a 429 (the engine's answer to the submit, before a response starts).
+        body = {"model": "default", "prompt": "import sys\n", "max_tokens": 60, **GREEDY}
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            codes = list(pool.map(lambda _: httpx.post(plain["url"] + "/v1/completions", json=body, timeout=120),
+                                  range(24)))
+        assert {r.status_code for r in codes} == {200, 429}, [r.status_code for r in codes]
+        assert next(r for r in codes if r.status_code == 429).json()["error"]["code"] == "queue_full"
         # SIGTERM with a stream in flight: it runs to its end, the server exits 0, the engine process ends with it.
         body = {"model": "default", "prompt": "def g(y):", "max_tokens": 40, **GREEDY, "stream": True}
         lines = []
