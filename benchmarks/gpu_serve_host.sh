@@ -6,7 +6,8 @@
 #
 #   KDTREE_COMMIT=<hash from your checkout> bash benchmarks/gpu_serve_host.sh      # carry: [".device_wheels"]
 #
-# env: SESSION_S (570), HOST_S (330: serve_host's share), HOST_ARGS (serve_host.py's settings), SWEEP_ARGS.
+# env: SESSION_S (570), HOST_S (420: serve_host's share), HOST_ARGS (serve_host.py's settings; the stream's prompt, its
+#      300 tokens and a verify tree must fit --max-len: 256 does not), SWEEP_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -25,8 +26,8 @@ export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "wheels + build: $(( $(date +%s) - t_begin )) s"
 t=$(date +%s)
-timeout -k 10 "${HOST_S:-330}" python3 benchmarks/serve_host.py --engine-process --dtype bfloat16 --no-cli \
-  ${HOST_ARGS:---max-batch 16 --concurrency 16 --requests 64 --max-len 256 --stream-tokens 300} \
+timeout -k 10 "${HOST_S:-420}" python3 benchmarks/serve_host.py --engine-process --dtype bfloat16 --no-cli \
+  ${HOST_ARGS:---max-batch 16 --concurrency 16 --requests 256 --max-len 512 --stream-tokens 300} \
   --label gpu --out "$OUT" > "$OUT/serve_host.log" 2>&1
 echo "serve_host: rc=$? in $(( $(date +%s) - t )) s"
 grep -v '^{' "$OUT/serve_host.log" | tail -14
