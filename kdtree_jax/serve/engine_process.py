@@ -13,9 +13,10 @@ The two talk over one duplex pipe (multiprocessing, "spawn": a forked JAX runtim
     ("stop", drain)
 
 engine -> HTTP: ("started", summary) once the warm-up is over (or ("exit", status) if the start-up failed: the
-engine printed why on the shared stderr), then ("events", [(rid, kind, value), ...]) as the decode thread emits them,
-and the replies. The engine's commands are read by one thread of its own; its events are written by the decode thread
-itself (a few small writes a chunk), so no third thread there competes for the GIL.
+engine printed why on the shared stderr), then ("events", [(rid, kind, value), ...]) with what the decode thread
+emitted in one iteration of its loop (a chunk's tokens for every row, the rows done), and the replies. The engine's
+commands are read by one thread of its own; its events are written by the decode thread itself, one write an
+iteration (Scheduler.on_iteration), so no third thread there competes for the GIL.
 
 A submit waits for the engine's answer, so that a full queue is still a 429 before a stream starts; /metrics and
 /health ask the engine for its counters. The engine ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the
@@ -277,14 +278,24 @@ def _serve_pipe(conn, scheduler: sched.Scheduler, summary: Summary, send) -> Non
     """The started engine: the HTTP process's commands until "stop" or the pipe's end (then what runs is cancelled)."""
     requests: dict = {}  # rid -> the engine's sched.Request
     requests_lock = threading.Lock()
+    events: list = []  # what the decode thread emitted in this iteration, sent at its end (one write, not one a row)
 
     def emitter(rid: int):
         def emit(kind, value):  # on the decode thread
-            if kind != "tokens":
-                with requests_lock:
+            with requests_lock:
+                if kind != "tokens":
                     requests.pop(rid, None)
-            send(("events", [(rid, kind, value)]))
+                events.append((rid, kind, value))
         return emit
+
+    def flush() -> None:
+        with requests_lock:
+            batch = events[:]
+            events.clear()
+        if batch:
+            send(("events", batch))
+
+    scheduler.on_iteration = flush
 
     send(("started", summary))
     try:

@@ -694,6 +694,9 @@ class Scheduler:
         self.warmup_error: Optional[BaseException] = None  # what a failed warm-up on the decode thread raised
         self._free_rows = settings.max_batch  # free batch rows as of the last iteration (a hint for submit)
         self.error: Optional[str] = None
+        # Called by the decode thread at the end of each iteration (after a chunk's deliveries): the engine process
+        # sends the iteration's events to the HTTP process in one write (engine_process.py).
+        self.on_iteration: Optional[Callable[[], None]] = None
         self.spans = HostSpans()
         metrics.spans = self.spans
 
@@ -864,6 +867,8 @@ class Scheduler:
                     self._lock.wait(0.5)
                 self.spans.add("idle", t0)
                 if self._stop and not self._waiting and self._idle():
+                    if self.on_iteration is not None:
+                        self.on_iteration()
                     return
                 waiting = [r for r in self._waiting if not r.cancelled]
                 for r in self._waiting:
@@ -882,6 +887,8 @@ class Scheduler:
             t0 = time.perf_counter()
             self._update_gauges()
             self.spans.add("gauges", t0)
+            if self.on_iteration is not None:
+                self.on_iteration()
 
     def _admit_waiting(self, waiting: list[Request]) -> list[Request]:
         """Admit what fits, oldest first: -> the requests left waiting."""
