@@ -362,8 +362,8 @@ def main(argv=None) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S)
         server = signals.server = _server_class(signals, args.drain_timeout)(config)
-        if signals.received is not None or (engine is not None and not engine.alive()):  # since the checks above:
-            server.should_exit = True  # uvicorn starts, sees it and shuts down
+        if signals.received is not None or (engine is not None and engine.lost):  # since the checks above (a lost
+            server.should_exit = True  # engine's on_lost found no server yet): uvicorn starts, sees it, shuts down
         server.run(sockets=[sock])  # returns after SIGINT/SIGTERM and the drain of the requests in flight
     finally:
         # Whatever is left after --drain-timeout is cancelled; the decode thread leaves after the compile or chunk in

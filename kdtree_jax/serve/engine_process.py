@@ -218,7 +218,8 @@ class EngineClient:
 
 # -- the engine process -------------------------------------------------------------------------------------------
 def engine_main(conn, args) -> None:
-    """The engine process: start the scheduler as `python -m kdtree_jax.serve` would in-process (startup.start_engine), report, then serve the pipe's commands until told to stop or the pipe closes."""
+    """The engine process: start the scheduler as `python -m kdtree_jax.serve` would in-process
+    (startup.start_engine), report, then serve the pipe's commands until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     send_lock = threading.Lock()
