@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MIN,MAX new tokens of the load part's requests (default 16,96)")
     add_dtype_argument(p, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--no-http", action="store_true", help="skip the server subprocess runs")
-    p.add_argument("--lone-row-programs", action="store_true",
+    p.add_argument("--lone-row-programs", action=argparse.BooleanOptionalAction, default=None,
                    help="the adaptive budget's row programs (the server's --lone-row-programs) in-process and over "
-                        "HTTP")
+                        "HTTP, or not (default: the server's own, on a GPU)")
     p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
                    help="the HTTP concurrency run's client processes (serve_load.py's --client-processes: one Python "
                         "client reads a few thousand streamed events a second)")

@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="pass --calibrate to the speculative server (--budget auto: measure its cost model at start-up "
                         "instead of using the cached one)")
-    p.add_argument("--lone-row-programs", action="store_true",
-                   help="pass --lone-row-programs to the speculative server (--budget auto: a lone request runs "
-                        "one-row programs priced at one row's costs)")
+    p.add_argument("--lone-row-programs", action=argparse.BooleanOptionalAction, default=None,
+                   help="pass --lone-row-programs / --no-lone-row-programs to the speculative server (--budget auto: "
+                        "a lone request runs one-row programs priced at one row's costs; default: the server's own, "
+                        "on a GPU)")
     p.add_argument("--engine-process", action="store_true",
                    help="pass --engine-process to both servers (the decode loop in a process of its own)")
     p.add_argument("--chunk-steps", type=int, default=None, help="the server's --chunk-steps (default: its own)")
@@ -332,8 +333,8 @@ def launch_server(mode: str, args, log_path: str):
             cmd += ["--budget", str(args.budget)]
         if args.calibrate:
             cmd += ["--calibrate"]
-        if args.lone_row_programs:
-            cmd += ["--lone-row-programs"]
+        if args.lone_row_programs is not None:
+            cmd += ["--lone-row-programs" if args.lone_row_programs else "--no-lone-row-programs"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_SERVER_ENV or None)
     return proc, f"http://127.0.0.1:{port}"

@@ -456,7 +456,17 @@ def test_the_command_line_reaches_the_schedulers_settings():
         (0, 8), True, True, 3, 96, 2, 0.5, 2, 7, "auto", (1, 2), 16)
     s = scheduler_settings(build_parser().parse_args([]), 0, (1,), 0.9)
     assert (s.menu, s.adaptive_row_programs, s.calibrate, s.tree_temperature, s.chunk_steps, s.budget,
-            s.warmup_prompt_tokens) == (None, False, False, 0.9, Settings.chunk_steps, 0, None)
+            s.warmup_prompt_tokens) == (None, None, False, 0.9, Settings.chunk_steps, 0, None)
+    assert scheduler_settings(build_parser().parse_args(["--no-lone-row-programs"]), "auto", (1,), 0.9
+                              ).adaptive_row_programs is False
+
+
+def test_adaptive_row_programs_default_to_on_a_gpu_only():
+    """Settings.adaptive_row_programs None: a lone row's programs on a GPU, not on a CPU; a given value holds."""
+    from kdtree_jax.serve.scheduler import adaptive_row_programs
+
+    assert [adaptive_row_programs(None, b) for b in ("gpu", "cpu", "tpu")] == [True, False, False]
+    assert [adaptive_row_programs(v, b) for v in (True, False) for b in ("gpu", "cpu")] == [True, True, False, False]
 
 
 def test_metrics_render_the_adaptive_budget():

@@ -104,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --budget auto: the budgets a step picks from (default 0,4,8,16,32,64; 0 is always in "
                         "it): each one is a program per row count the warm-up compiles, so a shorter menu starts "
                         "sooner")
-    p.add_argument("--lone-row-programs", action="store_true",
+    p.add_argument("--lone-row-programs", action=argparse.BooleanOptionalAction, default=None,
                    help="with --budget auto: a lone request runs one-row programs priced at one row's measured step "
-                        "costs (and all-greedy batches a greedy program), instead of the full batch's; twice the "
-                        "start-up compiles and a second calibration point (a lone request ran 1.04x the "
-                        "autoregressive server with it on an H200; 0.61x without it on an H100, another run)")
+                        "costs (and all-greedy batches a greedy program), instead of the full batch's. Default: on "
+                        "a GPU, off elsewhere (a CPU serves autoregressively). They double the start-up compiles; "
+                        "without them a lone request ran 0.61x the autoregressive server on an H100")
     p.add_argument("--calibrate", action="store_true",
                    help="with --budget auto: measure the step cost model again at start-up instead of using the "
                         "cached one, and cache the new measurement; for after a "

@@ -132,8 +132,8 @@ class RowPrograms:
     benchmarks/results/history/serve_host_cpu_ac80846.md). A long chunk delays only a request that arrives while it
     runs (it waits for that chunk, then the rows are two and the chunks short again).
 
-    An adaptive loop (full.spec.menu; the server builds this for it only with Settings.adaptive_row_programs, the
-    CLI's --lone-row-programs) has a lone row's programs, greedy and any-settings, and the batch's greedy one, one per
+    An adaptive loop (full.spec.menu; the server builds this for it with Settings.adaptive_row_programs, by default on
+    a GPU; the CLI's --lone-row-programs / --no-lone-row-programs) has a lone row's programs, greedy and any-settings, and the batch's greedy one, one per
     menu entry each; the lone row's are priced at one row's costs (`set_lone_costs`: RowCosts); each call's
     pick is the next chunk's entry in the loop's chain of calls (ChunkedLoop.call_entry). Why: with one request in
     flight the full batch's program verified every empty row's tree too, and the policy priced it at the batch's step:

@@ -223,6 +223,11 @@ class ChunkRead(NamedTuple):
         return ChunkRead(tokens.reshape(batch, width), start, num_out, hist, int(num_free[0]), counters)
 
 
+def adaptive_row_programs(setting: Optional[bool], backend: str) -> bool:
+    """Whether an adaptive bucket builds row programs: Settings.adaptive_row_programs, where None means on a GPU."""
+    return backend == "gpu" if setting is None else bool(setting)
+
+
 def admit_group_sizes(batch: int, groups: Union[bool, tuple] = True) -> tuple:
     """The admission group sizes (Settings.admit_groups): each is a program per prompt bucket, so few of them."""
     if groups is True:
@@ -279,8 +284,9 @@ class Bucket:
         moe = [layer.mlp for layer in target.layers if layer.is_moe]
         # The adaptive budget's policy and lazy drafter context: placeholder costs until _prepare_costs (same shapes).
         # The chunk programs by the live rows' count and settings (programs.py; the adaptive budget's only with
-        # Settings.adaptive_row_programs; a sharded target keeps the one program).
-        row_programs = bool(sched.mesh is None and s.row_programs and (not self.spec.menu or s.adaptive_row_programs))
+        # Settings.adaptive_row_programs, by default on a GPU; a sharded target keeps the one program).
+        adaptive_rows = adaptive_row_programs(s.adaptive_row_programs, jax.default_backend())
+        row_programs = bool(sched.mesh is None and s.row_programs and (not self.spec.menu or adaptive_rows))
         # Its step log and ring hold the longest chunk: a lone row's (RowPrograms) may be longer than the others.
         ring = max(s.chunk_steps, s.lone_chunk_steps if row_programs else 0)
         adaptive = (engine.adaptive_parts(target, self.drafter, self.spec, self.batch, chunk_steps=ring)
@@ -626,12 +632,15 @@ class Settings:
     # its fixed costs over twice the tokens); 0, or not above chunk_steps: none.
     lone_chunk_steps: int = engine.DEFAULT_CHUNK_STEPS
     # The adaptive budget's row programs (programs.RowPrograms: a lone row's, priced at one row's costs, and the batch's
-    # greedy ones, each per menu entry). Off by default: they double the adaptive bucket's start-up compiles, and no run
-    # has yet put them beside their absence (a lone request: 1.04x the autoregressive server with them on an H200, 0.61x
-    # without them on an H100, another run). The greedy text of a request alone
-    # and among others differed with them (sessions 31, 33) because their long chunks fed api.TextStream more than its
-    # window at once, which sent part of the text twice (fixed in api.TextStream.text), not because of the programs.
-    adaptive_row_programs: bool = False
+    # greedy ones, each per menu entry). None: on where JAX's backend is a GPU, off elsewhere (a CPU's cached cost
+    # model serves autoregressively, with the plain program's row programs, so they would only add compiles). They
+    # double the adaptive bucket's start-up compiles; without them a lone request on a GPU runs the whole batch's
+    # program, every empty row's tree verified too, priced at the batch's step (the speculative server at concurrency
+    # 1: 0.61x the autoregressive one on an H100 without them, f2afe17; 1.04x with them on an H200). The greedy text
+    # of a request alone and among others differed with them (sessions 31, 33) because their long chunks fed
+    # api.TextStream more than its window at once, which sent part of the text twice (fixed in api.TextStream.text),
+    # not because of the programs.
+    adaptive_row_programs: Optional[bool] = None
     max_queue: int = 256  # waiting requests beyond which submit raises QueueFull (429)
     # Admission groups (Bucket.admit): True: 1 and every power of 4 up to max_batch; a tuple: those sizes (1 is always
     # one); False: every prompt alone.
