@@ -50,11 +50,26 @@ def _scheduler(pair, **settings):
 
 @pytest.fixture(scope="module")
 def schedulers(pair):
-    """{True: row programs (the default), False: the one program}, both warmed up, not started."""
-    out = {True: _scheduler(pair), False: _scheduler(pair, row_programs=False)}
+    """{True: row programs (the default), False: the one program}, both warmed up, not started. The row programs'
+    scheduler first serves two rows at once, then a lone row, and "compiles" holds what compiled meanwhile (here, before
+    any test's own calls of the engine can have compiled it in this process)."""
+    from kdtree_jax.serve import scheduler as sched
+
+    out = {True: _scheduler(pair)}
+    compiles = sched.compile_count()
+    _run(out[True], (GREEDY, {}), (SAMPLED, dict(temperature=1.0, seed=3)))
+    _run(out[True], (GREEDY, {}))
+    out["compiles"] = sched.compile_count() - compiles
+    out[False] = _scheduler(pair, row_programs=False)
     yield out
-    for s in out.values():
-        s.stop(drain=False, timeout=30)
+    for key in (True, False):
+        out[key].stop(drain=False, timeout=30)
+
+
+def test_nothing_compiles_while_serving_after_the_warm_up(schedulers):
+    """The warm-up compiles every program a load runs, the host's view of each chunk width included (the warm-up's
+    own request runs only a lone row's long chunk): two rows at once, then a lone row, compile nothing."""
+    assert schedulers["compiles"] == 0
 
 
 def _request(prompt, out, done, max_tokens=10, **settings):
@@ -116,7 +131,7 @@ def test_the_smallest_program_runs_and_tokens_do_not_depend_on_it(schedulers):
     from kdtree_jax.speculative import engine
 
     results = {}
-    for key, s in schedulers.items():
+    for key, s in ((k, schedulers[k]) for k in (True, False)):
         traced = engine._TRACES.get("decode_chunk", 0)
         runs = s.bucket.programs.runs.copy() if s.bucket.programs is not None else None
         alone = _run(s, (GREEDY, {}))
@@ -239,7 +254,7 @@ def test_the_warm_up_compiles_admission_up_to_warmup_prompt_tokens(adaptive, sch
     64 and 80 positions here): up to 17 tokens, the 32-token bucket's program (the 16-token one ran in the warm-up,
     in jax's own cache); up to 16, none ahead. (A whole warm-up's, every bucket's: tests/test_serve_admission.py.)"""
     assert set(adaptive[0].bucket.admit_programs) == {(1, 32)}
-    assert all(s.bucket.admit_programs == {} for s in schedulers.values())
+    assert all(schedulers[k].bucket.admit_programs == {} for k in (True, False))
 
 
 def test_an_adaptive_lone_row_runs_one_row_priced_at_one_row(adaptive, schedulers):

@@ -314,6 +314,7 @@ class Bucket:
             self.programs = RowPrograms(self.loop, self.batch, None if s.row_programs is True else s.row_programs,
                                         lone_steps=s.lone_chunk_steps)
             self.programs.compile(self.state)
+        self._trace_host_views()
         self.owner: list[Optional[Request]] = [None] * self.batch
         self.inflight: collections.deque = collections.deque()  # (ChunkOutput, host_view, owners at launch)
         self.firsts: list = []  # (request, row, first token on the device) admitted, not yet delivered
@@ -327,6 +328,21 @@ class Bucket:
         if self.spec.menu:
             self._prepare_costs()
         self.last_used = time.perf_counter()
+
+    def _trace_host_views(self) -> None:
+        """`host_view` compiled for every token width a chunk of this bucket returns (its steps times D + 1: the
+        server's chunk and a lone row's long one), on arrays placed as a chunk's outputs are. The warm-up's one request
+        runs a lone row's chunk only, so the short chunk's view compiled under the first load instead (one compile at
+        concurrency 16 in each server on an H100, bead05c, serve_load_h100_80gb_hbm3)."""
+        steps = {self.loop.steps}
+        if self.programs is not None:
+            steps |= {k[2] for k in self.programs.keys()}
+        state = self.state
+        policy = None if state.policy is None else {k: getattr(state.policy, k) for k in budget_policy.SUMMARY_FIELDS}
+        for n in sorted(steps):
+            tokens = self.sched.place(jnp.full((self.batch, n * state.accepted_hist.shape[0]), -1, jnp.int32))
+            jax.block_until_ready(_host_view(tokens, state.num_out, state.num_out, state.accepted_hist,
+                                             state.cache.num_free, policy))
 
     # -- the adaptive budget's costs -----------------------------------------------------------------------------
     def _prepare_costs(self) -> None:
