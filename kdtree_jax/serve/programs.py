@@ -133,12 +133,13 @@ class RowPrograms:
     runs (it waits for that chunk, then the rows are two and the chunks short again).
 
     An adaptive loop (full.spec.menu; the server builds this for it with Settings.adaptive_row_programs, by default on
-    a GPU; the CLI's --lone-row-programs / --no-lone-row-programs) has a lone row's programs, greedy and any-settings, and the batch's greedy one, one per
-    menu entry each; the lone row's are priced at one row's costs (`set_lone_costs`: RowCosts); each call's
-    pick is the next chunk's entry in the loop's chain of calls (ChunkedLoop.call_entry). Why: with one request in
-    flight the full batch's program verified every empty row's tree too, and the policy priced it at the batch's step:
-    on the H100 at f2afe17 the speculative server at concurrency 1 ran 0.61x the autoregressive one (whose lone row had
-    its one-row greedy program), picking budget 16 on every step (benchmarks/results/serve_load_h100_80gb_hbm3). With
+    a GPU; the CLI's --[no-]lone-row-programs) has a lone row's programs, greedy and any-settings, and the batch's
+    greedy one, one per menu entry each; the lone row's are priced at one row's costs (`set_lone_costs`: RowCosts);
+    each call's pick is the next chunk's entry in the loop's chain of calls (ChunkedLoop.call_entry). Why: with one
+    request in flight the full batch's program verified every empty row's tree too, and the policy priced it at the
+    batch's step: on the H100 at f2afe17 the speculative server at concurrency 1 ran 0.61x the autoregressive one (whose
+    lone row had its one-row greedy program), picking budget 16 on every step
+    (benchmarks/results/history/serve_load_h100_80gb_hbm3_f2afe17; with them, 1.39x at bead05c). With
     only an any-settings lone program it ran 0.66x (2e87f37, an H100): that program's DDTree 8 step cost 0.657 ms
     against an autoregressive step's 0.323 (its walk over the tree sorts the vocabulary at every node it visits, even
     for a greedy row), so the policy drafted on 31% of the steps. A few live rows (2 to batch - 1) keep the batch's

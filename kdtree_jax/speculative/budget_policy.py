@@ -86,7 +86,8 @@ SWITCH_MARGIN = 0.05
 # any switch. On the H100 at 1ee1b64 auto lost 5-9% to the fixed budget it mostly ran in the cells where its static
 # batches also ran autoregressive chunks (greedy B = 4: 24 of 176 steps, 0.91x DDTree 8; T = 0.7 B = 1: 34 of 674,
 # 0.95x; which chunks those were was not traced) and none where they never switched (greedy B = 1: 1.00x;
-# budget_sweep_h100_80gb_hbm3). Not yet measured on a GPU with this rule.
+# history/budget_sweep_h100_1ee1b64). With this rule (H100, 3349b38, budget_sweep_h100_80gb_hbm3) every cell of
+# B = 1 / 4 / 16 / 64, greedy and T = 0.7, ran one entry on all its steps.
 SWITCH_COST_MS = 2.0
 PROBE_SHARE = 0.02  # a closed gate's probes cost at most this share of the autoregressive time
 PROBE_MIN, PROBE_MAX = 1, 256  # chunks between a closed gate's probes

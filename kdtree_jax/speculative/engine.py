@@ -617,7 +617,7 @@ def calibrate(loop: "ChunkedLoop", state: LoopState, spec: SpecConfig, *, depth:
     emitted per sequence-step in its own run, not the policy's prediction at the run's end: the prediction is a
     running mean over the last few steps of the last entry timed, and on the H100 at c468e17 (T = 0.7, batch 1) the
     prior it gave closed the gate for a whole call where DDTree 8 ran 1.26x autoregressive decoding
-    (budget_sweep_h100_80gb_hbm3). Entries not timed keep the prediction. `slowest` scales each entry's gain
+    (history/budget_sweep_h100_c468e17). Entries not timed keep the prediction. `slowest` scales each entry's gain
     (tokens per step less the bonus) by the slowest row's share of the mean row's in the last timed entry's per-row
     predictions: a static batch's prior (budget_policy.init_state)."""
     menu = spec.menu
