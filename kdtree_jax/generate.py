@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernel time per part (drafter, tree + accept + commit, the verify pass's attention, MoE and "
                         "dense layers, lm head) and the device's idle time (stats.profile with --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program afresh: by default compiled programs are kept in JAX's persistent "
+                        "cache under ~/.cache/kdtree_jax/jax_compilation_cache ($KDTREE_JAX_CACHE; "
+                        "$JAX_COMPILATION_CACHE_DIR wins) and the next run reads them back")
     return p
 
 
@@ -740,4 +744,6 @@ if __name__ == "__main__":
 
     # Before JAX starts: on a GPU, command buffers keep the decode loop on the device (and --row-invariant's flags).
     runtime.configure(row_invariant="--row-invariant" in sys.argv[1:])
+    if "--no-compile-cache" not in sys.argv[1:]:
+        runtime.use_compilation_cache()
     sys.exit(main())

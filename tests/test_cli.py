@@ -1,6 +1,7 @@
 """`python -m kdtree_jax.generate` end to end."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -118,3 +119,26 @@ def test_cli_profile_splits_the_step_by_part(capsys):
     assert prof["step_ms"] > 0 and "idle_ms" in prof
     assert cli_main(base + ["--profile"]) == 0
     assert "per step," in capsys.readouterr().err
+
+
+def test_the_cli_keeps_its_compiled_programs_in_the_users_cache(tmp_path):
+    """Without JAX_COMPILATION_CACHE_DIR, `python -m kdtree_jax.generate` writes its compiled programs under
+    $KDTREE_JAX_CACHE/jax_compilation_cache (a second run reads them back); --no-compile-cache writes none."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    for flag, cache in (([], tmp_path / "on"), (["--no-compile-cache"], tmp_path / "off")):
+        proc = subprocess.run([sys.executable, "-m", "kdtree_jax.generate", "--prompt", "hello", "--max-new-tokens", "4",
+                               "--budget", "0", *flag], capture_output=True, text=True, timeout=300,
+                              env={**env, "KDTREE_JAX_CACHE": str(cache)})
+        assert proc.returncode == 0, proc.stderr
+        written = list((cache / "jax_compilation_cache").glob("*")) if (cache / "jax_compilation_cache").exists() else []
+        assert bool(written) == (not flag), (flag, written)
+
+
+def test_a_compilation_cache_the_user_chose_stays():
+    """runtime.use_compilation_cache keeps a directory already configured (here the test session's own)."""
+    import jax
+
+    from kdtree_jax import runtime
+
+    chosen = jax.config.jax_compilation_cache_dir
+    assert chosen and runtime.use_compilation_cache() == chosen and jax.config.jax_compilation_cache_dir == chosen

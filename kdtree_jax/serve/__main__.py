@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the warm-up compiles row admission only for prompts up to N tokens (default: every prompt "
                         "length a row takes); a longer prompt's admission compiles on its first use, which stalls "
                         "the requests behind it. A faster start-up where prompts are known to be short")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program afresh at start-up: by default compiled programs are kept in JAX's "
+                        "persistent cache under ~/.cache/kdtree_jax/jax_compilation_cache ($KDTREE_JAX_CACHE; "
+                        "$JAX_COMPILATION_CACHE_DIR wins) and the next start reads them back")
     p.add_argument("--engine-process", action="store_true",
                    help="run the decode loop (the models, every JAX call) in a process of its own, the HTTP side "
                         "(tokenizing, detokenizing, the streams) in this one: their Python then never waits for the "

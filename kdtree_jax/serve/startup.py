@@ -134,6 +134,8 @@ def start_engine(args, stop_asked=lambda: False) -> Engine:
     from kdtree_jax.speculative import validation
 
     runtime.configure()  # before JAX starts: on a GPU, command buffers keep the decode loop on the device
+    if not args.no_compile_cache:  # a restart reads the warm-up's programs back instead of compiling them again
+        runtime.use_compilation_cache()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
     mesh = serving_mesh(args.mesh, args.layout, checkpoint_dir(args.checkpoint))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -25,16 +24,10 @@ from typing import Optional
 
 import numpy as np
 
+from kdtree_jax.runtime import cache_dir
+
 FORMAT_VERSION = 1
 CONTEXT_TOLERANCE = 2.0  # a cached point serves contexts within this factor of its own
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KDTREE_JAX_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kdtree_jax"
 
 
 def fingerprint(target, drafter, spec) -> dict:
