@@ -120,9 +120,10 @@ def main(argv=None) -> int:
                 passes[name].append(res)
         for name, results_ in passes.items():
             ms = [1e3 * r.stats["decode_seconds"] / max(r.stats["steps"], 1) for r in results_]
-            res = results_[ms.index(statistics.median_low(ms))]
+            median = statistics.median_low(ms)
+            res = results_[ms.index(median)]
             row = rows.setdefault(name, {})
-            row["generate"] = (statistics.median_low(ms), res.stats["steps"])
+            row["generate"] = (median, res.stats["steps"])
             if name == "auto":
                 policy = res.stats["budget_policy"]
                 row["budget_steps"] = {**policy["budget_steps"], "ar": policy["steps_without_drafter"]}

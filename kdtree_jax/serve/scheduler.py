@@ -338,11 +338,10 @@ class Bucket:
         if self.programs is not None:
             steps |= {k[2] for k in self.programs.keys()}
         state = self.state
-        policy = None if state.policy is None else {k: getattr(state.policy, k) for k in budget_policy.SUMMARY_FIELDS}
         for n in sorted(steps):
             tokens = self.sched.place(jnp.full((self.batch, n * state.accepted_hist.shape[0]), -1, jnp.int32))
-            jax.block_until_ready(_host_view(tokens, state.num_out, state.num_out, state.accepted_hist,
-                                             state.cache.num_free, policy))
+            jax.block_until_ready(host_view(engine.ChunkOutput(state, tokens, state.num_out, state.num_out,
+                                                               None, state.active)))
 
     # -- the adaptive budget's costs -----------------------------------------------------------------------------
     def _prepare_costs(self) -> None:
