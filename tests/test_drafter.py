@@ -135,3 +135,40 @@ def test_attention_matches_a_float64_formulation(pair):
     got = jax.jit(lambda layer, *a: layer(*a))(layer, x, cos, sin, ctx_k, ctx_v, jnp.asarray(lens, jnp.int32))
     want = _attention_float64(layer, x, cos, sin, ctx_k, ctx_v, lens)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_small_budgets_step_reads_only_the_depths_its_tree_can_reach():
+    """step.draft_tree at budget b asks the drafter's head for min(b, D) depths (a tree of b nodes is at most b deep)
+    and builds the tree the whole draft gives. The drafter is sure of one token a depth, so the budget-b tree is the
+    chain of depth b: a head cut one depth short would lose its last node."""
+    from types import SimpleNamespace
+    from kdtree_jax.speculative import step as steps, tree as trees
+
+    depth, vocab, batch = 5, 16, 2
+    rng = np.random.default_rng(7)
+    sure = np.full((batch, depth, vocab), -30.0, np.float32)
+    sure[np.arange(batch)[:, None], np.arange(depth)[None, :], rng.integers(0, vocab, (batch, depth))] = 0.0
+    sure += rng.uniform(0.0, 0.1, sure.shape).astype(np.float32)
+    asked = []
+
+    class SureDrafter:
+        cfg = SimpleNamespace(depth=depth)
+
+        def logits(self, target, cache, bonus, start, depth=None):
+            asked.append(depth)
+            return jnp.asarray(sure[:, :depth])
+
+    start = jnp.array([4, 9], jnp.int32)
+    state = SimpleNamespace(cache=SimpleNamespace(seq_lens=start), dcache=None, bonus=jnp.array([1, 2], jnp.int32))
+    full_lp, full_tok = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(sure), -1), 4)
+    for budget in (1, 3, depth, depth + 3):
+        asked.clear()
+        got = steps.draft_tree(SureDrafter(), None, state, steps.SpecConfig(budget=budget, topk=4))
+        assert asked == [min(budget, depth)]
+        want = trees.build_ddtree(full_lp, full_tok, state.bonus, start, budget)
+        for name in ("tokens", "parents", "depths", "positions", "valid", "mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+        np.testing.assert_allclose(np.asarray(got.scores), np.asarray(want.scores), rtol=1e-6)
+        assert int(np.asarray(got.depths).max()) == min(budget, depth)
+    chain = steps.SpecConfig(tree="chain")
+    assert steps.tree_depth(chain, depth) == depth and steps.tree_depth(steps.SpecConfig(tree=(2, 1)), depth) == 2

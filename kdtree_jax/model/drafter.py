@@ -231,9 +231,13 @@ class Drafter(nnx.Module):
         """
         return jax.nn.log_softmax(self.logits(target, cache, bonus, start_pos), axis=-1)
 
-    def logits(self, target, cache: DrafterCache, bonus, start_pos):
+    def logits(self, target, cache: DrafterCache, bonus, start_pos, depth: Optional[int] = None):
         """The logits [B, D, V] (float32, `target.lm_logits`) whose log_softmax `__call__` returns: the decode loop
-        takes them to ops.topk.log_softmax_top_k, which fuses the log_softmax with its top-k."""
+        takes them to ops.topk.log_softmax_top_k, which fuses the log_softmax with its top-k.
+
+        `depth` (static, <= D): only the first `depth` drafted positions go through the final norm and the lm head
+        (a tree of b nodes is at most b deep, so a small budget's step needs no more); the block itself is whole,
+        so these are the full pass's first `depth` logits (up to the head product's rounding for another row count)."""
         b = bonus.shape[0]
         block = self.cfg.block_size
         first = target.embed(bonus[:, None]).astype(self.dtype)
@@ -247,7 +251,10 @@ class Drafter(nnx.Module):
         cos, sin = rope_tables(self.cfg, positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lens)
-        return target.lm_logits(self.norm(x[:, 1:]))
+        depth = self.cfg.depth if depth is None else depth
+        if not 1 <= depth <= self.cfg.depth:
+            raise ValueError(f"depth must be in [1, {self.cfg.depth}] (the drafter's block_size - 1); got {depth}")
+        return target.lm_logits(self.norm(x[:, 1:1 + depth]))
 
 
 def init_drafter(target_cfg: ModelConfig, cfg: DrafterConfig | None = None, seed: int = 0, dtype=jnp.float32) -> Drafter:

@@ -330,10 +330,12 @@ def log_step(policy: PolicyState, menu: Sequence[int], entry: int, *, scores, va
     logged = jnp.where(verified, scores, -jnp.inf).at[:, 0].set(jnp.where(active, 0.0, -jnp.inf))
     width = policy.log_scores.shape[2]
     logged = jnp.pad(logged[:, :width], ((0, 0), (0, width - min(scores.shape[1], width))), constant_values=-jnp.inf)
+    # A small entry's tree is shallower than the drafter (step.tree_depth): its path is padded as the walk pads it.
+    path = jnp.pad(path.astype(jnp.int32), ((0, 0), (0, policy.log_path.shape[2] - path.shape[1])), constant_values=-1)
     i = policy.logged
     return policy._replace(
         log_scores=jax.lax.dynamic_update_index_in_dim(policy.log_scores, logged, i, 0),
-        log_path=jax.lax.dynamic_update_index_in_dim(policy.log_path, path.astype(jnp.int32), i, 0),
+        log_path=jax.lax.dynamic_update_index_in_dim(policy.log_path, path, i, 0),
         logged=i + 1)
 
 

@@ -122,16 +122,32 @@ class PendingContext(NamedTuple):
         return PendingContext(jnp.zeros((num_layers, batch, capacity, hidden), dtype), jnp.zeros((batch,), jnp.int32))
 
 
+def tree_depth(spec: SpecConfig, drafter_depth: int) -> int:
+    """The drafted depths the step's tree can reach: a DDTree of b nodes is at most b deep, a static shape as deep
+    as its branching tuple, the chain the drafter's whole block."""
+    if spec.tree == "ddtree":
+        return max(min(spec.budget, drafter_depth), 1)
+    if spec.tree == "chain":
+        return drafter_depth
+    return min(len(tuple(spec.tree)), drafter_depth)
+
+
 def draft_scores(drafter: Drafter, target: Transformer, state: LoopState, spec: SpecConfig):
-    """The drafter's pass: per depth, the top-`spec.topk` (log-probs, tokens) [B, D, K]."""
+    """The drafter's pass: per depth, the top-`spec.topk` (log-probs, tokens) [B, d, K], d = tree_depth(): the lm
+    head, the top-k and the tree's search skip the depths the tree cannot reach (at budget 8 of a 15-deep drafter,
+    more than half of the head's rows)."""
     start = state.cache.seq_lens
     with jax.named_scope("drafter"):
         # The top-k of log_softmax(logits / t) in one kernel on a GPU (ops/topk.py): the same candidates as
         # top_k(log_softmax(log_softmax(logits) / t)), since log_softmax(log_softmax(x) / t) = log_softmax(x / t).
         # A drafter-like object with only __call__ (log-probs, as tests' fixed drafters) works too: the log-probs'
         # log_softmax is themselves, up to rounding.
-        scores = getattr(drafter, "logits", drafter)
-        logits = scores(target, state.dcache, state.bonus, start)  # [B, D, V]
+        if hasattr(drafter, "logits"):
+            depth = tree_depth(spec, drafter.cfg.depth)
+            logits = drafter.logits(target, state.dcache, state.bonus, start, depth=depth)  # [B, d, V]
+        else:
+            logits = drafter(target, state.dcache, state.bonus, start)  # [B, D, V]
+            logits = logits[:, :tree_depth(spec, logits.shape[1])]
         tree_temperature = spec.tree_temperature if spec.tree == "ddtree" else 1.0
         # Over a mesh the lm head splits the vocabulary, and the partitioner would gather the whole logits to every
         # device for the custom call; XLA's top_k there is partitioned (a fused per-shard merge is left to do).
