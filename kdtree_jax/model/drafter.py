@@ -212,15 +212,15 @@ class Drafter(nnx.Module):
         cos, sin = rope_tables(self.cfg, positions)
         # Padding goes past the end of the table, where the scatter drops it.
         dest = jnp.where(jnp.arange(n)[None, :] < num_new[:, None], positions, cache.k.shape[3])
-        rows = jnp.arange(b)[:, None]
-        # [i, rows, :, dest]: the index arrays are split by the slice (heads), so (NumPy's rule) their broadcast
-        # shape [B, n] leads the indexed shape, then the sliced heads and head_dim: the updates are the
-        # projected k, v [B, n, Hkv, D] as they come, written to cache[i, b, :, dest[b, j]] (head-major).
-        k_all, v_all = cache.k, cache.v
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(feats, cos, sin)
-            k_all = k_all.at[i, rows, :, dest].set(k.astype(k_all.dtype), mode="drop")
-            v_all = v_all.at[i, rows, :, dest].set(v.astype(v_all.dtype), mode="drop")
+        # Every layer's keys (values) in one scatter: a scatter per layer and tensor was a kernel each on a GPU.
+        # [layer, row, :, dest]: the index arrays are split by the slice (heads), so (NumPy's rule) their broadcast
+        # shape [B, n, L] leads the indexed shape, then the sliced heads and head_dim: the updates are the projected
+        # k, v [B, n, Hkv, D] of each layer stacked on axis 2, written to cache[i, b, :, dest[b, j]] (head-major).
+        layers = jnp.arange(len(self.layers))[None, None, :]
+        rows, dest = jnp.arange(b)[:, None, None], dest[:, :, None]
+        ks, vs = zip(*(layer.self_attn.keys_values(feats, cos, sin) for layer in self.layers))
+        k_all = cache.k.at[layers, rows, :, dest].set(jnp.stack(ks, axis=2).astype(cache.k.dtype), mode="drop")
+        v_all = cache.v.at[layers, rows, :, dest].set(jnp.stack(vs, axis=2).astype(cache.v.dtype), mode="drop")
         return DrafterCache(k_all, v_all, cache.lens + num_new.astype(jnp.int32))
 
     def __call__(self, target, cache: DrafterCache, bonus, start_pos):
