@@ -180,6 +180,19 @@ def default_drafter_config() -> DrafterConfig:
                          intermediate_size=768)
 
 
+def drafter_config_from_args(args, target_layers: int) -> DrafterConfig:
+    """The v2 drafter (`default_drafter_config`) with the drafter phase's capacity options applied (issue 47's
+    ablations: the block, the layers, the MLP width, the heads, which target layers feed it); 0 / "" keep v2's."""
+    changes = {name: getattr(args, name) for name in ("block_size", "num_layers", "intermediate_size", "num_heads",
+                                                       "num_kv_heads") if getattr(args, name, 0)}
+    ids = getattr(args, "target_layer_ids", "")
+    if ids == "all":
+        changes["target_layer_ids"] = tuple(range(target_layers))
+    elif ids:
+        changes["target_layer_ids"] = tuple(int(i) for i in ids.split(","))
+    return DrafterConfig(**{**default_drafter_config().to_dict(), **changes})
+
+
 def lm_loss(model: Transformer, tokens):
     out = causal_forward(model, tokens)
     logp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
@@ -530,9 +543,7 @@ def train_drafter(args) -> dict:
     eval_tokens = encode_split(tokenizer, "eval", args.corpus, cache=args.token_cache)
     temps = parse_temperatures(args.gen_temperatures)
     cfg = target.cfg
-    dcfg = default_drafter_config()
-    if args.block_size:
-        dcfg = DrafterConfig(**{**dcfg.to_dict(), "block_size": args.block_size})
+    dcfg = drafter_config_from_args(args, cfg.num_hidden_layers)
     drafter = Drafter(cfg, dcfg, jnp.float32, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     params, rest = _commit(params), _commit(rest)
@@ -646,6 +657,7 @@ def train_drafter(args) -> dict:
     summary = {
         "phase": "drafter", "command": " ".join(sys.argv), "commit": git_commit(short=False), "steps": step,
         "batch": args.batch, "anchors_per_sequence": args.anchors, "seq_len": s, "block_size": dcfg.block_size,
+        "drafter_config": {**dcfg.to_dict(), "target_layer_ids": list(dcfg.layer_ids(cfg))},
         "blocks_seen": step * args.batch * args.anchors, "label_tokens_seen": step * args.batch * args.anchors * d,
         "greedy_sequences": int(len(gen_train)), "greedy_new_tokens": new, "greedy_mix": args.greedy_mix,
         "gen_temperatures": temps, "gen_top_p": args.gen_top_p, "gen_sequences_by_temperature": gen_counts,
@@ -730,6 +742,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(d, minutes=9.0, steps=20000, batch=8, lr=2e-3, seq_len=256)
     d.add_argument("--target", required=True, help="checkpoint directory of the trained target")
     d.add_argument("--block-size", type=int, default=0, help="drafter block size (0: the default config's)")
+    d.add_argument("--drafter-layers", dest="num_layers", type=int, default=0, metavar="N",
+                   help="drafter layers (0: v2's 3)")
+    d.add_argument("--drafter-intermediate", dest="intermediate_size", type=int, default=0, metavar="N",
+                   help="the drafter MLP's width (0: v2's 768)")
+    d.add_argument("--drafter-heads", dest="num_heads", type=int, default=0, metavar="N",
+                   help="query heads (0: v2's 4)")
+    d.add_argument("--drafter-kv-heads", dest="num_kv_heads", type=int, default=0, metavar="N",
+                   help="key/value heads (0: v2's 2)")
+    d.add_argument("--target-layer-ids", default="", metavar="IDS",
+                   help="the target layers whose outputs feed the drafter, comma-separated, or 'all' (default: three "
+                        "evenly spaced, v2's)")
     d.add_argument("--anchors", type=int, default=16, help="block anchors per sequence per step")
     d.add_argument("--kl-weight", "--soft-weight", dest="kl_weight", type=float, default=1.0,
                    help="weight of KL(target's next-token distribution || drafter's) (the soft label; --soft-weight: "

@@ -146,7 +146,8 @@ def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
     _, target_dir, _, common = trained_target
     pair_dir = str(tmp_path / "pair")
     assert main(["drafter", "--target", target_dir, "--out", pair_dir, "--batch", "2", "--anchors", "2",
-                 "--block-size", "4", "--steps", "4", "--greedy-sequences", "4", "--gen-batch", "2",
+                 "--block-size", "4", "--drafter-layers", "1", "--drafter-intermediate", "48",
+                 "--target-layer-ids", "all", "--steps", "4", "--greedy-sequences", "4", "--gen-batch", "2",
                  "--gen-temperatures", "0,0.7", "--gen-top-p", "0.95", "--hard-weight", "0.25", "--kl-weight", "1",
                  "--eval-sequences", "2", *common]) == 0
     meta = read_metadata(pair_dir)["extra"]
@@ -162,5 +163,7 @@ def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
     assert [h["step"] for h in d["history"]] == [2, 4] and "eval_sampled_chain_run" in d["history"][0]
     target, drafter, _ = load_checkpoint(pair_dir)
     assert drafter is not None and drafter.cfg.block_size == 4 and target.cfg.num_hidden_layers == 2
+    assert (drafter.cfg.num_layers, drafter.cfg.intermediate_size, drafter.target_layer_ids) == (1, 48, (0, 1))
+    assert d["drafter_config"]["num_layers"] == 1 and d["drafter_config"]["target_layer_ids"] == [0, 1]
     with open(os.path.join(pair_dir + ".work", "drafter_summary.json")) as f:
         assert json.load(f)["steps"] == 4
