@@ -623,6 +623,8 @@ def train_drafter(args) -> dict:
     t0 = time.time()
     # Keep time for the final eval and the save (--end-reserve seconds, and at least 5% of the budget).
     train_budget = max(5.0, deadline_all - t0 - max(args.end_reserve, 0.05 * budget))
+    if args.train_seconds:  # an ablation's arms train alike, whatever their compile and generation took
+        train_budget = min(train_budget, args.train_seconds)
     print(f"drafter: compiled in {compile_seconds:.0f} s; {train_budget:.0f} s of training", flush=True)
     history, step, loss_ema = [], 0, None
     bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True, mininterval=5)
@@ -753,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target-layer-ids", default="", metavar="IDS",
                    help="the target layers whose outputs feed the drafter, comma-separated, or 'all' (default: three "
                         "evenly spaced, v2's)")
+    d.add_argument("--train-seconds", type=float, default=0.0,
+                   help="at most this many seconds of training steps, counted after the compile (0: what the budget "
+                        "leaves); checkpoints/gpu_drafter_ablation.sh gives each arm the same")
     d.add_argument("--anchors", type=int, default=16, help="block anchors per sequence per step")
     d.add_argument("--kl-weight", "--soft-weight", dest="kl_weight", type=float, default=1.0,
                    help="weight of KL(target's next-token distribution || drafter's) (the soft label; --soft-weight: "
