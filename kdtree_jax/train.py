@@ -189,7 +189,10 @@ def drafter_config_from_args(args, target_layers: int) -> DrafterConfig:
     if ids == "all":
         changes["target_layer_ids"] = tuple(range(target_layers))
     elif ids:
-        changes["target_layer_ids"] = tuple(int(i) for i in ids.split(","))
+        try:
+            changes["target_layer_ids"] = tuple(int(i) for i in ids.split(","))
+        except ValueError:
+            raise ValueError(f"--target-layer-ids takes layer numbers, comma-separated, or 'all'; got {ids!r}") from None
     return DrafterConfig(**{**default_drafter_config().to_dict(), **changes})
 
 
@@ -536,14 +539,18 @@ def train_drafter(args) -> dict:
         raise SystemExit("--out must differ from --target")
     _prepare_out(args.out, args.overwrite)
     target, _, tokenizer = load_checkpoint(args.target, dtype=jnp.float32)
+    cfg = target.cfg
+    try:  # the drafter's options checked before the corpus is encoded
+        dcfg = drafter_config_from_args(args, cfg.num_hidden_layers)
+        dcfg.layer_ids(cfg)
+    except ValueError as e:
+        raise SystemExit(f"drafter options: {e}") from None
     target_meta = read_metadata(args.target).get("extra", {})
     tok_file = os.path.join(args.target, "tokenizer", "tokenizer.json")
     train_by_source = encode_split(tokenizer, "train", args.corpus, by_source=True, cache=args.token_cache)
     sampler = WindowSampler(train_by_source, parse_mix(args.mix))
     eval_tokens = encode_split(tokenizer, "eval", args.corpus, cache=args.token_cache)
     temps = parse_temperatures(args.gen_temperatures)
-    cfg = target.cfg
-    dcfg = drafter_config_from_args(args, cfg.num_hidden_layers)
     drafter = Drafter(cfg, dcfg, jnp.float32, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     params, rest = _commit(params), _commit(rest)

@@ -167,3 +167,15 @@ def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
     assert d["drafter_config"]["num_layers"] == 1 and d["drafter_config"]["target_layer_ids"] == [0, 1]
     with open(os.path.join(pair_dir + ".work", "drafter_summary.json")) as f:
         assert json.load(f)["steps"] == 4
+
+
+def test_drafter_options_are_checked_before_the_corpus(trained_target, tmp_path):
+    """A drafter option the target cannot take is one line naming it, before any corpus work."""
+    from kdtree_jax.train import main
+
+    _, target_dir, _, common = trained_target
+    for options, message in ((["--target-layer-ids", "0,9"], "subset of \\[0, 2\\)"),
+                             (["--target-layer-ids", "first"], "--target-layer-ids takes layer numbers"),
+                             (["--drafter-heads", "3"], "multiple of num_kv_heads")):
+        with pytest.raises(SystemExit, match="drafter options: .*" + message):
+            main(["drafter", "--target", target_dir, "--out", str(tmp_path / "pair"), *options, *common])
