@@ -11,11 +11,17 @@
 # Writes under $OUT: ablation.md (one row per arm: parameters, training steps, teacher-forced chain run, tau greedy /
 # T = 0.7), arm_<name>.log / default_pair_<name>.{json,md} / drafter_summary_<name>.json, all in 0_results.tgz.
 # Nothing in the repository changes; the trained drafters stay in $WORK on the device.
+# An arm should cost ~3.5 minutes on an H200 (an estimate, not yet measured: its continuations ~20 s, its compile ~50 s,
+# ARM_S of training, its tau ~40 s), so a call holds
+# two; the other capacity arms in a second call:
+#   ARMS="wide=--drafter-intermediate,1536 context5=--target-layer-ids,all" (the v2 arm of the first is the reference;
+#   an arm that would end past DEADLINE_S is skipped and said so).
 # Knobs: ARMS (space-separated name=options; options use commas for spaces: "layers5=--drafter-layers,5"),
-#        ARM_S (seconds of training an arm, 90), GEN_SEQUENCES (2048), DRAFTER_BATCH (32), EVAL_PROMPTS (16),
-#        EVAL_MAX_NEW (128), SKIP_BUILD, PACK, TARGET (a pair directory whose target the arms distil from),
+#        ARM_S (seconds of training an arm, 90), DEADLINE_S (540), ARM_COST_S (what an arm is expected to take, 210),
+#        GEN_SEQUENCES (2048), DRAFTER_BATCH (32), EVAL_PROMPTS (16), EVAL_MAX_NEW (128), SKIP_BUILD, PACK,
+#        TARGET (a pair directory whose target the arms distil from),
 #        EXTRA_DRAFTER_ARGS (appended to every arm's; a CPU dry run of the plumbing: ARM_S=5 GEN_SEQUENCES=4
-#        DRAFTER_BATCH=2 EVAL_PROMPTS=1 EVAL_MAX_NEW=8 EXTRA_DRAFTER_ARGS="--seq-len 64 --gen-batch 2 --anchors 2
+#        DRAFTER_BATCH=2 EVAL_PROMPTS=1 EVAL_MAX_NEW=8 DEADLINE_S=9999 SKIP_BUILD=1 EXTRA_DRAFTER_ARGS="--seq-len 64 --gen-batch 2 --anchors 2
 #        --eval-sequences 2" ARMS="v2= small=--drafter-intermediate,256").
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,7 +32,7 @@ exec > >(tee -a "$OUT/ablation.log") 2>&1
 export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} TOKENIZERS_PARALLELISM=false
 PACK=${PACK:-checkpoints/corpus_v2.jsonl.xz}
 TARGET=${TARGET:-checkpoints/default}
-ARMS=${ARMS:-"v2= layers5=--drafter-layers,5 wide=--drafter-intermediate,1536 context5=--target-layer-ids,all"}
+ARMS=${ARMS:-"v2= layers5=--drafter-layers,5"}
 since() { echo $(( $(date +%s) - T0 )); }
 echo "commit ${KDTREE_COMMIT:-unknown}; jax $(python3 -c 'import jax; print(jax.__version__)'); arms: $ARMS"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
@@ -42,6 +48,7 @@ evaluate() {  # evaluate NAME PAIR_DIR: tau at DDTree 16, greedy and T = 0.7, on
 evaluate shipped "$TARGET"
 for arm in $ARMS; do
   name=${arm%%=*}; opts=${arm#*=}; opts=${opts//,/ }
+  if [ $(( $(since) + ${ARM_COST_S:-210} )) -gt "${DEADLINE_S:-540}" ]; then echo "arm $name: skipped (no time left)"; continue; fi
   python3 -m kdtree_jax.train drafter --target "$TARGET" --out "$WORK/$name" --corpus "$PACK" \
     --token-cache "$WORK/tokens" --batch "${DRAFTER_BATCH:-32}" --anchors 16 --lr 2e-3 \
     --greedy-sequences "${GEN_SEQUENCES:-2048}" --gen-batch 512 --gen-temperatures 0,0.7,1.0 --gen-top-p 0.95 \
