@@ -38,6 +38,7 @@ from kdtree_jax.model.drafter import Drafter, DrafterConfig
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.sharding import attach_mesh, check_layout, pad_vocab, placement_shardings
 from kdtree_jax import tokenizer as tokenizer_lib
+from kdtree_jax import weight_storage
 
 METADATA_FILE = "kdtree_checkpoint.json"
 FORMAT = "kdtree-jax checkpoint"
@@ -99,8 +100,10 @@ class CheckpointWriter:
     """Writes a checkpoint directory piece by piece; `finish` writes the metadata that makes it valid."""
 
     def __init__(self, path: str, target_cfg: ModelConfig, dtype, drafter_cfg: Optional[DrafterConfig] = None,
-                 drafter_dtype=None, tokenizer=None):
+                 drafter_dtype=None, tokenizer=None, weights: str = "plain"):
         self.path = os.path.abspath(os.fspath(path))
+        self.weights = weights
+        weight_storage.describe(weights)  # an unknown format fails before anything is written
         if os.path.exists(self.path) and (not os.path.isdir(self.path) or os.listdir(self.path)):
             raise ValueError(f"checkpoint path {self.path} exists and is not an empty directory; choose a new one")
         # Checked before anything is written; copied by finish().
@@ -113,7 +116,8 @@ class CheckpointWriter:
 
     def _write(self, model: str, name: str, flat: dict) -> None:
         rel = f"{model}/{name}"
-        ocp.save(os.path.join(self.path, rel), _nest({_key(p): v for p, v in flat.items()}))
+        stored = weight_storage.encode({_key(p): v for p, v in flat.items()}, self.weights)
+        ocp.save(os.path.join(self.path, rel), _nest(stored))
         self.pieces[model].append(rel)
 
     def write_target_piece(self, flat: dict, name: Optional[str] = None) -> None:
@@ -147,10 +151,10 @@ class CheckpointWriter:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "target": {"config": self.target_cfg.to_dict(), "dtype": _dtype_name(self.dtype),
-                       "pieces": self.pieces["target"]},
+                       "pieces": self.pieces["target"], "weights": weight_storage.describe(self.weights)},
             "drafter": None if self.drafter_cfg is None else {
                 "config": self.drafter_cfg.to_dict(), "dtype": _dtype_name(self.drafter_dtype),
-                "pieces": self.pieces["drafter"]},
+                "pieces": self.pieces["drafter"], "weights": weight_storage.describe(self.weights)},
             "tokenizer": tok,
             "extra": extra_metadata or {},
         }
@@ -185,19 +189,21 @@ def _tokenizer_files(tokenizer) -> tuple[str, list[str]]:
 
 
 def save_checkpoint(path, target: Transformer, drafter: Optional[Drafter] = None, tokenizer_dir_or_files=None, *,
-                    extra_metadata: Optional[dict] = None) -> None:
+                    extra_metadata: Optional[dict] = None, weights: str = "plain") -> None:
     """Write `target` (and `drafter`, and the tokenizer's files) as a checkpoint directory at `path`.
 
     `path` must not exist or be an empty directory. Arrays may be sharded; Orbax writes each shard.
     `tokenizer_dir_or_files`: a directory holding tokenizer.json or tiktoken.model (+ tokenizer_config.json),
     a list of such files, a loaded tokenizer, or None (the byte tokenizer).
+    `weights`: "plain" (the models' dtypes) or "int8" (block-scaled int8 matrices, half bfloat16's bytes;
+    weight_storage.py); a load dequantizes them to the dtype it asks for.
     """
     if not isinstance(target, Transformer):
         raise ValueError(f"target must be a kdtree_jax Transformer; got {type(target).__name__}")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise ValueError(f"drafter must be a kdtree_jax Drafter or None; got {type(drafter).__name__}")
     writer = CheckpointWriter(path, target.cfg, target.dtype, drafter.cfg if drafter is not None else None,
-                              drafter.dtype if drafter is not None else None, tokenizer_dir_or_files)
+                              drafter.dtype if drafter is not None else None, tokenizer_dir_or_files, weights=weights)
     params = _leaf_paths(nnx.state(target))
     head = params.get(("lm_head", "kernel"))
     if head is not None and head.shape[-1] != target.cfg.vocab_size:  # a vocabulary padded for a mesh (sharding.py)
@@ -272,11 +278,13 @@ def _shardings_by_path(shardings, abstract_module, flat_abstract: dict) -> dict:
     return {p: by_path[p] for p in flat_abstract}
 
 
-def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[str], shardings, what: str):
+def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[str], shardings, what: str,
+                    weights: Optional[dict] = None):
     abstract = nnx.eval_shape(ctor)
     graphdef, state = nnx.split(abstract)
     flat = _leaf_paths(state)  # path -> ShapeDtypeStruct
     sharding = _shardings_by_path(shardings, abstract, flat)
+    block = (weights or {}).get("block", weight_storage.BLOCK)
     restored: dict = {}
     for piece in pieces:
         piece_dir = os.path.join(path, piece)
@@ -292,19 +300,42 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
             raise _corrupt(f"{what} piece", piece_dir, " ".join(records.messages) or
                            "its Orbax metadata is missing or unreadable")
         stored = _flatten(tree)
-        unknown = [".".join(p) for p in stored if p not in flat]
+        unknown = [".".join(p) for p in stored if weight_storage.parameter_path(p) not in flat]
         if unknown:
             raise ValueError(f"{what} piece {piece}: parameter(s) {unknown[:4]} are not in the model built from "
                              "the checkpoint's config")
-        wrong = [f"{'.'.join(p)}: stored {tuple(m.shape)}, model {tuple(flat[p].shape)}"
-                 for p, m in stored.items() if tuple(m.shape) != tuple(flat[p].shape)]
-        if wrong:
-            raise ValueError(f"{what} piece {piece}: shape mismatch {wrong[:4]}")
-        want = {p: jax.ShapeDtypeStruct(flat[p].shape, flat[p].dtype, sharding=sharding[p]) for p in stored}
+        want, quantized = {}, []
+        for p, m in stored.items():
+            param = weight_storage.parameter_path(p)
+            shape = tuple(flat[param].shape)
+            if p == param:
+                want[p] = jax.ShapeDtypeStruct(shape, flat[p].dtype, sharding=sharding[p])
+                expect = shape
+            elif p == weight_storage.stored_paths(param)[0]:
+                want[p] = jax.ShapeDtypeStruct(shape, jnp.int8, sharding=sharding[param])
+                quantized.append(param)
+                expect = shape
+            else:  # the scales, small: read whole onto the parameter's devices
+                expect = shape[:-1] + (-(-shape[-1] // block),)
+                whole = sharding[param]
+                if isinstance(whole, NamedSharding):
+                    whole = NamedSharding(whole.mesh, P())
+                want[p] = jax.ShapeDtypeStruct(expect, jnp.float32, sharding=whole)
+            if tuple(m.shape) != expect:
+                raise ValueError(f"{what} piece {piece}: shape mismatch {'.'.join(p)}: stored {tuple(m.shape)}, "
+                                 f"model {expect}")
         try:
-            restored.update(_flatten(ocp.load(piece_dir, _nest(want))))
+            loaded = _flatten(ocp.load(piece_dir, _nest(want)))
         except Exception as e:  # noqa: BLE001 - truncated or garbled array files fail inside TensorStore
             raise _corrupt(f"{what} piece", piece_dir, e) from None
+        for param in quantized:
+            values, scales = weight_storage.stored_paths(param)
+            if scales not in loaded:
+                raise ValueError(f"{what} piece {piece}: {'.'.join(param)} has int8 values but no scales")
+            dequantize = jax.jit(lambda q, s, dtype=flat[param].dtype: weight_storage.dequantize(q, s, dtype, block),
+                                 out_shardings=sharding[param])
+            loaded[param] = dequantize(loaded.pop(values), loaded.pop(scales))
+        restored.update(loaded)
     missing = [".".join(p) for p in flat if p not in restored]
     if missing:
         raise ValueError(f"{what}: checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
@@ -450,13 +481,13 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
     cfg = ModelConfig.from_dict(meta["target"]["config"])
     t_dtype = jnp.dtype(dtype if dtype is not None else meta["target"]["dtype"])
     target = _restore_module(path, lambda: Transformer(cfg, t_dtype, rngs=nnx.Rngs(0)), meta["target"]["pieces"],
-                             shardings, "target")
+                             shardings, "target", meta["target"].get("weights"))
     drafter = None
     if meta.get("drafter"):
         dcfg = DrafterConfig.from_dict(meta["drafter"]["config"])
         d_dtype = jnp.dtype(dtype if dtype is not None else meta["drafter"]["dtype"])
         drafter = _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)),
-                                  meta["drafter"]["pieces"], shardings, "drafter")
+                                  meta["drafter"]["pieces"], shardings, "drafter", meta["drafter"].get("weights"))
     return target, drafter, load_checkpoint_tokenizer(path, meta)
 
 

@@ -288,14 +288,15 @@ def cast_module(module, dtype):
     return nnx.merge(graphdef, jax.tree.map(cast, state))
 
 
-def _save_pair(out: str, target: Transformer, drafter: Optional[Drafter], tokenizer_file: str, dtype, meta: dict):
+def _save_pair(out: str, target: Transformer, drafter: Optional[Drafter], tokenizer_file: str, dtype, meta: dict,
+               weights: str = "plain"):
     from kdtree_jax.checkpoint import save_checkpoint
 
     t = target if target.dtype == dtype else _recast_target(target, dtype)
     d = None
     if drafter is not None:
         d = drafter if drafter.dtype == dtype else cast_module(drafter, dtype)
-    save_checkpoint(out, t, d, [tokenizer_file], extra_metadata=meta)
+    save_checkpoint(out, t, d, [tokenizer_file], extra_metadata=meta, weights=weights)
 
 
 def _recast_target(target: Transformer, dtype) -> Transformer:
@@ -398,7 +399,7 @@ def train_target(args) -> dict:
           f"({summary['tokens_per_second']:,.0f} tokens/s); "
           f"eval loss {final_eval:.3f} (ppl {math.exp(final_eval):.1f})", flush=True)
     dtype = jnp.dtype(args.save_dtype)
-    _save_pair(args.out, model, None, tok_file, dtype, {"target_training": summary})
+    _save_pair(args.out, model, None, tok_file, dtype, {"target_training": summary}, args.weights)
     with open(os.path.join(work, "target_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -690,7 +691,7 @@ def train_drafter(args) -> dict:
           f"top-1 mass by depth {np.round(esaux['sampled_top1_mass_by_depth'], 2).tolist()}, "
           f"top-4 mass {np.round(esaux['sampled_top4_mass_by_depth'], 2).tolist()}", flush=True)
     meta = {**target_meta, "drafter_training": summary}
-    _save_pair(args.out, target, drafter, tok_file, jnp.dtype(args.save_dtype), meta)
+    _save_pair(args.out, target, drafter, tok_file, jnp.dtype(args.save_dtype), meta, args.weights)
     work = args.out.rstrip("/") + ".work"
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "drafter_summary.json"), "w") as f:
@@ -722,6 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                        help="parameter dtype of the saved checkpoint")
+        q.add_argument("--weights", default="plain", choices=["plain", "int8"],
+                       help="how the checkpoint stores its matrices: plain (--save-dtype) or int8 with a scale per "
+                            "128 weights (half bfloat16's bytes; read back in any dtype)")
         q.add_argument("--corpus", default=None,
                        help="corpus pack (kdtree_jax.corpus --build-pack; recipe v2: checkpoints/corpus_v2.jsonl.xz) "
                             "instead of this interpreter's standard library")

@@ -138,7 +138,7 @@ def test_train_target_v2_tiny(trained_target, tiny_pack):
 @pytest.mark.slow
 def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
     """A few steps of each phase (2-layer target, vocab 400, 32-token windows, block 4), through main(); the target
-    phase is the module's run (`trained_target`)."""
+    phase is the module's run (`trained_target`); the pair saved with int8 weights."""
     from kdtree_jax.checkpoint import load_checkpoint, read_metadata
     from kdtree_jax.train import main
 
@@ -149,8 +149,10 @@ def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
                  "--block-size", "4", "--drafter-layers", "1", "--drafter-intermediate", "48",
                  "--target-layer-ids", "all", "--steps", "4", "--greedy-sequences", "4", "--gen-batch", "2",
                  "--gen-temperatures", "0,0.7", "--gen-top-p", "0.95", "--hard-weight", "0.25", "--kl-weight", "1",
-                 "--eval-sequences", "2", *common]) == 0
-    meta = read_metadata(pair_dir)["extra"]
+                 "--eval-sequences", "2", "--weights", "int8", *common]) == 0
+    stored = read_metadata(pair_dir)
+    assert stored["target"]["weights"]["kind"] == stored["drafter"]["weights"]["kind"] == "int8"
+    meta = stored["extra"]
     d = meta["drafter_training"]
     assert meta["target_training"]["steps"] == 3
     assert d["steps"] == 4 and d["gen_sequences_by_temperature"] == {"0.0": 2, "0.7": 2}
