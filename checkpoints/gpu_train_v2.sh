@@ -28,7 +28,9 @@
 #   target_summary.json, drafter_summary.json, default_pair_v2_h200.{json,md}, metrics_v2.json (all of it, merged)
 # Knobs (environment): DEADLINE_S (560), TARGET_END_S (170), DRAFTER_END_S (480), TARGET_BATCH (256), TARGET_LR (3e-3),
 # LAYERS (5), DRAFTER_BATCH (32), GEN_SEQUENCES (6144), GEN_BATCH (512), GEN_TEMPERATURES (0,0.7,1.0),
-# HARD_WEIGHT (0.5), DRAFTER_EVAL_EVERY (2000), EVAL_PROMPTS (16), EVAL_MAX_NEW (128), SKIP_BUILD (0), SKIP_EVAL (0); for a CPU dry run of the
+# HARD_WEIGHT (0.5), DRAFTER_EVAL_EVERY (2000), EVAL_PROMPTS (16), EVAL_MAX_NEW (128), EVAL_BUDGETS (32), SKIP_BUILD (0),
+# SKIP_EVAL (0), WEIGHTS (plain | int8: how both phases store their matrices), TARGET_FROM (a checkpoint whose target
+# the drafter distils from instead of training one: phase 1 only re-stores it with WEIGHTS); for a CPU dry run of the
 # plumbing: PACK (another pack), EXTRA_TARGET_ARGS, EXTRA_DRAFTER_ARGS (appended to the phases' arguments).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -41,6 +43,7 @@ PACK=${PACK:-checkpoints/corpus_v2.jsonl.xz}
 DEADLINE_S=${DEADLINE_S:-560}
 TARGET_END_S=${TARGET_END_S:-170}
 DRAFTER_END_S=${DRAFTER_END_S:-480}
+WEIGHTS=${WEIGHTS:-plain}
 since() { echo $(( $(date +%s) - T0 )); }
 merge_metrics() {  # metrics_v2.json: whatever the phases have written so far
   python3 - "$OUT" <<'EOF'
@@ -68,11 +71,25 @@ else
 fi
 
 # 1. The target ---------------------------------------------------------------------------------------------
-python3 -m kdtree_jax.train target --out "$WORK/target" --tokenizer checkpoints/default/tokenizer/tokenizer.json \
-  --corpus "$PACK" --token-cache "$WORK/tokens" --layers "${LAYERS:-5}" --batch "${TARGET_BATCH:-256}" \
-  --lr "${TARGET_LR:-3e-3}" --warmup-frac 0.05 --steps 1000000 --minutes 60 --end-by $(( T0 + TARGET_END_S )) \
-  --end-reserve 15 --eval-every 250 --eval-windows 256 --save-dtype bfloat16 ${EXTRA_TARGET_ARGS:-} > "$OUT/target.log" 2>&1
-rc=$?
+if [ -n "${TARGET_FROM:-}" ]; then  # an existing target (a later recipe's drafter), stored as this run's pair will be
+  python3 - "$TARGET_FROM" "$WORK/target" "$WEIGHTS" > "$OUT/target.log" 2>&1 <<'EOF'
+import os, sys
+from kdtree_jax.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+src, dst, weights = sys.argv[1:]
+target, _, _ = load_checkpoint(src)
+extra = {k: v for k, v in (read_metadata(src).get("extra") or {}).items() if k not in ("drafter_training", "decoding")}
+save_checkpoint(dst, target, None, os.path.join(src, "tokenizer"), extra_metadata=extra, weights=weights)
+print(f"target: {src} stored with {weights} weights in {dst}")
+EOF
+  rc=$?
+else
+  python3 -m kdtree_jax.train target --out "$WORK/target" --tokenizer checkpoints/default/tokenizer/tokenizer.json \
+    --corpus "$PACK" --token-cache "$WORK/tokens" --layers "${LAYERS:-5}" --batch "${TARGET_BATCH:-256}" \
+    --lr "${TARGET_LR:-3e-3}" --warmup-frac 0.05 --steps 1000000 --minutes 60 --end-by $(( T0 + TARGET_END_S )) \
+    --end-reserve 15 --eval-every 250 --eval-windows 256 --save-dtype bfloat16 --weights "$WEIGHTS" \
+    ${EXTRA_TARGET_ARGS:-} > "$OUT/target.log" 2>&1
+  rc=$?
+fi
 echo "target: rc=$rc at $(since) s"; tr '\r' '\n' < "$OUT/target.log" | grep -E "^step|done|corpus|target:|Error|error" | tail -24
 cp "$WORK/target.work/target_summary.json" "$OUT/" 2>/dev/null
 merge_metrics
@@ -91,7 +108,8 @@ python3 -m kdtree_jax.train drafter --target "$WORK/target" --out "$WORK/default
   --greedy-sequences "${GEN_SEQUENCES:-6144}" --gen-batch "${GEN_BATCH:-512}" \
   --gen-temperatures "${GEN_TEMPERATURES:-0,0.7,1.0}" --gen-top-p 0.95 --gen-fraction 0.3 \
   --hard-weight "${HARD_WEIGHT:-0.5}" --kl-weight 1.0 --eval-sequences 64 --eval-temperature 0.7 --eval-every "${DRAFTER_EVAL_EVERY:-2000}" \
-  --steps 1000000 --minutes 60 --end-by $(( T0 + DRAFTER_END_S )) --end-reserve 12 ${EXTRA_DRAFTER_ARGS:-} \
+  --steps 1000000 --minutes 60 --end-by $(( T0 + DRAFTER_END_S )) --end-reserve 12 --weights "$WEIGHTS" \
+  ${EXTRA_DRAFTER_ARGS:-} \
   > "$OUT/drafter.log" 2>&1
 echo "drafter: rc=$? at $(since) s"; tr '\r' '\n' < "$OUT/drafter.log" | grep -E "^step|done|data|drafter:|Error|error" | tail -16
 cp "$WORK/default_v2.work/drafter_summary.json" "$OUT/" 2>/dev/null
@@ -123,7 +141,7 @@ echo "packed $src at $(since) s: $(du -sh "$WORK/$src" | cut -f1)"
 left=$(( DEADLINE_S - $(since) - 5 ))
 if [ "${SKIP_EVAL:-0}" != 1 ] && [ "$src" = default_v2 ] && [ "$left" -gt 20 ]; then
   timeout "$left" python3 benchmarks/default_pair.py --checkpoint "$WORK/default_v2" --corpus "$PACK" \
-    --prompts "${EVAL_PROMPTS:-16}" --max-new-tokens "${EVAL_MAX_NEW:-128}" --budgets 32 --no-chain --latency-prompts 2 --compare-budget 0 \
+    --prompts "${EVAL_PROMPTS:-16}" --max-new-tokens "${EVAL_MAX_NEW:-128}" --budgets "${EVAL_BUDGETS:-32}" --no-chain --latency-prompts 2 --compare-budget 0 \
     --temperatures 0,0.7 --top-p 0.95 --samples 2 --h200-results "" --out "$OUT/default_pair_v2_h200" \
     > "$OUT/default_pair.log" 2>&1
   echo "default_pair: rc=$? at $(since) s (limit $left s)"; grep -E "held-out|tau|repeated|batch 1" "$OUT/default_pair.log" | tail -16
