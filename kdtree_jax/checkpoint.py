@@ -315,7 +315,7 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
                 want[p] = jax.ShapeDtypeStruct(shape, jnp.int8, sharding=sharding[param])
                 quantized.append(param)
                 expect = shape
-            else:  # the scales, small: read whole onto the parameter's devices
+            else:  # the scales, small: read whole (the values and scales meet on the host, weight_storage.dequantize)
                 expect = shape[:-1] + (-(-shape[-1] // block),)
                 whole = sharding[param]
                 if isinstance(whole, NamedSharding):
@@ -332,9 +332,8 @@ def _restore_module(path: str, ctor: Callable[[], nnx.Module], pieces: Sequence[
             values, scales = weight_storage.stored_paths(param)
             if scales not in loaded:
                 raise ValueError(f"{what} piece {piece}: {'.'.join(param)} has int8 values but no scales")
-            dequantize = jax.jit(lambda q, s, dtype=flat[param].dtype: weight_storage.dequantize(q, s, dtype, block),
-                                 out_shardings=sharding[param])
-            loaded[param] = dequantize(loaded.pop(values), loaded.pop(scales))
+            w = weight_storage.dequantize(loaded.pop(values), loaded.pop(scales), flat[param].dtype, block)
+            loaded[param] = jax.device_put(w, sharding[param])
         restored.update(loaded)
     missing = [".".join(p) for p in flat if p not in restored]
     if missing:

@@ -61,12 +61,12 @@ def quantize(w, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(*q.shape[:-2], -1)[..., :x.shape[-1]], scale.astype(np.float32)
 
 
-def dequantize(q, scale, dtype, block: int = BLOCK):
-    """w = q * scale (block-wise along the last axis) in `dtype`; jit-traceable, so that a sharded restore computes
-    each device's part where it lives."""
-    n = q.shape[-1]
-    per = jnp.repeat(scale.astype(jnp.float32), block, axis=-1, total_repeat_length=scale.shape[-1] * block)[..., :n]
-    return (q.astype(jnp.float32) * per).astype(dtype)
+def dequantize(q, scale, dtype, block: int = BLOCK) -> np.ndarray:
+    """w = q * scale (block-wise along the last axis) in `dtype`, on the host. (A jitted form compiles once per
+    parameter shape: reading the int8 default pair took 9.5 s that way on the 2-core CPU, against 1.2 s for bfloat16.)"""
+    q, scale = np.asarray(q), np.asarray(scale, np.float32)
+    per = np.repeat(scale, block, axis=-1)[..., :q.shape[-1]]
+    return (q.astype(np.float32) * per).astype(np.dtype(dtype))
 
 
 def encode(flat: dict, kind: str) -> dict:
