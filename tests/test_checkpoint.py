@@ -46,6 +46,21 @@ def _assert_same(a, b):
                                       err_msg=str(path))
 
 
+def spread_shardings(mesh):
+    """load_checkpoint's shardings: the embedding split along the vocab, expert stacks along the experts, everything
+    else replicated."""
+    def shardings(abstract):
+        def one(path, leaf):
+            names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+            if "embedding" in names:
+                return NamedSharding(mesh, P("x", None))
+            if "experts" in names:
+                return NamedSharding(mesh, P("x", None, None))
+            return NamedSharding(mesh, P())
+        return jax.tree_util.tree_map_with_path(one, nnx.state(abstract))
+    return shardings
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny random target (bf16) + drafter (f32) + HF tokenizer, saved once."""
@@ -79,19 +94,7 @@ def test_round_trip_is_bit_exact(saved):
 def test_restore_into_mesh_shardings_and_dtype(saved, tmp_path):
     path, target, drafter, _ = saved
     mesh = jax.make_mesh((8,), ("x",))
-
-    def shardings(abstract):
-        """Embedding split along the vocab, expert stacks along the experts, everything else replicated."""
-        def one(path, leaf):
-            names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-            if "embedding" in names:
-                return NamedSharding(mesh, P("x", None))
-            if "experts" in names:
-                return NamedSharding(mesh, P("x", None, None))
-            return NamedSharding(mesh, P())
-        return jax.tree_util.tree_map_with_path(one, nnx.state(abstract))
-
-    target2, drafter2, _ = kdtree_jax.load_checkpoint(path, shardings=shardings, dtype=jnp.float32)
+    target2, drafter2, _ = kdtree_jax.load_checkpoint(path, shardings=spread_shardings(mesh), dtype=jnp.float32)
     assert target2.embed_tokens.embedding.sharding == NamedSharding(mesh, P("x", None))
     assert target2.layers[1].mlp.experts.up_proj.sharding == NamedSharding(mesh, P("x", None, None))
     assert target2.layers[0].self_attn.kv_b_proj.kernel.sharding == NamedSharding(mesh, P())

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kdtree_jax
 from kdtree_jax import checkpoint, weight_storage
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
+from test_checkpoint import spread_shardings
 
 
 def _reference_int8(w: np.ndarray, block: int):
@@ -96,19 +97,8 @@ def test_an_int8_checkpoint_reads_back_within_its_rounding_in_fewer_bytes(int8_p
 def test_an_int8_checkpoint_reads_into_a_mesh_as_it_reads_onto_one_device(int8_pair):
     _, _, _, packed = int8_pair
     mesh = jax.make_mesh((8,), ("x",))
-
-    def shardings(abstract):
-        def one(path, leaf):
-            names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-            if "embedding" in names:
-                return NamedSharding(mesh, P("x", None))
-            if "experts" in names:
-                return NamedSharding(mesh, P("x", None, None))
-            return NamedSharding(mesh, P())
-        return jax.tree_util.tree_map_with_path(one, nnx.state(abstract))
-
     one, _, _ = kdtree_jax.load_checkpoint(packed, dtype=jnp.float32)
-    spread, _, _ = kdtree_jax.load_checkpoint(packed, dtype=jnp.float32, shardings=shardings)
+    spread, _, _ = kdtree_jax.load_checkpoint(packed, dtype=jnp.float32, shardings=spread_shardings(mesh))
     assert spread.embed_tokens.embedding.sharding == NamedSharding(mesh, P("x", None))
     assert spread.layers[1].mlp.experts.up_proj.sharding == NamedSharding(mesh, P("x", None, None))
     a, b = _params(one), _params(spread)
