@@ -481,13 +481,27 @@ def load_checkpoint(path, *, dtype=None, shardings=None):
     t_dtype = jnp.dtype(dtype if dtype is not None else meta["target"]["dtype"])
     target = _restore_module(path, lambda: Transformer(cfg, t_dtype, rngs=nnx.Rngs(0)), meta["target"]["pieces"],
                              shardings, "target", meta["target"].get("weights"))
-    drafter = None
-    if meta.get("drafter"):
-        dcfg = DrafterConfig.from_dict(meta["drafter"]["config"])
-        d_dtype = jnp.dtype(dtype if dtype is not None else meta["drafter"]["dtype"])
-        drafter = _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)),
-                                  meta["drafter"]["pieces"], shardings, "drafter", meta["drafter"].get("weights"))
+    drafter = _restore_drafter(path, meta, dtype, shardings) if meta.get("drafter") else None
     return target, drafter, load_checkpoint_tokenizer(path, meta)
+
+
+def _restore_drafter(path: str, meta: dict, dtype, shardings):
+    cfg = ModelConfig.from_dict(meta["target"]["config"])
+    dcfg = DrafterConfig.from_dict(meta["drafter"]["config"])
+    d_dtype = jnp.dtype(dtype if dtype is not None else meta["drafter"]["dtype"])
+    return _restore_module(path, lambda: Drafter(cfg, dcfg, d_dtype, rngs=nnx.Rngs(0)), meta["drafter"]["pieces"],
+                           shardings, "drafter", meta["drafter"].get("weights"))
+
+
+def load_drafter(path, *, dtype=None, shardings=None) -> tuple[Drafter, dict]:
+    """(the drafter, the checkpoint's metadata) of a checkpoint directory, without reading its target: the directory
+    may hold only the metadata file and the drafter's pieces (a drafter carried apart from its target, as
+    `train drafter --init-from` takes one). dtype / shardings: as load_checkpoint's."""
+    path = os.path.abspath(os.fspath(path))
+    meta = read_metadata(path)
+    if not meta.get("drafter"):
+        raise ValueError(f"{path} holds no drafter")
+    return _restore_drafter(path, meta, dtype, shardings), meta
 
 
 def load_checkpoint_tokenizer(path, meta: Optional[dict] = None):

@@ -180,11 +180,14 @@ def default_drafter_config() -> DrafterConfig:
                          intermediate_size=768)
 
 
+# The drafter phase's capacity options (DrafterConfig fields; 0: v2's).
+CAPACITY_OPTIONS = ("block_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads")
+
+
 def drafter_config_from_args(args, target_layers: int) -> DrafterConfig:
     """The v2 drafter (`default_drafter_config`) with the drafter phase's capacity options applied (issue 47's
     ablations: the block, the layers, the MLP width, the heads, which target layers feed it); 0 / "" keep v2's."""
-    changes = {name: getattr(args, name) for name in ("block_size", "num_layers", "intermediate_size", "num_heads",
-                                                       "num_kv_heads") if getattr(args, name, 0)}
+    changes = {name: getattr(args, name) for name in CAPACITY_OPTIONS if getattr(args, name, 0)}
     ids = getattr(args, "target_layer_ids", "")
     if ids == "all":
         changes["target_layer_ids"] = tuple(range(target_layers))
@@ -533,7 +536,7 @@ def parse_temperatures(text: str) -> list[float]:
 def train_drafter(args) -> dict:
     from tqdm import tqdm
 
-    from kdtree_jax.checkpoint import load_checkpoint, read_metadata
+    from kdtree_jax.checkpoint import load_checkpoint, load_drafter, read_metadata
 
     t_start = time.time()
     if os.path.abspath(args.out) == os.path.abspath(args.target):
@@ -546,13 +549,29 @@ def train_drafter(args) -> dict:
         dcfg.layer_ids(cfg)
     except ValueError as e:
         raise SystemExit(f"drafter options: {e}") from None
+    init = None
+    if args.init_from:  # a drafter trained before goes on training: its config, checked against this run's options
+        try:
+            init, init_meta = load_drafter(args.init_from, dtype=jnp.float32)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"--init-from: {e}") from None
+        given = [k for k in CAPACITY_OPTIONS if getattr(args, k, 0)]
+        changed = {k: (getattr(dcfg, k), getattr(init.cfg, k)) for k in given if getattr(dcfg, k) != getattr(init.cfg, k)}
+        if args.target_layer_ids and tuple(dcfg.layer_ids(cfg)) != tuple(init.target_layer_ids):
+            changed["target_layer_ids"] = (tuple(dcfg.layer_ids(cfg)), tuple(init.target_layer_ids))
+        if changed:
+            raise SystemExit(f"--init-from {args.init_from}: its drafter differs from the options given (given, its "
+                             f"own: {changed}); leave them out to keep its own")
+        if ModelConfig.from_dict(init_meta["target"]["config"]) != cfg:
+            raise SystemExit(f"--init-from {args.init_from}: its drafter was trained for another target config")
+        dcfg = init.cfg
     target_meta = read_metadata(args.target).get("extra", {})
     tok_file = os.path.join(args.target, "tokenizer", "tokenizer.json")
     train_by_source = encode_split(tokenizer, "train", args.corpus, by_source=True, cache=args.token_cache)
     sampler = WindowSampler(train_by_source, parse_mix(args.mix))
     eval_tokens = encode_split(tokenizer, "eval", args.corpus, cache=args.token_cache)
     temps = parse_temperatures(args.gen_temperatures)
-    drafter = Drafter(cfg, dcfg, jnp.float32, rngs=nnx.Rngs(args.seed))
+    drafter = Drafter(cfg, dcfg, jnp.float32, rngs=nnx.Rngs(args.seed)) if init is None else init
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     params, rest = _commit(params), _commit(rest)
     t_graph, t_state = nnx.split(target)
@@ -666,6 +685,9 @@ def train_drafter(args) -> dict:
     drafter = nnx.merge(graphdef, params, rest)
     summary = {
         "phase": "drafter", "command": " ".join(sys.argv), "commit": git_commit(short=False), "steps": step,
+        "init_from": None if init is None else {
+            "path": os.path.abspath(args.init_from),
+            "drafter_training": (init_meta.get("extra") or {}).get("drafter_training")},
         "batch": args.batch, "anchors_per_sequence": args.anchors, "seq_len": s, "block_size": dcfg.block_size,
         "drafter_config": {**dcfg.to_dict(), "target_layer_ids": list(dcfg.layer_ids(cfg))},
         "blocks_seen": step * args.batch * args.anchors, "label_tokens_seen": step * args.batch * args.anchors * d,
@@ -766,6 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target-layer-ids", default="", metavar="IDS",
                    help="the target layers whose outputs feed the drafter, comma-separated, or 'all' (default: three "
                         "evenly spaced, v2's)")
+    d.add_argument("--init-from", default="", metavar="DIR",
+                   help="start from the drafter of this checkpoint (a pair, or a directory with its metadata file and "
+                        "drafter/ alone) instead of random weights, with its config: a longer training in several "
+                        "runs (each with a fresh optimizer and schedule, and new continuations with another --seed)")
     d.add_argument("--train-seconds", type=float, default=0.0,
                    help="at most this many seconds of training steps, counted after the compile (0: what the budget "
                         "leaves); checkpoints/gpu_drafter_ablation.sh gives each arm the same")

@@ -170,6 +170,28 @@ def test_train_v2_target_then_drafter_tiny(trained_target, tiny_pack, tmp_path):
     with open(os.path.join(pair_dir + ".work", "drafter_summary.json")) as f:
         assert json.load(f)["steps"] == 4
 
+    # The drafter goes on training from that pair's (its config, its weights: a zero learning rate keeps them exactly).
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kdtree_jax.checkpoint import load_drafter
+
+    with pytest.raises(SystemExit, match="differs from the options given"):
+        main(["drafter", "--target", target_dir, "--out", str(tmp_path / "bad"), "--init-from", pair_dir,
+              "--drafter-layers", "2", *common])
+    again = str(tmp_path / "again")
+    assert main(["drafter", "--target", target_dir, "--out", again, "--init-from", pair_dir, "--batch", "2",
+                 "--anchors", "2", "--steps", "1", "--lr", "0", "--greedy-sequences", "2", "--gen-batch", "2",
+                 "--eval-sequences", "2", "--seed", "1", *common]) == 0
+    before, _ = load_drafter(pair_dir, dtype=jnp.float32)
+    _, after, _ = load_checkpoint(again)
+    assert after.cfg == before.cfg and after.cfg.num_layers == 1 and after.cfg.intermediate_size == 48
+    for (path, x), (_, y) in zip(jax.tree_util.tree_flatten_with_path(nnx.state(before))[0],
+                                 jax.tree_util.tree_flatten_with_path(nnx.state(after))[0]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+    assert read_metadata(again)["extra"]["drafter_training"]["init_from"]["drafter_training"]["steps"] == 4
+
 
 def test_drafter_options_are_checked_before_the_corpus(trained_target, tmp_path):
     """A drafter option the target cannot take is one line naming it, before any corpus work."""
