@@ -113,7 +113,7 @@ def measure(args, grid: list, seeds: list) -> dict:
     target, drafter, tokenizer, pair = load_pair(args)
     tree_t = 1.0 if args.smoke else recommended_tree_temperature(args.checkpoint)
 
-    prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    prompts, where = heldout_prompts(tokenizer, args.prompts, args.prompt_len, start=args.prompt_start)
     files = {d.name: np.asarray(tokenizer.encode(d.text), np.int32) for d in corpus.documents("eval")}
     refs = []
     for w in where:
@@ -151,7 +151,8 @@ def measure(args, grid: list, seeds: list) -> dict:
                  "rep4": float(np.mean([repeated_ngram_share(t, 4, len(t)) for t in refs if len(t) >= 8]))}
     meta = {**base_meta(args, target, drafter, pair), "grid": args.grid, "seeds": seeds, "prompts": where,
             "budget": args.budget, "tree_temperature": tree_t, "max_new_tokens": args.max_new_tokens,
-            "prompt_len": args.prompt_len, "max_last64": args.max_last64, "batch_tau": res.stats["tau"],
+            "prompt_len": args.prompt_len, "prompt_start": args.prompt_start, "max_last64": args.max_last64,
+            "batch_tau": res.stats["tau"],
             "decode_seconds": res.stats["decode_seconds"]}
     return {"meta": meta, "results": results, "reference": reference, "runs": [meta]}
 
@@ -166,6 +167,9 @@ def main(argv=None) -> int:
                    f"default: {DEFAULT_GRID}")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts (the README's prompt besides)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per held-out prompt")
+    p.add_argument("--prompt-start", type=int, default=0,
+                   help="the first held-out prompt's index (spec_decode.py's heldout_prompts): e.g. --prompts 16 "
+                        "--prompt-start 16 checks a pick on prompts other than those that chose it")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--budget", type=int, default=16, help="DDTree nodes per step besides the root")
     p.add_argument("--seeds", default="0", help="comma-separated; a greedy setting runs the first only")
