@@ -222,13 +222,15 @@ def main(argv=None) -> int:
 
 def markdown(out: dict) -> str:
     m, ref = out["meta"], out["reference"]
+    starts = sorted({run.get("prompt_start", 0) for run in out["runs"]})
     lines = [f"# Generation settings of {m['pair']}", ""]
     for run in out["runs"]:
         lines.append(f"- {run['date']} · {run['device']} ({run['backend']}, {run['cpu_count']} CPUs) · commit "
                      f"{run['commit']} · target {run['target_dtype']} · decode {run.get('decode_seconds', 0):.0f} s · "
                      f"`{run['command']}`")
     lines += ["",
-             f"{len(m['prompts'])} held-out prompts ({m['prompt_len']} tokens, spec_decode.py's heldout_prompts) and "
+             f"{len(m['prompts'])} held-out prompts a run ({m['prompt_len']} tokens, spec_decode.py's heldout_prompts from "
+             f"index {' or '.join(str(i) for i in starts)}: a run's --prompt-start) and "
              f"`{README_PROMPT}`, {m['max_new_tokens']} new tokens each, DDTree budget {m['budget']} (tree temperature "
              f"{m['tree_temperature']:g}); each run one batch of every setting x seed (a greedy one once) x prompt, one "
              "compiled program; no stop tokens; a setting in several runs pools their outputs and steps.", "",

@@ -65,8 +65,8 @@ def test_cli_runs_in_float32_on_cpu_unless_told(capsys, tmp_path, monkeypatch):
     # so that speculation runs: on a CPU the default budget ('auto') measures that no tree pays and runs none. Greedy
     # without penalties over the checkpoint's generation_config.json: output comparable token for token, and the
     # programs (and the cost model's key below) of plain greedy decoding.
-    base = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--temperature", "0", "--repetition-penalty", "1",
-            "--json"]
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--temperature", "0", "--top-p", "1",
+            "--repetition-penalty", "1", "--json"]
     assert cli_main(base + ["--budget", "8"]) == 0
     speculative = json.loads(capsys.readouterr().out)
     assert speculative["stats"]["tau"] > 1.0

@@ -13,8 +13,8 @@ from kdtree_jax.generate import DEFAULT_BUDGET, TokenStream, build_parser, check
 from kdtree_jax.tokenizer import ByteTokenizer
 
 # Plain greedy decoding whatever the checkpoint's generation_config.json recommends: what the texts below were read from.
-BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8", "--temperature", "0", "--repetition-penalty",
-        "1"]
+BASE = ["--prompt", "def f(x):", "--max-new-tokens", "40", "--budget", "8", "--temperature", "0", "--top-p", "1",
+        "--repetition-penalty", "1"]
 
 
 def _json(capsys, argv):

@@ -50,7 +50,8 @@ def test_the_penalty_flags_reach_the_decode(capsys):
 
     def tokens(*flags):  # greedy without penalties unless the flags say otherwise (the last of a flag wins)
         assert main(["--prompt", "def f(x):\n    return x", "--max-new-tokens", "24", "--budget", "4", "--json",
-                     "--dtype", "float32", "--temperature", "0", "--repetition-penalty", "1", *flags]) == 0
+                     "--dtype", "float32", "--temperature", "0", "--top-p", "1", "--repetition-penalty", "1",
+                     *flags]) == 0
         return json.loads(capsys.readouterr().out)["tokens"]
 
     plain = tokens()
@@ -79,5 +80,5 @@ def test_the_embedded_pair_recommends_its_measured_settings(capsys):
     assert shipped == SamplingParams(**pick["settings"]) != SamplingParams()
     assert sampling_settings(build_parser().parse_args(["--prompt", "x"]), DEFAULT) == shipped
     assert "sampling settings from generation_config.json" in capsys.readouterr().err
-    plain = ["--prompt", "x", "--temperature", "0", "--repetition-penalty", "1"]
+    plain = ["--prompt", "x", "--temperature", "0", "--top-p", "1", "--repetition-penalty", "1"]
     assert sampling_settings(build_parser().parse_args(plain), DEFAULT) == SamplingParams()
