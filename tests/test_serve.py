@@ -270,27 +270,32 @@ def test_concurrent_greedy_equals_alone_without_compiles(server, client):
 
 
 def test_unset_sampling_fields_take_the_checkpoints_generation_config(server):
-    """A request that leaves its sampling settings out gets checkpoints/default/generation_config.json's (greedy with
-    a repetition penalty), not OpenAI's temperature 1 nor plain greedy; a field the request sets wins over the file."""
+    """A request that leaves its sampling settings out gets checkpoints/default/generation_config.json's, not OpenAI's
+    temperature 1 nor plain greedy (the server's /health says which); a field the request sets wins over the file's."""
     import httpx
 
     from kdtree_jax import generation_config
     from kdtree_jax.serve.api import request_defaults
 
     recommended = generation_config.load(DEFAULT)
-    assert recommended.get("temperature") == 0 and recommended.get("repetition_penalty", 1) != 1, recommended
+    assert recommended.get("temperature", 1) != 1 and recommended != {"temperature": 0}, recommended
     url = server["url"]
     assert httpx.get(url + "/health").json()["sampling_defaults"] == request_defaults(recommended)
 
     def text(**settings):
-        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 32, **settings}
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 32, "seed": 5, **settings}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    unset, plain = text(), text(**GREEDY)
-    assert unset == text(**recommended) and unset != plain  # the file's settings, which change the text
-    assert text(repetition_penalty=1) == plain  # the request's field wins; the file's temperature 0 stays
+    # A greedy request takes the file's other fields (its repetition penalty changes the text); the request's fields
+    # win. Greedy, so that the texts compare token for token: a sampled row's tokens depend on the trees its steps
+    # verify, which the adaptive budget picks from what the server ran before.
+    plain = text(**GREEDY, top_p=1)
+    penalised = text(temperature=0)
+    assert penalised == text(temperature=0, **{k: v for k, v in recommended.items() if k != "temperature"})
+    assert penalised != plain
+    assert text(**GREEDY) == plain
 
 
 BAD = [
