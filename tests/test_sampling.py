@@ -37,6 +37,38 @@ def test_filter_rows_matches_filter_logits():
         np.testing.assert_allclose(got[b][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, err_msg=str(p))
 
 
+def test_filter_rows_finds_the_cutoffs_in_the_head_or_past_it():
+    """A CPU looks for the rows' cutoffs among their HEAD best logits first and sorts the whole rows when some row's
+    cutoff lies past them: either way the rows equal filter_logits, with cutoffs inside and past the head."""
+    vocab = 4 * sampling.HEAD + 7
+    rng = np.random.default_rng()
+    peaked = rng.normal(size=vocab) * 4  # a top-p 0.95 nucleus well inside the head
+    flat = rng.normal(size=vocab) * 0.05  # top-p 0.9 of a flat row reaches past the head
+    cases = [(peaked, SamplingParams(temperature=0.7, top_p=0.95)),
+             (peaked, SamplingParams(temperature=1.0, top_k=10, top_p=0.9)),
+             (flat, SamplingParams(temperature=1.0, top_p=0.9)),
+             (peaked, SamplingParams(temperature=1.0, top_k=sampling.HEAD + 20)),
+             (flat, SamplingParams(temperature=0.0, top_p=0.5)),  # greedy: its settings never ask for the sort
+             (flat, SamplingParams(temperature=1.0, top_k=5))]
+    filter_jit = jax.jit(sampling.filter_rows, static_argnames="head")
+    for batch, in_head in (([0, 1, 4, 5], True), ([0, 2], False), ([3, 1], False)):
+        logits = np.stack([cases[i][0] for i in batch]).astype(np.float32)
+        rows = RowSampling.of([cases[i][1] for i in batch])
+        t = np.asarray(rows.temperature)
+        scaled = logits / np.where(t > 0, t, 1.0)[:, None]
+        k = np.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab)[:, None]
+        _, exact = sampling._filtered(jnp.asarray(scaled), jax.lax.top_k(jnp.asarray(scaled), sampling.HEAD)[0],
+                                      jnp.asarray(k), jnp.asarray(rows.top_p)[:, None])
+        assert bool(np.all(np.asarray(exact) | (np.asarray(rows.temperature) <= 0))) == in_head, batch
+        for head in (True, False):
+            got = np.asarray(filter_jit(logits, rows, head=head))
+            for b, i in enumerate(batch):
+                p = cases[i][1]
+                want = np.asarray(filter_logits(logits[b], p.temperature, min(p.top_k, vocab), p.top_p))
+                np.testing.assert_array_equal(np.isfinite(got[b]), np.isfinite(want), err_msg=f"{p} head={head}")
+                np.testing.assert_allclose(got[b][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
+
+
 def numpy_penalize(logits, counts, p: SamplingParams):
     out = logits.astype(np.float64).copy()
     seen = counts > 0

@@ -457,13 +457,16 @@ def _extend_drafter(drafter: Drafter, dcache: DrafterCache, hidden, num_new):
     return drafter.extend_context(dcache, hidden, num_new)
 
 
-def _first_tokens(last_logits, spec: SpecConfig, rows: sampling_ops.RowSampling, keys, counts):
-    """Each prompt's first token: its row's settings (sampling.first_tokens), the argmax in a greedy program."""
-    if spec.sampled:
-        return sampling_ops.first_tokens(last_logits, rows, keys, counts)
-    if counts is not None:
-        last_logits = sampling_ops.penalize(last_logits, counts, rows)
-    return argmax_last(last_logits)
+@functools.partial(jax.jit, static_argnames="sampled")
+def _first_tokens(last_logits, rows: sampling_ops.RowSampling, keys, counts, *, sampled: bool):
+    """(each prompt's first token: its row's settings (sampling.first_tokens), the argmax in a greedy program; the
+    token counts with it, None without penalties). One program: run op by op, a sampled first token's ~100 operations
+    took ~2 s of the CLI's prefill on the 2-core CPU, each a small compile in a new process."""
+    if sampled:
+        first = sampling_ops.first_tokens(last_logits, rows, keys, counts)
+    else:
+        first = argmax_last(sampling_ops.penalize(last_logits, counts, rows) if counts is not None else last_logits)
+    return first, (sampling_ops.add_tokens(counts, first[:, None]) if counts is not None else None)
 
 
 def initial_state(cache: KVCache, dcache: Optional[DrafterCache], first_tokens, *, max_new_tokens: int, width: int,
@@ -714,9 +717,7 @@ def setup(target: Transformer, drafter: Optional[Drafter], req: validation.Reque
     dcache = None
     if req.use_drafter:
         dcache = _extend_drafter(drafter, drafter.init_cache(batch, max_len), hidden, jnp.asarray(lens))
-    first = _first_tokens(last_logits, spec, rows, keys, counts)
-    if counts is not None:
-        counts = sampling_ops.add_tokens(counts, first[:, None])
+    first, counts = _first_tokens(last_logits, rows, keys, counts, sampled=spec.sampled)
     first_np = np.asarray(first)
     t_prefill = time.perf_counter() - t0
 
