@@ -9,7 +9,8 @@
 # Then benchmarks/spec_decode.py on each pair, ROUNDS rounds alternating the pairs (shipped first in odd rounds):
 # batches BATCHES, budgets 0 (AR) and BUDGETS, greedy and T = 0.7 (top-p 0.95), 16 held-out prompts x 96 tokens.
 # Writes under $OUT: ab.md (tok/s, speed-up over AR and tau per pair, round and cell), each run's spec_decode JSON,
-# ab.log; all in 0_results.tgz. Knobs: ROUNDS (2), BATCHES (1,16), BUDGETS (8,16), TEMPERATURES (0,0.7), SKIP_BUILD.
+# ab.log; all in 0_results.tgz. Knobs: ROUNDS (2), BATCHES (1,16), BUDGETS (8,16), TEMPERATURES (0,0.7), SKIP_BUILD,
+# DEADLINE_S (540), RUN_COST_S (150: an estimate, not yet measured on a GPU).
 # CPU dry run: SKIP_BUILD=1 ROUNDS=1 BATCHES=1 BUDGETS=4 TEMPERATURES=0 PROMPTS=2 MAX_NEW=8.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -44,10 +45,15 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   order="shipped candidate"; [ $(( round % 2 )) = 0 ] && order="candidate shipped"
   for pair in $order; do
     ckpt=checkpoints/default; [ "$pair" = candidate ] && ckpt="$WORK/candidate"
+    # A run that would end past DEADLINE_S is skipped and said so (RUN_COST_S: what a first run is expected to take;
+    # the later rounds read their programs back from the shared compilation cache).
+    left=$(( ${DEADLINE_S:-540} - $(since) ))
+    if [ "$left" -lt "${RUN_COST_S:-150}" ]; then echo "$pair round $round: skipped ($left s left)"; continue; fi
     mkdir -p "$WORK/$pair$round"
-    timeout 240 python3 benchmarks/spec_decode.py --checkpoint "$ckpt" --batch "${BATCHES:-1,16}" \
+    timeout "$left" python3 benchmarks/spec_decode.py --checkpoint "$ckpt" --batch "${BATCHES:-1,16}" \
       --budgets "${BUDGETS:-8,16}" --temperatures "${TEMPERATURES:-0,0.7}" --top-p 0.95 --no-chain \
-      --prompts "${PROMPTS:-16}" --max-new-tokens "${MAX_NEW:-96}" --out "$WORK/$pair$round" > "$WORK/$pair$round.log" 2>&1
+      --prompts "${PROMPTS:-16}" --max-new-tokens "${MAX_NEW:-96}" --cache-dir "$WORK/jax_cache" \
+      --out "$WORK/$pair$round" > "$WORK/$pair$round.log" 2>&1
     echo "$pair round $round: rc=$? at $(since) s"
     cp "$WORK/$pair$round"/spec_decode_*.json "$OUT/spec_decode_${pair}_round$round.json" 2>/dev/null
   done

@@ -140,7 +140,9 @@ echo "packed $src at $(since) s: $(du -sh "$WORK/$src" | cut -f1)"
 # 3. Held-out perplexity, tau and speed, greedy and T = 0.7 ---------------------------------------------------
 left=$(( DEADLINE_S - $(since) - 5 ))
 if [ "${SKIP_EVAL:-0}" != 1 ] && [ "$src" = default_v2 ] && [ "$left" -gt 20 ]; then
-  timeout "$left" python3 benchmarks/default_pair.py --checkpoint "$WORK/default_v2" --corpus "$PACK" \
+  # A target taken as it was (TARGET_FROM) has its held-out loss measured already: the time goes to the speed rows.
+  skip_loss=""; [ -n "${TARGET_FROM:-}" ] && skip_loss="--skip-loss"
+  timeout "$left" python3 benchmarks/default_pair.py --checkpoint "$WORK/default_v2" --corpus "$PACK" $skip_loss \
     --prompts "${EVAL_PROMPTS:-16}" --max-new-tokens "${EVAL_MAX_NEW:-128}" --budgets "${EVAL_BUDGETS:-32}" --no-chain --latency-prompts 2 --compare-budget 0 \
     --temperatures 0,0.7 --top-p 0.95 --samples 2 --h200-results "" --out "$OUT/default_pair_v2_h200" \
     > "$OUT/default_pair.log" 2>&1
