@@ -24,21 +24,12 @@
 #        DRAFTER_BATCH=2 EVAL_PROMPTS=1 EVAL_MAX_NEW=8 DEADLINE_S=9999 SKIP_BUILD=1 EXTRA_DRAFTER_ARGS="--seq-len 64 --gen-batch 2 --anchors 2
 #        --eval-sequences 2" ARMS="v2= small=--drafter-intermediate,256").
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-WORK=${WORK:-/tmp/drafter_ablation}
-T0=$(date +%s)
-rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
-exec > >(tee -a "$OUT/ablation.log") 2>&1
-export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} TOKENIZERS_PARALLELISM=false
+source checkpoints/device_common.sh /tmp/drafter_ablation ablation.log
 PACK=${PACK:-checkpoints/corpus_v2.jsonl.xz}
 TARGET=${TARGET:-checkpoints/default}
 ARMS=${ARMS:-"v2= layers5=--drafter-layers,5"}
-since() { echo $(( $(date +%s) - T0 )); }
 echo "commit ${KDTREE_COMMIT:-unknown}; jax $(python3 -c 'import jax; print(jax.__version__)'); arms: $ARMS"
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "build: $(since) s"
-fi
+build_extension
 evaluate() {  # evaluate NAME PAIR_DIR: tau at DDTree 16, greedy and T = 0.7, on the held-out prompts
   timeout 150 python3 benchmarks/default_pair.py --checkpoint "$2" --corpus "$PACK" --prompts "${EVAL_PROMPTS:-16}" \
     --max-new-tokens "${EVAL_MAX_NEW:-128}" --budgets 16 --no-chain --latency-prompts 0 --skip-loss --compare-budget 0 \

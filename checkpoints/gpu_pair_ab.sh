@@ -13,19 +13,10 @@
 # DEADLINE_S (540), RUN_COST_S (150: an estimate, not yet measured on a GPU).
 # CPU dry run: SKIP_BUILD=1 ROUNDS=1 BATCHES=1 BUDGETS=4 TEMPERATURES=0 PROMPTS=2 MAX_NEW=8.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-WORK=${WORK:-/tmp/pair_ab}
-T0=$(date +%s)
-rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
-exec > >(tee -a "$OUT/ab.log") 2>&1
-export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90}
-since() { echo $(( $(date +%s) - T0 )); }
+source checkpoints/device_common.sh /tmp/pair_ab ab.log
 CANDIDATE=${CANDIDATE:?CANDIDATE: a directory with drafter/ and kdtree_checkpoint.json}
 echo "commit ${KDTREE_COMMIT:-unknown}; candidate $CANDIDATE"
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "build: $(since) s"
-fi
+build_extension
 python3 - "$CANDIDATE" "$WORK/candidate" <<'EOF' || exit 1
 import json, os, shutil, sys
 from kdtree_jax.checkpoint import METADATA_FILE, load_checkpoint, read_metadata, save_checkpoint

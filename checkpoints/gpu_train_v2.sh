@@ -33,18 +33,12 @@
 # the drafter distils from instead of training one: phase 1 only re-stores it with WEIGHTS); for a CPU dry run of the
 # plumbing: PACK (another pack), EXTRA_TARGET_ARGS, EXTRA_DRAFTER_ARGS (appended to the phases' arguments).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-WORK=${WORK:-/tmp/pair_v2}
-T0=$(date +%s)
-rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
-exec > >(tee -a "$OUT/gpu_train_v2.log") 2>&1
-export PYTHONUNBUFFERED=1 KDTREE_JAX_CUDA_ARCHS=${KDTREE_JAX_CUDA_ARCHS:-90} TOKENIZERS_PARALLELISM=false
+source checkpoints/device_common.sh /tmp/pair_v2 gpu_train_v2.log
 PACK=${PACK:-checkpoints/corpus_v2.jsonl.xz}
 DEADLINE_S=${DEADLINE_S:-560}
 TARGET_END_S=${TARGET_END_S:-170}
 DRAFTER_END_S=${DRAFTER_END_S:-480}
 WEIGHTS=${WEIGHTS:-plain}
-since() { echo $(( $(date +%s) - T0 )); }
 merge_metrics() {  # metrics_v2.json: whatever the phases have written so far
   python3 - "$OUT" <<'EOF'
 import json, os, sys
