@@ -581,6 +581,10 @@ def main(argv=None):
                    help="row-invariant steps (SpecConfig.row_invariant: rows padded to 64-multiples, the attention "
                         "op's T-independent split partition; the XLA flags of runtime.configure(row_invariant=True) "
                         "are set here); run with and without to measure what the invariance costs")
+    p.add_argument("--shared-expert", choices=("folded", "apart"), default="folded",
+                   help="folded: the MoE layers' shared expert inside the routed experts' CUDA pairs op where the model "
+                        "folds it (MoE.folds_shared); apart: as its own XLA products, as the model ran it before "
+                        "(an A/B arm: run once with each)")
     p.add_argument("--render", default=None, metavar="PATH",
                    help="only recompute PATH.json's derived figures and rewrite PATH.md (no device work)")
     args = p.parse_args(argv)
@@ -591,6 +595,9 @@ def main(argv=None):
         tree_only_main(args)
         return
     t_start = time.perf_counter()
+    if args.shared_expert == "apart":  # the A/B's other arm: the model's fold test then finds no shared-expert op
+        from kdtree_jax.ops import moe as moe_ops
+        moe_ops.pairs_shared_built = lambda: False
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
@@ -643,6 +650,7 @@ def main(argv=None):
                        else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device, "layers": layers, "commit": git_commit(), "row_invariant": args.row_invariant,
+            "shared_expert": args.shared_expert,
             "command_buffers": runtime.command_buffers_configured() and jax.default_backend() == "gpu",
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,
             "copy_bandwidth_TBps": bandwidth / 1e12,
@@ -951,7 +959,10 @@ def write_markdown(path, meta, rows):
     lines = [f"# Decode steps at long context, {meta['preset']}, {meta['layers']} layers ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}. Bandwidth measured (TB/s): {bws}; floors use "
              f"{meta['floor_bandwidth']} ({meta['copy_bandwidth_TBps']:.2f} TB/s). Pool fill: {meta['fill']}. "
-             f"{meta['timing']}." + command_buffer_note(meta, rows), ""]
+             f"{meta['timing']}." + command_buffer_note(meta, rows)
+             + (" The MoE layers' shared expert: " + {"folded": "inside the routed experts' pairs op where the model "
+                "folds it", "apart": "its own XLA products (the fold off: an A/B arm)"}[meta["shared_expert"]] + "."
+                if "shared_expert" in meta else ""), ""]
     if meta.get("timed_beside_compiles"):
         lines += [f"**Warning:** {meta['timed_beside_compiles']} compile(s) cut short by `--deadline-s` still ran while "
                   "the rows below were timed (XLA cannot stop a compile): their times may read slow. Rerun with a "

@@ -20,6 +20,13 @@ active on this device (3 matrices each) at 4.3 TB/s: reading each used expert on
   python benchmarks/moe_experts.py --geometry default_pair,k2 --tokens-k2 1,9,33 --impls xla,cuda_bps4,dense,auto \
       --out $OUT --name moe_experts_items_h200     # the work-item grid: both geometries, one process
   python benchmarks/moe_experts.py --smoke  # CPU, tiny widths, checks the script runs (writes to a temp dir)
+
+--shared: every impl also runs a shared expert of the routed experts' width on every token (K2's one shared expert;
+the tp slice's width under tp), as the model's layer does: its own XLA products added to the routed result, except
+`pairs_shared`, the pairs op with the shared expert inside its kernels (MoE.folds_shared; not under ep, whose routed
+experts stay whole). The floor then counts the shared expert's bytes too.
+  python benchmarks/moe_experts.py --geometry k2 --layouts tp --devices 8 --tokens-k2 1,4,9 --impls pairs,pairs_shared \
+      --shared --name moe_shared_fold_h200     # the K2 TP8 rank's layer, the shared expert apart vs folded
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdtree_jax.model.moe import routed_experts  # noqa: E402
+from kdtree_jax.model.moe import routed_experts, swiglu  # noqa: E402
 from kdtree_jax.ops import moe as moe_ops  # noqa: E402
 from kdtree_jax.provenance import git_commit, smoke_dir  # noqa: E402
 
@@ -50,7 +57,7 @@ GEOMETRIES = {
 SMOKE = {"k2": dict(GEOMETRIES["k2"], hidden=64, inter=32, experts=16, top_k=4),
          "default_pair": dict(GEOMETRIES["default_pair"], hidden=32, inter=32)}
 K2 = GEOMETRIES["k2"]
-IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "dense", "auto")
+IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "pairs_shared", "dense", "auto")
 DENSE_MAX_EXPERTS = 64  # dense does E x the grouped FLOPs: pointless (and huge) at K2's 96-384 local experts
 
 
@@ -73,22 +80,28 @@ def median_per_call(run, args, iters, reps):
 
 
 def make_loop(impl, iters, scope, blocks_per_sm=moe_ops.CUDA_BLOCKS_PER_SM):
-    """jit(x, routing, weights): `iters` calls, each input depending on the last output (nothing is hoisted);
+    """jit(x, routing, weights, *shared): `iters` calls, each input depending on the last output (nothing is hoisted);
     the weights are arguments, never closed-over constants.  scope "op": x are the sorted rows and `indices`
-    the group sizes (the grouped MLP alone)."""
+    the group sizes (the grouped MLP alone).  `shared` (--shared): a shared expert's (gate, up, down), added apart
+    (XLA products) or, for impl "pairs_shared", inside the pairs op."""
     @jax.jit
-    def run(x, indices, weights, gate, up, down):
+    def run(x, indices, weights, gate, up, down, *shared):
         def body(i, x):
             if scope == "op":
                 out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
+            elif impl == "pairs_shared":
+                out = routed_experts(x, indices, weights, gate, up, down, impl="pairs", blocks_per_sm=blocks_per_sm,
+                                     shared=shared)
             else:
                 out = routed_experts(x, indices, weights, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
+                if shared:
+                    out = out + swiglu(x, *shared)
             return x + out * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, iters, body, x)
     return run
 
 
-def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, iters, reps, log):
+def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, iters, reps, log, with_shared=False):
     h, i_full, e_all, k = widths["hidden"], widths["inter"], widths["experts"], widths["top_k"]
     e_local, inter = {"ep": (e_all // n_dev, i_full), "tp": (e_all, i_full // n_dev), "full": (e_all, i_full)}[layout]
     key = jax.random.key(0)
@@ -97,6 +110,7 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
     up = (jax.random.normal(ku, (e_local, h, inter), jnp.bfloat16) * h ** -0.5).astype(jnp.bfloat16)
     down = (jax.random.normal(kd, (e_local, inter, h), jnp.bfloat16) * inter ** -0.5).astype(jnp.bfloat16)
     expert_bytes = 3 * h * inter * 2
+    shared = (gate[0] * 0.5, up[0] * 0.5, down[0] * 0.5) if with_shared else ()  # an expert of its own width
     rows = []
     rng = np.random.default_rng(0)
     for tokens in tokens_list:
@@ -106,14 +120,15 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
         active = len(np.unique(local))
         local_pairs = int(local.size)
         sizes = np.bincount(local, minlength=e_local).astype(np.int32)
-        floor = active * expert_bytes / FLOOR_BYTES_PER_S
+        read = active + bool(shared)  # experts whose weights a call must read
+        floor = read * expert_bytes / FLOOR_BYTES_PER_S
         x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
         if scope == "op":  # the rows as routed_experts hands them over: sorted by expert, others last
             flat = np.where(indices < e_local, indices, e_local).reshape(-1)
             order = np.argsort(flat, kind="stable")
             args = (x[jnp.asarray(order // k)], jnp.asarray(sizes), None, gate, up, down)
         else:
-            args = (x, jnp.asarray(indices), jnp.asarray(weights), gate, up, down)
+            args = (x, jnp.asarray(indices), jnp.asarray(weights), gate, up, down, *shared)
         num_rows = tokens * k
         per_item = moe_ops.rows_per_item(num_rows, e_local)
         items = int((-(-sizes // per_item)).sum())
@@ -122,12 +137,14 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
                    max_rows_per_expert=int(sizes.max()), rows_per_item=per_item, items=items,
                    item_slots=moe_ops.item_slots(num_rows, e_local, per_item),
                    auto_uses_cuda=bool(moe_ops.cuda_built() and num_rows <= moe_ops.CUDA_MAX_ROWS),
-                   active_bytes=active * expert_bytes, floor_us=floor * 1e6)
+                   shared_expert=bool(shared), active_bytes=read * expert_bytes, floor_us=floor * 1e6)
         ref = None  # ragged_dot's final x
         for name in impls:
             impl, bps = impl_of(name)
-            if (impl == "dense" and e_local > DENSE_MAX_EXPERTS) or (impl == "pairs" and scope == "op"):
+            if (impl == "dense" and e_local > DENSE_MAX_EXPERTS) or (impl.startswith("pairs") and scope == "op"):
                 continue  # "pairs" runs on the routed pairs, never on sorted rows
+            if impl == "pairs_shared" and (not shared or layout == "ep"):
+                continue  # the fold needs a shared expert of the routed experts' width (not ep: MoE.folds_shared)
             run = make_loop(impl, iters, scope, bps)
             seconds, final = median_per_call(run, args, iters, reps)
             # The loop's final x, against ragged_dot's: a cheap end-to-end agreement check (tests check more).
@@ -135,7 +152,7 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
             if ref is None:
                 ref = final
             row[f"{name}_us"] = seconds * 1e6
-            row[f"{name}_gbps"] = active * expert_bytes / seconds / 1e9
+            row[f"{name}_gbps"] = read * expert_bytes / seconds / 1e9
             row[f"{name}_of_floor"] = floor / seconds
             row[f"{name}_max_diff_vs_xla"] = float(jnp.max(jnp.abs(final - ref)))
         log(json.dumps(row))
@@ -150,7 +167,9 @@ def markdown(meta, rows):
              f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. Per call: "
              f"{'the grouped MLP alone (rows already sorted)' if meta['scope'] == 'op' else 'routed_experts (sort, gather, grouped SwiGLU, weighted sum back into tokens)'}, "
              f"median of {meta['reps']} runs of a jitted fori_loop of {meta['iters']} calls whose input depends on the "
-             f"carry. Floor = bytes of the experts active on this device / 4.3 TB/s. `cuda bps4` / `bps1`: the CUDA op at "
+             f"carry. Floor = bytes of the experts active on this device"
+             f"{' and of the shared expert (every impl runs one: apart as XLA products, inside the pairs op for `pairs shared`)' if meta.get('shared_expert') else ''}"
+             f" / 4.3 TB/s. `cuda bps4` / `bps1`: the CUDA op at "
              f"128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM), R = {meta['cuda_rows_per_item']} rows of an "
              f"expert per work item (each its own blocks); `pairs`: the CUDA op on the router's pairs in place (no sort, "
              f"gather or combine launches; `auto` takes it up to {moe_ops.PAIRS_MAX} pairs); `dense`: every expert on every row, masked (≤ "
@@ -181,6 +200,8 @@ def main(argv=None):
     p.add_argument("--layouts", default=None, help="k2 layouts to time: ep (experts split), tp (each expert split)")
     p.add_argument("--impls", default=None, help=f"comma-separated of {','.join(IMPL_NAMES)} (default: per geometry)")
     p.add_argument("--scope", default="routed", choices=("routed", "op"), help="routed_experts or the grouped MLP alone")
+    p.add_argument("--shared", action="store_true",
+                   help="add a shared expert of the routed experts' width to every impl (module docstring)")
     p.add_argument("--devices", type=int, default=4, help="the EP / TP degree the k2 slices stand for")
     p.add_argument("--iters", type=int, default=10, help="MoE calls per timed loop")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is reported)")
@@ -209,6 +230,7 @@ def main(argv=None):
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
                 jax=jax.__version__, iters=iters, reps=reps, scope=args.scope, ep_tp_degree=args.devices,
+                shared_expert=args.shared,
                 geometries={g: (SMOKE if args.smoke else GEOMETRIES)[g] for g in geometries},
                 cuda_max_rows=moe_ops.CUDA_MAX_ROWS, cuda_rows_per_item=moe_ops.rows_per_item(1, 1),
                 cuda_op_built=moe_ops.cuda_built(), floor_bytes_per_s=FLOOR_BYTES_PER_S)
@@ -226,7 +248,7 @@ def main(argv=None):
             impls = ["xla"] + [n for n in impls if n != "xla"]
         for layout in layouts:
             rows += bench_layout(geometry, layout, widths, args.devices, tokens_list, impls, args.scope, iters, reps,
-                                 log)
+                                 log, with_shared=args.shared)
             # Written after every layout, so that a run cut short keeps what it measured.
             meta["seconds"] = round(time.perf_counter() - t0, 1)
             with open(os.path.join(args.out, name + ".json"), "w") as f:

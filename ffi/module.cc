@@ -24,6 +24,7 @@ NB_MODULE(_verify_attention_ext, m) {
   m.def("cuda_handler", []() { return encapsulate(kdtree_verify_attention_cuda); });
   m.def("moe_experts_cuda_handler", []() { return encapsulate(kdtree_moe_experts_cuda); });
   m.def("moe_pairs_cuda_handler", []() { return encapsulate(kdtree_moe_pairs_cuda); });
+  m.def("moe_pairs_shared_cuda_handler", []() { return encapsulate(kdtree_moe_pairs_shared_cuda); });
   m.def("log_softmax_top_k_cuda_handler", []() { return encapsulate(kdtree_log_softmax_top_k_cuda); });
   m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
         "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");

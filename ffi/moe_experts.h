@@ -28,6 +28,9 @@
 //                          at the same split count
 //   partial, hidden, pair_out, arrivals: scratch (per-split sums, SwiGLU activations, each pair's output, the
 //                          "last block" counters the op zeroes itself)
+// "moe_pairs_shared": the same plus the shared expert (shared_gate, shared_up [H, I], shared_down [I, H]; the routed
+//   experts' H and I) on every token, weight 1, added last: out[t] = bf16(sum over k of weights[t, k] *
+//   bf16(expert_{t,k}(x[t])) + bf16(shared(x[t]))), the sums in float32; its scratch holds T more pairs
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -35,4 +38,5 @@
 #if defined(KDTREE_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_experts_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_pairs_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kdtree_moe_pairs_shared_cuda);
 #endif

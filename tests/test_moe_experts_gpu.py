@@ -391,6 +391,79 @@ def test_pairs_op_inside_while_loop():
     np.testing.assert_array_equal(np.asarray(loop(x)), np.asarray(expected))
 
 
+# The pairs op with the shared expert: (tokens, top_k, experts, hidden, inter, share of pairs held elsewhere).
+SHARED_CASES = [
+    (1, 8, 16, 7168 // 8, 2048 // 8, 0.0),     # an autoregressive step, K2 proportions
+    (9, 8, 40, 512, 256, 0.3),                 # a verify pass, some pairs held elsewhere
+    (5, 3, 7, 37, 21, 0.0),                    # odd widths: element-wise path
+    (3, 4, 6, 2056, 40, 0.5),                  # several hidden-dim splits, the last one short
+    (4, 2, 5, 64, 64, 1.0),                    # no routed pair held here: the shared expert alone
+]
+
+
+def reference_shared(x2d, gate, up, down):
+    x, gate, up, down = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x2d, gate, up, down))
+    g, u = x @ gate, x @ up
+    return (g / (1 + np.exp(-g)) * u) @ down
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pairs_op_with_shared_expert(case):
+    """pair_expert_mlp(shared=...) against the float64 loop plus the shared MLP, NaN-poisoned; and bit for bit against
+    the plain pairs op given the shared expert as one more expert that every token chooses last with weight 1 (the
+    same float32 sum: 1 * y adds y exactly)."""
+    tokens, top_k, experts, hidden, inter, elsewhere = case
+    rng = np.random.default_rng(SHARED_CASES.index(case) + 300)
+    gate, up, down = make_weights(rng, experts, hidden, inter)
+    shared = tuple(w[0] for w in make_weights(rng, 1, hidden, inter))
+    indices, weights = routing_held_here(rng, tokens, top_k, experts, elsewhere)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(routed_experts, static_argnames=("impl",))
+    assert moe_ops.PAIRS_SHARED_TARGET in fn.lower(x, indices, weights, gate, up, down, impl="pairs",
+                                                   shared=shared).as_text()
+    poison_allocator(((tokens, hidden), jnp.bfloat16), ((tokens * (top_k + 1), hidden), jnp.bfloat16),
+                     ((tokens * (top_k + 1), inter), jnp.float32))
+    out = jax.block_until_ready(fn(x, indices, weights, gate, up, down, impl="pairs", shared=shared))
+    assert_close(out, reference_routed(x, indices, weights, gate, up, down) + reference_shared(x, *shared))
+    # The shared expert as expert E, chosen last by every token with weight 1 (ids past 2E stay held elsewhere).
+    local = jnp.where(indices < experts, indices, 2 * experts + 1)
+    as_expert = [jnp.concatenate([a, b[None]]) for a, b in zip((gate, up, down), shared)]
+    splits = moe_ops.choose_splits(tokens * top_k, hidden, inter)
+    plain = jax.jit(lambda *a: moe_ops.pair_expert_mlp(*a, splits=splits))(
+        x, jnp.concatenate([local, jnp.full((tokens, 1), experts, jnp.int32)], 1),
+        jnp.concatenate([weights, jnp.ones((tokens, 1), jnp.float32)], 1), *as_expert)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+
+
+def test_moe_layer_folds_shared_expert_on_gpu():
+    """A GPU "auto" MoE layer with few pairs runs its shared expert inside the pairs op (no products of its own) and
+    agrees with the layer whose shared expert runs apart (impl forced off the fold) and with float64."""
+    from flax import nnx
+
+    from kdtree_jax.config import ModelConfig
+    from kdtree_jax.model.moe import MoE
+    cfg = ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                      moe_intermediate_size=128, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+                      qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4,
+                      n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+    moe = MoE(cfg, jnp.bfloat16, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (1, 3, 256), jnp.float32).astype(jnp.bfloat16)
+    fn = nnx.jit(lambda m, x: m(x)[0])
+    assert moe.folds_shared(x.reshape(3, 256), 4, "auto")
+    hlo = fn.lower(moe, x).as_text()
+    assert moe_ops.PAIRS_SHARED_TARGET in hlo and "kdtree_moe_pairs\"" not in hlo
+    out = fn(moe, x)
+    x2d = x.reshape(3, 256)
+    indices, weights = moe.gate(x2d)
+    sh = moe.shared_experts
+    ref = (reference_routed(x2d, indices, weights, moe.experts.gate_proj[...], moe.experts.up_proj[...],
+                            moe.experts.down_proj[...])
+           + reference_shared(x2d, sh.gate_proj.kernel[...], sh.up_proj.kernel[...], sh.down_proj.kernel[...]))
+    assert_close(out.reshape(3, 256), ref)
+    apart = nnx.jit(lambda m, x: m.routed(x, *m.gate(x), impl="pairs") + m.shared_experts(x))(moe, x2d)
+    assert_close(out.reshape(3, 256), np.asarray(apart.astype(jnp.float32), np.float64))
+
+
 SANITIZER_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from kdtree_jax.model.moe import routed_experts
@@ -405,6 +478,9 @@ SANITIZER_SCRIPT = textwrap.dedent("""
         for impl in ("pairs", "cuda"):
             out = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *w, impl=impl)
             assert np.isfinite(np.asarray(out, np.float32)).all()
+        shared = tuple(a[0] for a in w)  # the pairs op with a shared expert
+        out = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *w, impl="pairs", shared=shared)
+        assert np.isfinite(np.asarray(out, np.float32)).all()
     print("SANITIZER-CASE-OK")
 """)
 

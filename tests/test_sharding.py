@@ -7,12 +7,14 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax
 from kdtree_jax import decode, kv_pool
 from kdtree_jax.model.drafter import DrafterConfig, init_drafter
 from kdtree_jax.ops import ffi
+from kdtree_jax.ops import moe as moe_ops
 from kdtree_jax.sharding import make_mesh, replicate, shard_model
 from kdtree_jax.speculative.engine import generate
 
@@ -48,6 +50,26 @@ def unsharded_logits(model, tokens):
 @pytest.mark.parametrize("layout,n", LAYOUTS)
 def test_sharded_logits_equal_unsharded(model, tokens, unsharded_logits, layout, n):
     sharded = shard_model(model, make_mesh(n), layout)
+    logits = np.asarray(kdtree_jax.forward_logits(sharded, tokens))
+    assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_shared_expert_folded_into_routed_op(model, tokens, unsharded_logits, layout, monkeypatch):
+    """The shared expert inside the routed experts' op, as a GPU's pairs op runs it (MoE.folds_shared), here through
+    the op's CPU branch: its weights pass through the routed experts' shard_map (tp: sliced as the routed experts'
+    intermediate dim, summed by their psum) and the logits stay the unfolded model's; ep does not fold (its routed
+    experts are whole, the shared one split)."""
+    from kdtree_jax.model.moe import MoE
+    monkeypatch.setattr(moe_ops, "pairs_shared_built", lambda: True)
+    monkeypatch.setattr(moe_ops, "use_pairs", lambda *a, **k: True)
+    # Traced for the CUDA branch, never run here: a stand-in of the op's shape (a wrong value would show in the logits).
+    monkeypatch.setattr(moe_ops, "pair_expert_mlp", lambda x2d, *a, **k: jnp.full_like(x2d, jnp.nan))
+    sharded = shard_model(model, make_mesh(8), layout)
+    moes = [m for _, m in nnx.iter_graph(sharded) if isinstance(m, MoE)]
+    x = jnp.zeros((3, CFG.hidden_size), moes[0].experts.gate_proj.dtype)
+    assert moes and all(m.folds_shared(x, CFG.num_experts_per_tok, "auto") == (layout == "tp") for m in moes)
+    assert not moes[0].folds_shared(x, CFG.num_experts_per_tok, "row_invariant")
     logits = np.asarray(kdtree_jax.forward_logits(sharded, tokens))
     assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
 

@@ -42,8 +42,13 @@ def route(router_logits, bias, cfg: ModelConfig):
     return indices.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def swiglu(x, gate, up, down):
+    """down(silu(x @ gate) * (x @ up)) on [H, I] / [I, H] weights, as layers.MLP computes it."""
+    return jnp.dot(jax.nn.silu(jnp.dot(x, gate)) * jnp.dot(x, up), down)
+
+
 def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl="auto", expert_second=None,
-                   blocks_per_sm=CUDA_BLOCKS_PER_SM):
+                   blocks_per_sm=CUDA_BLOCKS_PER_SM, shared=None):
     """Sum over each token's chosen experts of weight * expert(x), for the experts held here.
 
     gate/up [E_local, H, I], down [E_local, I, H] are experts expert_offset .. expert_offset + E_local
@@ -55,7 +60,9 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
     "auto" runs few pairs (ops.moe.PAIRS_MAX) unsorted through the CUDA pairs op, as "pairs" does at any count, and
     more pairs over few experts as every expert on every token (ops.moe.use_all_experts);
     `expert_second`: MoE.loop_weights(), for the CPU's dense form; `blocks_per_sm`: the CUDA op's register
-    budget (ops/moe.py; benchmarks pass it for A/B runs).
+    budget (ops/moe.py; benchmarks pass it for A/B runs); `shared`: a shared expert's (gate [H, I], up [H, I],
+    down [I, H]) of the routed experts' width, added to every token's result: inside the pairs op's kernels on a GPU
+    (pair_expert_mlp), as its own products elsewhere (MoE.folds_shared says when the model passes it).
     """
     num_tokens, k = indices.shape
     num_local = gate.shape[0]
@@ -80,6 +87,16 @@ def routed_experts(x2d, indices, weights, gate, up, down, expert_offset=0, impl=
         return moe_ops.weighted_pair_sum(pair_out, held < num_local, weights, x2d.dtype)
 
     args = (x2d, local, weights, gate, up, down)
+    if shared is not None:
+        if not moe_ops.use_pairs(num_tokens * k, x2d, gate, up, down, impl):  # no pairs op: the shared expert apart
+            routed = routed_experts(x2d, indices, weights, gate, up, down, expert_offset, impl, expert_second,
+                                    blocks_per_sm)
+            return (routed + swiglu(x2d, *shared)).astype(x2d.dtype)
+
+        def with_shared(*a):
+            return (on_sorted_rows(*a) + swiglu(x2d, *shared)).astype(x2d.dtype)
+        on_pairs = functools.partial(moe_ops.pair_expert_mlp, blocks_per_sm=blocks_per_sm, shared=shared)
+        return jax.lax.platform_dependent(*args, cuda=on_pairs, default=with_shared)
     if moe_ops.use_all_experts(num_tokens * k, x2d, gate, impl):
         # Few experts, many pairs: every expert on every token beats the sort's bookkeeping on a GPU (ops/moe.py).
         return jax.lax.platform_dependent(*args, cuda=moe_ops.all_experts_routed, default=on_sorted_rows)
@@ -182,8 +199,10 @@ class MoE(nnx.Module):
         indices, weights = rows.map(self.gate, x2d)
         slots = self.to_physical(indices)
         impl = "row_invariant" if rows.invariant else "auto"  # ops/moe.py: a row's result alone or among others
-        out = rows.map(lambda h, s, w: self.routed(h, s, w, loop_weights, impl), x2d, rows.no_experts(slots), weights)
-        shared = self.shared_experts
+        fold = self.folds_shared(x2d, slots.shape[1], impl)
+        out = rows.map(lambda h, s, w: self.routed(h, s, w, loop_weights, impl, fold), x2d, rows.no_experts(slots),
+                       weights)
+        shared = None if fold else self.shared_experts
         extra = () if residual is None else (residual.reshape(x2d.shape),)
 
         def finish(h, o, *r):
@@ -195,27 +214,54 @@ class MoE(nnx.Module):
         out = rows.map(finish, x2d, out, *extra)
         return out.reshape(x.shape), rows.real(slots)
 
-    def routed(self, x2d, indices, weights, loop_weights=None, impl: str = "auto"):
+    def folds_shared(self, x2d, top_k: int, impl: str) -> bool:
+        """Whether the shared expert runs inside the routed experts' CUDA pairs op (ops.moe.pair_expert_mlp, shared=):
+        a GPU "auto" pass whose routed pairs take that op, a shared expert as wide as a routed one on each device
+        (n_shared_experts = 1; unsharded, or both split along the intermediate dim as tp splits them; not ep, whose
+        routed experts stay whole while the shared one is split). Then no launches of its own, and on a mesh its
+        partial sums ride the routed experts' psum instead of an all-reduce of their own."""
+        shared, ex = self.shared_experts, self.experts
+        if shared is None or impl != "auto" or not moe_ops.pairs_shared_built():
+            return False
+        kernel = shared.gate_proj.kernel
+        if kernel.shape[1] != ex.gate_proj.shape[2] or kernel.dtype != ex.gate_proj.dtype:
+            return False
+        if self.placement is not None:
+            shared_split = self.placement.param_spec(shared.gate_proj.kernel)
+            routed_split = self.placement.param_spec(ex.gate_proj)
+            if tuple(shared_split)[1:2] != tuple(routed_split)[2:3] or self.placement.splits("experts"):
+                return False
+        return moe_ops.use_pairs(x2d.shape[0] * top_k, x2d, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...],
+                                 impl)
+
+    def routed(self, x2d, indices, weights, loop_weights=None, impl: str = "auto", with_shared: bool = False):
         """Routed experts; on a mesh each device computes its share and the shares are summed. `impl`: the grouped
-        MLP's formulation (ops/moe.py; "row_invariant" in a row-invariant pass).
+        MLP's formulation (ops/moe.py; "row_invariant" in a row-invariant pass); `with_shared`: the shared expert
+        added inside the same op (`folds_shared`).
 
         tp: every device holds every expert's 1/n of the intermediate dim (partial sums);
         ep: every device holds E/n whole experts and the tokens that chose them contribute there.
         Tokens and routing are replicated, so the only collective is the final psum.
         """
         ex = self.experts
-        weights_in = (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
+        params = [ex.gate_proj, ex.up_proj, ex.down_proj]
+        if with_shared:
+            sh = self.shared_experts
+            params += [sh.gate_proj.kernel, sh.up_proj.kernel, sh.down_proj.kernel]
+        weights_in = tuple(p[...] for p in params)
         placement = self.placement
         if placement is None:
-            return routed_experts(x2d, indices, weights, *weights_in, impl=impl, expert_second=loop_weights)
+            return routed_experts(x2d, indices, weights, *weights_in[:3], impl=impl, expert_second=loop_weights,
+                                  shared=weights_in[3:] or None)
         # Each weight's spec from its own logical axes; tokens, routing and the output are replicated.
-        specs = tuple(placement.param_spec(p) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+        specs = tuple(placement.param_spec(p) for p in params)
         whole = placement.spec()
         experts_split = placement.splits("experts")
 
-        def local(x, i, w, g, u, d):
+        def local(x, i, w, g, u, d, *shared):
             # ep: this device's experts are ids [offset, offset + E/n); tp: every expert, a slice of each.
             offset = jax.lax.axis_index(MESH_AXIS) * g.shape[0] if experts_split else 0
-            return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset, impl=impl), MESH_AXIS)
+            return jax.lax.psum(routed_experts(x, i, w, g, u, d, expert_offset=offset, impl=impl,
+                                               shared=shared or None), MESH_AXIS)
         return jax.shard_map(local, mesh=placement.mesh, in_specs=(whole,) * 3 + specs, out_specs=whole,
                              check_vma=False)(x2d, indices, weights, *weights_in)

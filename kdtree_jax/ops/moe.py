@@ -56,6 +56,7 @@ from kdtree_jax.ops.ffi import register_cuda_handler  # the CUDA op lives in the
 
 TARGET = "kdtree_moe_experts"
 PAIRS_TARGET = "kdtree_moe_pairs"
+PAIRS_SHARED_TARGET = "kdtree_moe_pairs_shared"
 IMPLS = ("auto", "xla", "cuda", "dense", "row_invariant")
 # "auto" uses the CUDA op up to this many rows (token, expert pairs on one device) and ragged_dot above.
 # Measured on an H200 (benchmarks/results/history/moe_experts_h200.md, K2 widths, 4-way ep/tp slices): the CUDA op
@@ -110,6 +111,11 @@ def cuda_built() -> bool:
 def pairs_built() -> bool:
     """True when the extension holds the CUDA pairs handler (registered on first use)."""
     return cuda_built() and register_cuda_handler(PAIRS_TARGET, "moe_pairs_cuda_handler")
+
+
+def pairs_shared_built() -> bool:
+    """True when the extension holds the CUDA pairs handler with the shared expert (registered on first use)."""
+    return pairs_built() and register_cuda_handler(PAIRS_SHARED_TARGET, "moe_pairs_shared_cuda_handler")
 
 
 # Register budget of the CUDA kernels (their `blocks_per_sm` attribute): 4 blocks per SM (128 registers), the
@@ -280,31 +286,38 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
 
 
 def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = None,
-                    blocks_per_sm: int = CUDA_BLOCKS_PER_SM):
+                    blocks_per_sm: int = CUDA_BLOCKS_PER_SM, shared=None):
     """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), the CUDA pairs op (a GPU, bf16).
 
     x2d [T, H]; experts [T, K] local expert ids (ids outside [0, E) are held elsewhere and add nothing); weights
     [T, K]; gate, up [E, H, I]; down [E, I, H].  Each pair's expert output is rounded to bf16 and the weighted sum
     runs in float32 in choice order (routed_experts' rounding).  `splits`: kernel 1's hidden-dim splits, by default
     the sorted op's (`choose_splits`), at which a pair's expert output equals the sorted op's row bit for bit, so
-    a token's result does not depend on which op ran (how many pairs the call had)."""
+    a token's result does not depend on which op ran (how many pairs the call had).
+
+    `shared`: (gate [H, I], up [H, I], down [I, H]), a shared expert of the routed experts' width run on every token in
+    the same kernels (one more pair per token, weight 1, added after the routed choices in the same float32 sum:
+    out[t] = bf16(routed sum + bf16(shared(x[t])))); `splits` then stays the routed pairs' choice."""
     _check_blocks_per_sm(blocks_per_sm)
     if not pairs_built():  # also registers the target: a first call here must find it
         raise ValueError("pair_expert_mlp needs the CUDA extension (built with nvcc): this one has no pairs op")
+    if shared is not None and not pairs_shared_built():
+        raise ValueError("pair_expert_mlp(shared=...) needs an extension with the shared-expert pairs op; rebuild it")
     num_tokens, hidden = x2d.shape
     num_experts, _, inter = gate.shape
     top_k = experts.shape[1]
-    pairs = num_tokens * top_k
     if splits is None:
-        splits = choose_splits(pairs, hidden, inter)
+        splits = choose_splits(num_tokens * top_k, hidden, inter)
+    pairs = num_tokens * (top_k + (shared is not None))
     i_tiles, h_tiles = -(-inter // 64), -(-hidden // 64)
     out_types = (jax.ShapeDtypeStruct((num_tokens, hidden), x2d.dtype),
                  jax.ShapeDtypeStruct((splits * pairs * 2, inter), jnp.float32),
                  jax.ShapeDtypeStruct((pairs, inter), jnp.float32),
                  jax.ShapeDtypeStruct((pairs, hidden), jnp.bfloat16),
                  jax.ShapeDtypeStruct((pairs * i_tiles + num_tokens * h_tiles,), jnp.int32))
-    call = jax.ffi.ffi_call(PAIRS_TARGET, out_types, vmap_method="sequential")
-    return call(x2d, experts.astype(jnp.int32), weights.astype(jnp.float32), gate, up, down,
+    target = PAIRS_TARGET if shared is None else PAIRS_SHARED_TARGET
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
+    return call(x2d, experts.astype(jnp.int32), weights.astype(jnp.float32), gate, up, down, *(shared or ()),
                 blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits))[0]
 
 
