@@ -581,10 +581,11 @@ def main(argv=None):
                    help="row-invariant steps (SpecConfig.row_invariant: rows padded to 64-multiples, the attention "
                         "op's T-independent split partition; the XLA flags of runtime.configure(row_invariant=True) "
                         "are set here); run with and without to measure what the invariance costs")
-    p.add_argument("--shared-expert", choices=("folded", "apart"), default="folded",
-                   help="folded: the MoE layers' shared expert inside the routed experts' CUDA pairs op where the model "
-                        "folds it (MoE.folds_shared); apart: as its own XLA products, as the model ran it before "
-                        "(an A/B arm: run once with each)")
+    p.add_argument("--moe", choices=("fused", "xla"), default="fused",
+                   help="fused: the MoE layers as the model runs them, the router's choice one CUDA kernel "
+                        "(ops/route.py) and the shared expert inside the routed experts' pairs op where the model folds "
+                        "it (MoE.folds_shared); xla: both as XLA ops, as the model ran them before (an A/B arm: run "
+                        "once with each)")
     p.add_argument("--render", default=None, metavar="PATH",
                    help="only recompute PATH.json's derived figures and rewrite PATH.md (no device work)")
     args = p.parse_args(argv)
@@ -595,9 +596,11 @@ def main(argv=None):
         tree_only_main(args)
         return
     t_start = time.perf_counter()
-    if args.shared_expert == "apart":  # the A/B's other arm: the model's fold test then finds no shared-expert op
+    if args.moe == "xla":  # the A/B's other arm: the model then finds neither op in the extension
         from kdtree_jax.ops import moe as moe_ops
+        from kdtree_jax.ops import route as route_ops
         moe_ops.pairs_shared_built = lambda: False
+        route_ops.cuda_built = lambda: False
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
@@ -650,7 +653,7 @@ def main(argv=None):
                        else os.path.join(os.path.dirname(__file__), "results", "decode_context_h200"))
     meta = {"moe_layers": num_moe, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device, "layers": layers, "commit": git_commit(), "row_invariant": args.row_invariant,
-            "shared_expert": args.shared_expert,
+            "moe": args.moe,
             "command_buffers": runtime.command_buffers_configured() and jax.default_backend() == "gpu",
             "bandwidths_TBps": {k: v / 1e12 for k, v in bws.items()}, "floor_bandwidth": bw_name,
             "copy_bandwidth_TBps": bandwidth / 1e12,
@@ -960,9 +963,9 @@ def write_markdown(path, meta, rows):
              f"{meta['date']}, commit {meta['commit']}. Bandwidth measured (TB/s): {bws}; floors use "
              f"{meta['floor_bandwidth']} ({meta['copy_bandwidth_TBps']:.2f} TB/s). Pool fill: {meta['fill']}. "
              f"{meta['timing']}." + command_buffer_note(meta, rows)
-             + (" The MoE layers' shared expert: " + {"folded": "inside the routed experts' pairs op where the model "
-                "folds it", "apart": "its own XLA products (the fold off: an A/B arm)"}[meta["shared_expert"]] + "."
-                if "shared_expert" in meta else ""), ""]
+             + (" MoE: " + {"fused": "the router's choice one CUDA kernel, the shared expert inside the routed "
+                "experts' pairs op (as the model runs them)", "xla": "the router's choice and the shared expert as XLA "
+                "ops (the model before them: an A/B arm)"}[meta["moe"]] + "." if "moe" in meta else ""), ""]
     if meta.get("timed_beside_compiles"):
         lines += [f"**Warning:** {meta['timed_beside_compiles']} compile(s) cut short by `--deadline-s` still ran while "
                   "the rows below were timed (XLA cannot stop a compile): their times may read slow. Rerun with a "

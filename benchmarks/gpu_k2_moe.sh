@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The K2 TP8-rank step's MoE in one device call (issue 46), run from the repository root:
 #   KDTREE_COMMIT=<hash> bash benchmarks/gpu_k2_moe.sh
-# 1. the extension for sm_90; 2. the MoE ops' GPU tests (the pairs op with and without the shared expert, and
-# compute-sanitizer memcheck on both ops); 3. benchmarks/moe_experts.py --shared: one MoE layer of the rank (384
+# 1. the extension for sm_90; 2. the MoE ops' GPU tests (the pairs op with and without the shared expert, the
+# router's op, compute-sanitizer memcheck on all three); 3. benchmarks/moe_experts.py --shared: one MoE layer of the rank (384
 # experts x 7168 x 256), the shared expert apart (XLA products) against folded into the pairs op, T = 1, 4, 9;
-# 4. benchmarks/decode_context.py at 64k, T = NODES, as many layers as fit: the fold off (--shared-expert apart, the
-# model before it), then on, with the fair XLA attention baseline after the kernel's rows: before and after in one
-# call, each step profiled (parts, kernels a step).
-# Writes under $OUT: k2_moe.log, tests.log, moe_shared_fold.{md,json}, decode_context_{apart,folded}.{md,json}, all
-# in 0_results.tgz. Knobs: NODES (1,9,33), DC_LAYERS (fit), DEADLINE_S (575), APART_S (190: the first arm's share),
+# 4. benchmarks/decode_context.py at 64k, T = NODES, as many layers as fit: the router's choice and the shared
+# expert as XLA ops (--moe xla, the model before them), then in their CUDA kernels (--moe fused), with the fair XLA
+# attention baseline after the kernel's rows: before and after in one call, each step profiled (parts, kernels a step).
+# Writes under $OUT: k2_moe.log, tests.log, moe_shared_fold.{md,json}, decode_context_{xla,fused}.{md,json}, all
+# in 0_results.tgz. Knobs: NODES (1,9,33), DC_LAYERS (fit), DEADLINE_S (575), BEFORE_S (190: the first arm's share),
 # SKIP_BUILD, SKIP_TESTS. CPU dry run: SKIP_BUILD=1 SKIP_TESTS=1 DC_EXTRA=--smoke bash benchmarks/gpu_k2_moe.sh
 set -uo pipefail
 source checkpoints/device_common.sh /tmp/k2_moe k2_moe.log
 echo "commit ${KDTREE_COMMIT:-unknown}"
 build_extension
 if [ "${SKIP_TESTS:-0}" = 0 ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts_gpu.py \
-    -k "pairs or shared or memcheck" > "$OUT/tests.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts_gpu.py tests/test_route_gpu.py \
+    -k "pairs or shared or memcheck or route or router" > "$OUT/tests.log" 2>&1
   echo "tests: rc=$? at $(since) s"; tail -4 "$OUT/tests.log"
 fi
 timeout 120 python3 benchmarks/moe_experts.py --geometry k2 --layouts tp --devices 8 --tokens-k2 1,4,9 \
@@ -26,13 +26,13 @@ dc() {  # dc ARM SECONDS ARGS...: one decode_context process, stopped from start
   local arm=$1 limit=$2; shift 2
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $(( limit + 30 )) python3 benchmarks/decode_context.py \
     --layers "${DC_LAYERS:-fit}" --contexts 65536 --nodes "${NODES:-1,9,33}" --steps 8 --engine-chunks 4 \
-    --deadline-s "$limit" --shared-expert "$arm" --out "$OUT/decode_context_$arm" ${DC_EXTRA:-} "$@" \
+    --deadline-s "$limit" --moe "$arm" --out "$OUT/decode_context_$arm" ${DC_EXTRA:-} "$@" \
     > "$OUT/dc_$arm.log" 2>&1
   echo "decode_context $arm: rc=$? at $(since) s"
 }
-dc apart "${APART_S:-190}" --impls auto
+dc xla "${BEFORE_S:-190}" --impls auto
 left=$(( ${DEADLINE_S:-575} - $(since) - 30 ))
-dc folded $(( left > 60 ? left : 60 )) --impls auto,xla
-for arm in apart folded; do grep -A5 'kernels |$' "$OUT/decode_context_$arm.md" 2>/dev/null; done
+dc fused $(( left > 60 ? left : 60 )) --impls auto,xla
+for arm in xla fused; do grep -A5 'kernels |$' "$OUT/decode_context_$arm.md" 2>/dev/null; done
 tar -czf "$OUT/0_results.tgz" -C "$OUT" --exclude 0_results.tgz . 2>/dev/null
 echo "done at $(since) s"

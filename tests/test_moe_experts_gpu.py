@@ -481,6 +481,19 @@ SANITIZER_SCRIPT = textwrap.dedent("""
         shared = tuple(a[0] for a in w)  # the pairs op with a shared expert
         out = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *w, impl="pairs", shared=shared)
         assert np.isfinite(np.asarray(out, np.float32)).all()
+    # The router's choice (ffi/moe_route.cu): K2's sizes, and groups with softmax scores.
+    from kdtree_jax.config import ModelConfig
+    from kdtree_jax.ops.route import cuda_choose_experts
+    base = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                v_head_dim=16, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+    for cfg in (ModelConfig(**base, n_routed_experts=384, num_experts_per_tok=8),
+                ModelConfig(**base, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+                            scoring_func="softmax")):
+        logits = jnp.asarray(rng.normal(0, 2, (9, cfg.n_routed_experts)).astype(np.float32))
+        bias = jnp.asarray(rng.normal(0, 0.1, cfg.n_routed_experts).astype(np.float32))
+        i, w = jax.jit(lambda l, b: cuda_choose_experts(l, b, cfg))(logits, bias)
+        assert np.isfinite(np.asarray(w)).all() and (np.asarray(i) < cfg.n_routed_experts).all()
     print("SANITIZER-CASE-OK")
 """)
 
@@ -488,7 +501,8 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_compute_sanitizer_is_clean(tool):
-    """Both MoE ops under compute-sanitizer (racecheck and synccheck on our kernels only: their names start with "moe_")."""
+    """Both MoE ops and the router's op under compute-sanitizer (racecheck and synccheck on our kernels only: their names
+    start with "moe_")."""
     returncode, log = run_compute_sanitizer(tool, SANITIZER_SCRIPT, "moe_")
     assert "SANITIZER-CASE-OK" in log, log[-4000:]
     assert returncode == 0 and SANITIZER_CLEAN[tool] in log, log[-4000:]

@@ -13,6 +13,7 @@ from kdtree_jax.config import MESH_AXIS, ModelConfig
 from kdtree_jax.model.layers import MLP, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import moe as moe_ops
+from kdtree_jax.ops import route as route_ops
 from kdtree_jax.ops.moe import CUDA_BLOCKS_PER_SM, grouped_expert_mlp
 from kdtree_jax.sharding import MeshLayout
 
@@ -120,7 +121,8 @@ class Router(nnx.Module):
     def __call__(self, x2d):
         # The router runs in float32 whatever the model's dtype (as HF does).
         logits = x2d.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
-        return route(logits, self.e_score_correction_bias[...], self.cfg)
+        # One CUDA kernel on a GPU (ops/route.py), `route` elsewhere.
+        return route_ops.choose_experts(logits, self.e_score_correction_bias[...], self.cfg, route)
 
 
 class RoutedExperts(nnx.Module):
