@@ -3,13 +3,16 @@
 // Why.  After the router's product, XLA ran the choice as a chain of small kernels: the sigmoid and the bias add,
 // the group ranking where there is one, a TopK that XLA lowers to a sort of each token's E scores (5.7 us a layer in
 // the Kimi-K2 TP8-rank step at T = 1 on an H200, b64d7bb), the gather of the chosen scores and the normalisation:
-// ~10 us a layer for ~1.5 KB of scores a token.  Here one kernel does it, one block per token:
-//   scores     each thread takes experts tid, tid + blockDim, ...: sigmoid (or softmax: a block max and sum first),
-//              the bias added for the choice (noaux_tc); both kept in shared memory (E <= kMaxExperts)
-//   groups     (n_group > 1 and topk_group < n_group) warp w ranks groups w, w + warps, ...: the sum of the group's
-//              two best choices; thread 0 keeps the topk_group best groups and the others' choices become -inf
-//   top-k      k rounds of a block argmax over the experts not yet taken
-//   weights    the chosen experts' unbiased scores in choice order, normalised by their sum (plus 1e-20) and scaled
+// ~10 us a layer for ~1.5 KB of scores a token.  Here one kernel does it, one warp per token, everything in registers
+// (no shared memory, no block barrier: a first form with a block per token and k block-wide argmax rounds took 7.9 us
+// a layer on an H100, fa0e52c):
+//   scores     lane l holds experts l, l + 32, ... (PER of them: E <= 32 PER): sigmoid (or softmax: a warp max and
+//              sum first), and the choice, the score plus the bias (noaux_tc)
+//   groups     (n_group > 1 and topk_group < n_group) per group the sum of its two best choices (two warp argmax
+//              rounds), the topk_group best groups kept (lane g holds groups g and g + 32), the others' choices -inf
+//   top-k      k rounds of a warp argmax over the experts not yet taken (a bit per register slot); the winner's score
+//              rides along, lane r keeps round r's
+//   weights    the chosen scores over their sum (added in choice order) plus 1e-20, times the scale
 // Order.  Choices compare on (value, index): larger first, equal ones by the lower index (lax.top_k's order), groups
 // likewise; a NaN choice counts as -inf.  The scores round as XLA's do (1 / (1 + exp(-x)) in float32); sums may be
 // added in another order than XLA's (the weights' normalisation, softmax's denominator): a few ulp.
@@ -31,8 +34,7 @@ using kdtree::route::kMaxExperts;
 using kdtree::route::kMaxGroups;
 using kdtree::route::kMaxK;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarpsPerBlock = 4;
 constexpr int32_t kNoIndex = 0x7fffffff;  // no candidate: loses to every real expert, -inf included
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -51,158 +53,158 @@ __device__ __forceinline__ bool better(float av, int32_t ai, float bv, int32_t b
   return av > bv || (av == bv && ai < bi);
 }
 
-__device__ __forceinline__ void warp_best(float& v, int32_t& i) {
+// The warp's best (value, index) of one candidate a lane, `carry` riding along with the winner; every lane returns it.
+__device__ __forceinline__ void warp_best(float& v, int32_t& i, float& carry) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float ov = __shfl_xor_sync(kFull, v, offset);
     const int32_t oi = __shfl_xor_sync(kFull, i, offset);
+    const float oc = __shfl_xor_sync(kFull, carry, offset);
     if (better(ov, oi, v, i)) {
       v = ov;
       i = oi;
+      carry = oc;
     }
   }
 }
 
-// The block's best (value, index) of one candidate a thread; every thread returns it.
-__device__ void block_best(float& v, int32_t& i, float* warp_v, int32_t* warp_i) {
-  warp_best(v, i);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_v[warp] = v;
-    warp_i[warp] = i;
-  }
-  __syncthreads();
-  v = lane < kWarps ? warp_v[lane] : -INFINITY;
-  i = lane < kWarps ? warp_i[lane] : kNoIndex;
-  warp_best(v, i);
-  __syncthreads();  // warp_v / warp_i are free again
-}
-
-// Block max or sum of one value a thread, in a fixed order (deterministic); every thread returns it.
 template <bool kMax>
-__device__ float block_reduce(float v, float* scratch) {
+__device__ __forceinline__ float warp_reduce(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float o = __shfl_xor_sync(kFull, v, offset);
     v = kMax ? fmaxf(v, o) : v + o;
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < kWarps ? scratch[lane] : (kMax ? -INFINITY : 0.f);
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float o = __shfl_xor_sync(kFull, v, offset);
-    v = kMax ? fmaxf(v, o) : v + o;
-  }
-  __syncthreads();
   return v;
 }
 
-__global__ void __launch_bounds__(kThreads) moe_route_kernel(RouteParams p) {
-  __shared__ float score[kMaxExperts];
-  __shared__ float choice[kMaxExperts];
-  __shared__ bool taken[kMaxExperts];
-  __shared__ float group_value[kMaxGroups];
-  __shared__ bool group_kept[kMaxGroups];
-  __shared__ int32_t chosen[kMaxK];
-  __shared__ float warp_v[kWarps];
-  __shared__ int32_t warp_i[kWarps];
+template <int PER>
+__device__ __forceinline__ void route_token(const RouteParams& p, int64_t t, int lane) {
+  const float* row = p.logits + t * p.E;
+  float score[PER], choice[PER];
+  uint32_t open = 0;  // bit j: expert j * 32 + lane exists and is not taken yet
+  float m = -INFINITY;
+  if (!p.sigmoid) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if (j * 32 + lane < p.E) m = fmaxf(m, row[j * 32 + lane]);
+    }
+    m = warp_reduce<true>(m);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int e = j * 32 + lane;
+    const bool real = e < p.E;
+    const float x = real ? row[e] : 0.f;
+    score[j] = p.sigmoid ? 1.f / (1.f + expf(-x)) : (real ? expf(x - m) : 0.f);
+    sum += score[j];
+    if (real) open |= 1u << j;
+  }
+  if (!p.sigmoid) {  // softmax, as jax.nn.softmax: exp(x - max) / sum
+    sum = warp_reduce<false>(sum);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) score[j] = score[j] / sum;
+  }
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int e = j * 32 + lane;
+    const float c = p.with_bias && e < p.E ? score[j] + p.bias[e] : score[j];
+    choice[j] = isnan(c) ? -INFINITY : c;
+  }
+  if (p.groups > 1 && p.topk_group < p.groups) {
+    const int per = p.E / p.groups;
+    float group_lo = -INFINITY, group_hi = -INFINITY;  // this lane's groups: lane and lane + 32
+    for (int g = 0; g < p.groups; ++g) {
+      float v1 = -INFINITY, c = 0.f;
+      int32_t i1 = kNoIndex;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int e = j * 32 + lane;
+        if (((open >> j) & 1u) && e / per == g && better(choice[j], e, v1, i1)) {
+          v1 = choice[j];
+          i1 = e;
+        }
+      }
+      warp_best(v1, i1, c);
+      float v2 = -INFINITY;
+      int32_t i2 = kNoIndex;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int e = j * 32 + lane;
+        if (((open >> j) & 1u) && e / per == g && e != i1 && better(choice[j], e, v2, i2)) {
+          v2 = choice[j];
+          i2 = e;
+        }
+      }
+      warp_best(v2, i2, c);
+      const float value = per >= 2 ? v1 + v2 : v1;
+      if (g == lane) group_lo = value;
+      if (g == lane + 32) group_hi = value;
+    }
+    uint64_t kept = 0;
+    for (int r = 0; r < p.topk_group; ++r) {
+      float v = -INFINITY, c = 0.f;
+      int32_t g = kNoIndex;
+      if (lane < p.groups && !((kept >> lane) & 1u)) {
+        v = group_lo;
+        g = lane;
+      }
+      if (lane + 32 < p.groups && !((kept >> (lane + 32)) & 1u) && better(group_hi, lane + 32, v, g)) {
+        v = group_hi;
+        g = lane + 32;
+      }
+      warp_best(v, g, c);
+      kept |= uint64_t{1} << g;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int e = j * 32 + lane;
+      if (e < p.E && !((kept >> (e / per)) & 1u)) choice[j] = -INFINITY;
+    }
+  }
+  int32_t mine = 0;  // lane r: round r's expert and score
+  float my_score = 0.f, total = 0.f;
+  for (int r = 0; r < p.K; ++r) {
+    float v = -INFINITY, s = 0.f;
+    int32_t i = kNoIndex;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int e = j * 32 + lane;
+      if (((open >> j) & 1u) && better(choice[j], e, v, i)) {
+        v = choice[j];
+        i = e;
+        s = score[j];
+      }
+    }
+    warp_best(v, i, s);
+    if ((i & 31) == lane) open &= ~(1u << (i >> 5));
+    if (lane == r) {
+      mine = i;
+      my_score = s;
+    }
+    total += s;  // every lane adds the same scores in choice order
+  }
+  if (lane < p.K) {
+    p.indices[t * p.K + lane] = mine;
+    p.weights[t * p.K + lane] = (p.normalize ? my_score / (total + 1e-20f) : my_score) * p.scale;
+  }
+}
+
+template <int PER>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) moe_route_kernel(RouteParams p) {
   kdtree::wait_for_previous_grid();
   kdtree::allow_dependent_launch();
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
-    const float* row = p.logits + t * p.E;
-    if (p.sigmoid) {
-      for (int e = tid; e < p.E; e += kThreads) score[e] = 1.f / (1.f + expf(-row[e]));
-    } else {  // softmax, as jax.nn.softmax: exp(x - max) / sum
-      float m = -INFINITY;
-      for (int e = tid; e < p.E; e += kThreads) m = fmaxf(m, row[e]);
-      m = block_reduce<true>(m, warp_v);
-      float s = 0.f;
-      for (int e = tid; e < p.E; e += kThreads) {
-        score[e] = expf(row[e] - m);
-        s += score[e];
-      }
-      s = block_reduce<false>(s, warp_v);
-      for (int e = tid; e < p.E; e += kThreads) score[e] = score[e] / s;
-    }
-    for (int e = tid; e < p.E; e += kThreads) {
-      const float c = p.with_bias ? score[e] + p.bias[e] : score[e];
-      choice[e] = isnan(c) ? -INFINITY : c;
-      taken[e] = false;
-    }
-    __syncthreads();
-    if (p.groups > 1 && p.topk_group < p.groups) {
-      const int per = p.E / p.groups;
-      for (int g = warp; g < p.groups; g += kWarps) {  // the sum of the group's two best choices
-        float v1 = -INFINITY;
-        int32_t i1 = kNoIndex;
-        for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
-          if (better(choice[e], e, v1, i1)) {
-            v1 = choice[e];
-            i1 = e;
-          }
-        }
-        warp_best(v1, i1);
-        float v2 = -INFINITY;
-        int32_t i2 = kNoIndex;
-        for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
-          if (e != i1 && better(choice[e], e, v2, i2)) {
-            v2 = choice[e];
-            i2 = e;
-          }
-        }
-        warp_best(v2, i2);
-        if (lane == 0) group_value[g] = per >= 2 ? v1 + v2 : v1;
-      }
-      __syncthreads();
-      if (tid == 0) {  // at most kMaxGroups groups: one thread ranks them
-        for (int g = 0; g < p.groups; ++g) group_kept[g] = false;
-        for (int r = 0; r < p.topk_group; ++r) {
-          float bv = -INFINITY;
-          int32_t bg = kNoIndex;
-          for (int g = 0; g < p.groups; ++g) {
-            if (!group_kept[g] && better(group_value[g], g, bv, bg)) {
-              bv = group_value[g];
-              bg = g;
-            }
-          }
-          group_kept[bg] = true;
-        }
-      }
-      __syncthreads();
-      for (int e = tid; e < p.E; e += kThreads) {
-        if (!group_kept[e / per]) choice[e] = -INFINITY;
-      }
-      __syncthreads();
-    }
-    for (int r = 0; r < p.K; ++r) {
-      float v = -INFINITY;
-      int32_t i = kNoIndex;
-      for (int e = tid; e < p.E; e += kThreads) {
-        if (!taken[e] && better(choice[e], e, v, i)) {
-          v = choice[e];
-          i = e;
-        }
-      }
-      block_best(v, i, warp_v, warp_i);
-      if (tid == 0) {
-        chosen[r] = i;
-        taken[i] = true;
-      }
-      __syncthreads();
-    }
-    if (tid == 0) {  // the chosen experts' unbiased scores, normalised in choice order
-      float sum = 0.f;
-      if (p.normalize) {
-        for (int r = 0; r < p.K; ++r) sum += score[chosen[r]];
-      }
-      for (int r = 0; r < p.K; ++r) {
-        const float w = score[chosen[r]];
-        p.indices[t * p.K + r] = chosen[r];
-        p.weights[t * p.K + r] = (p.normalize ? w / (sum + 1e-20f) : w) * p.scale;
-      }
-    }
-    __syncthreads();  // the shared arrays are the next token's
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; t < p.T;
+       t += int64_t{gridDim.x} * kWarpsPerBlock) {
+    route_token<PER>(p, t, lane);
   }
+}
+
+template <int PER>
+void launch(const RouteParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.T + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  kdtree::launch_kernel(moe_route_kernel<PER>, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)),
+                        dim3(kWarpsPerBlock * 32), 0, stream, kdtree::pdl_supported(), p);
 }
 
 using Logits = ffi::Buffer<ffi::F32, 2>;
@@ -230,8 +232,23 @@ ffi::Error MoeRouteCuda(cudaStream_t stream, Logits logits, Bias bias, int64_t t
   RouteParams p{logits.typed_data(), bias.typed_data(), indices->typed_data(), weights->typed_data(), T,
                 static_cast<int>(E), static_cast<int>(top_k), static_cast<int>(n_group), static_cast<int>(topk_group),
                 sigmoid, with_bias, normalize, scale};
-  const unsigned blocks = static_cast<unsigned>(T < 65535 ? T : 65535);
-  kdtree::launch_kernel(moe_route_kernel, dim3(blocks), dim3(kThreads), 0, stream, kdtree::pdl_supported(), p);
+  // Experts a lane holds: the fewest register slots that cover E (each size its own unrolled code).
+  const int per = static_cast<int>((E + 31) / 32);
+  if (per <= 1) {
+    launch<1>(p, stream);
+  } else if (per <= 2) {
+    launch<2>(p, stream);
+  } else if (per <= 4) {
+    launch<4>(p, stream);
+  } else if (per <= 8) {
+    launch<8>(p, stream);
+  } else if (per <= 12) {
+    launch<12>(p, stream);
+  } else if (per <= 16) {
+    launch<16>(p, stream);
+  } else {
+    launch<32>(p, stream);
+  }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return ffi::Error::Internal(std::string("moe_route (CUDA): kernel launch: ") + cudaGetErrorString(err));
   }

@@ -15,7 +15,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace kdtree::route {
-constexpr int kMaxExperts = 1024;  // a token's scores and choices live in shared memory (ops/route.py MAX_EXPERTS)
+constexpr int kMaxExperts = 1024;  // a token's scores and choices live in a warp's registers (ops/route.py MAX_EXPERTS)
 constexpr int kMaxGroups = 64;
 constexpr int kMaxK = 32;
 }  // namespace kdtree::route

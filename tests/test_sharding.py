@@ -55,12 +55,14 @@ def test_sharded_logits_equal_unsharded(model, tokens, unsharded_logits, layout,
 
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_shared_expert_folded_into_routed_op(model, tokens, unsharded_logits, layout, monkeypatch):
+def test_shared_expert_folded_into_routed_op(model, tokens, layout, monkeypatch):
     """The shared expert inside the routed experts' op, as a GPU's pairs op runs it (MoE.folds_shared), here through
     the op's CPU branch: its weights pass through the routed experts' shard_map (tp: sliced as the routed experts'
     intermediate dim, summed by their psum) and the logits stay the unfolded model's; ep does not fold (its routed
     experts are whole, the shared one split)."""
     from kdtree_jax.model.moe import MoE
+    few = tokens[:1, :moe_ops.SHARED_FOLD_MAX_TOKENS]  # the fold's range
+    want = np.asarray(kdtree_jax.forward_logits(model, few))
     monkeypatch.setattr(moe_ops, "pairs_shared_built", lambda: True)
     monkeypatch.setattr(moe_ops, "use_pairs", lambda *a, **k: True)
     # Traced for the CUDA branch, never run here: a stand-in of the op's shape (a wrong value would show in the logits).
@@ -70,8 +72,10 @@ def test_shared_expert_folded_into_routed_op(model, tokens, unsharded_logits, la
     x = jnp.zeros((3, CFG.hidden_size), moes[0].experts.gate_proj.dtype)
     assert moes and all(m.folds_shared(x, CFG.num_experts_per_tok, "auto") == (layout == "tp") for m in moes)
     assert not moes[0].folds_shared(x, CFG.num_experts_per_tok, "row_invariant")
-    logits = np.asarray(kdtree_jax.forward_logits(sharded, tokens))
-    assert np.abs(logits - unsharded_logits).max() / np.abs(unsharded_logits).max() < 1e-5
+    assert not moes[0].folds_shared(jnp.zeros((moe_ops.SHARED_FOLD_MAX_TOKENS + 1, CFG.hidden_size), x.dtype),
+                                    CFG.num_experts_per_tok, "auto")
+    logits = np.asarray(kdtree_jax.forward_logits(sharded, few))
+    assert np.abs(logits - want).max() / np.abs(want).max() < 1e-5
 
 
 def test_the_cost_model_of_a_sharded_target_is_its_layouts(model, drafter):

@@ -83,6 +83,11 @@ MAX_ITEM_SLOTS = 65535  # the kernels' grid y / z limit
 # (MoE 5.72 -> 5.52 ms, 1,052 -> 836 kernels a step); at T = 33 (264 pairs) the sorted op wins (644 vs 757 us a
 # layer in-loop, moe_pairs_h200.md).
 PAIRS_MAX = 72
+# The model runs a shared expert inside the pairs op (pair_expert_mlp(shared=...), MoE.folds_shared) up to this many
+# tokens: each token's shared pair reads the shared expert's weights again, where XLA's product reads them once.  One
+# K2 TP8-rank MoE layer (H100, fa0e52c, benchmarks/results/history/moe_shared_fold_h100_fa0e52c.md): pairs op + XLA
+# shared expert against the fold, 78.7 -> 68.7 us at T = 1, 172.0 -> 166.1 at T = 4, 341.8 -> 360.2 at T = 9.
+SHARED_FOLD_MAX_TOKENS = 4
 # "auto" on a GPU runs every held expert on every token (`all_experts_routed`: no sort, gather, table or combine
 # launches, three tensor-core products) past PAIRS_MAX pairs when the pairs can be expected to reach every held expert
 # (pairs >= experts held) and the products over all of them stay under this many FLOPs (~5 us of an H200's tensor

@@ -7,7 +7,7 @@ runs everywhere the kernel does not (a CPU, more than MAX_EXPERTS experts, an ex
 
 Why.  XLA ran the choice as a chain of small kernels around a TopK it lowers to a sort of each token's scores: the
 sort alone took 5.7 us a layer in the Kimi-K2 TP8-rank step at T = 1 on an H200 (b64d7bb), ~10 us a layer with its
-neighbours, for ~1.5 KB of scores a token.  ffi/moe_route.cu does it in one block per token.
+neighbours, for ~1.5 KB of scores a token.  ffi/moe_route.cu does it in one warp per token.
 
 How the CUDA op differs from `route`: the weights' normalising sum (and softmax's denominator) may be added in
 another order (a few ulp); a NaN choice counts as -inf.  Indices are chosen by the same order (larger first, equal
@@ -22,7 +22,7 @@ import numpy as np
 from kdtree_jax.ops.ffi import register_cuda_handler  # the CUDA op lives in the verify op's extension
 
 TARGET = "kdtree_moe_route"
-MAX_EXPERTS = 1024  # ffi/moe_route.h kMaxExperts: a token's scores live in shared memory
+MAX_EXPERTS = 1024  # ffi/moe_route.h kMaxExperts: a token's scores live in a warp's registers
 MAX_GROUPS = 64
 MAX_K = 32
 
