@@ -219,10 +219,10 @@ class MoE(nnx.Module):
     def folds_shared(self, x2d, top_k: int, impl: str) -> bool:
         """Whether the shared expert runs inside the routed experts' CUDA pairs op (ops.moe.pair_expert_mlp, shared=):
         a GPU "auto" pass of at most ops.moe.SHARED_FOLD_MAX_TOKENS rows whose routed pairs take that op, a shared
-        expert as wide as a routed one on each device
-        (n_shared_experts = 1; unsharded, or both split along the intermediate dim as tp splits them; not ep, whose
-        routed experts stay whole while the shared one is split). Then no launches of its own, and on a mesh its
-        partial sums ride the routed experts' psum instead of an all-reduce of their own."""
+        expert as wide as a routed one on each device (n_shared_experts = 1; unsharded, or both split along the
+        intermediate dim as tp splits them; not ep, whose routed experts stay whole while the shared one is split).
+        Then no launches of its own, and on a mesh its partial sums ride the routed experts' psum instead of an
+        all-reduce of their own."""
         shared, ex = self.shared_experts, self.experts
         if shared is None or impl != "auto" or x2d.shape[0] > moe_ops.SHARED_FOLD_MAX_TOKENS \
                 or not moe_ops.pairs_shared_built():
