@@ -3,7 +3,8 @@
 #   KDTREE_COMMIT=<hash> bash benchmarks/gpu_k2_moe.sh
 # 1. the extension for sm_90; 2. the MoE ops' GPU tests (the pairs op with and without the shared expert, the
 # router's op, compute-sanitizer memcheck on all three); 3. benchmarks/moe_experts.py --shared: one MoE layer of the rank (384
-# experts x 7168 x 256), the shared expert apart (XLA products) against folded into the pairs op, T = 1, 4, 9;
+# experts x 7168 x 256), the shared expert apart (XLA products; the pairs op's down kernel at both unrolls) against
+# folded into the pairs op, T = 1, 4, 9;
 # 4. benchmarks/decode_context.py at 64k, T = NODES, as many layers as fit: the router's choice and the shared
 # expert as XLA ops (--moe xla, the model before them), then in their CUDA kernels (--moe fused), with the fair XLA
 # attention baseline after the kernel's rows: before and after in one call, each step profiled (parts, kernels a step).
@@ -20,7 +21,7 @@ if [ "${SKIP_TESTS:-0}" = 0 ]; then
   echo "tests: rc=$? at $(since) s"; tail -4 "$OUT/tests.log"
 fi
 timeout 120 python3 benchmarks/moe_experts.py --geometry k2 --layouts tp --devices 8 --tokens-k2 1,4,9 \
-  --impls pairs,pairs_shared --shared ${DC_EXTRA:+--smoke} --out "$OUT" --name moe_shared_fold > "$OUT/moe.log" 2>&1
+  --impls pairs_du1,pairs_du2,pairs_shared --shared ${DC_EXTRA:+--smoke} --out "$OUT" --name moe_shared_fold > "$OUT/moe.log" 2>&1
 echo "moe_experts: rc=$? at $(since) s"; tail -6 "$OUT/moe_shared_fold.md" 2>/dev/null
 dc() {  # dc ARM SECONDS ARGS...: one decode_context process, stopped from starting points SECONDS from now
   local arm=$1 limit=$2; shift 2

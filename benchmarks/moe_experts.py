@@ -57,7 +57,7 @@ GEOMETRIES = {
 SMOKE = {"k2": dict(GEOMETRIES["k2"], hidden=64, inter=32, experts=16, top_k=4),
          "default_pair": dict(GEOMETRIES["default_pair"], hidden=32, inter=32)}
 K2 = GEOMETRIES["k2"]
-IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "pairs_shared", "dense", "auto")
+IMPL_NAMES = ("xla", "cuda_bps4", "cuda_bps1", "pairs", "pairs_du1", "pairs_du2", "pairs_shared", "dense", "auto")
 DENSE_MAX_EXPERTS = 64  # dense does E x the grouped FLOPs: pointless (and huge) at K2's 96-384 local experts
 
 
@@ -89,6 +89,11 @@ def make_loop(impl, iters, scope, blocks_per_sm=moe_ops.CUDA_BLOCKS_PER_SM):
         def body(i, x):
             if scope == "op":
                 out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
+            elif impl.startswith("pairs_du"):  # the pairs op at a down_unroll (A/B; the routed result exactly)
+                out = moe_ops.pair_expert_mlp(x, indices, weights, gate, up, down, blocks_per_sm=blocks_per_sm,
+                                              down_unroll=int(impl[len("pairs_du"):]))
+                if shared:
+                    out = out + swiglu(x, *shared)
             elif impl == "pairs_shared":
                 out = routed_experts(x, indices, weights, gate, up, down, impl="pairs", blocks_per_sm=blocks_per_sm,
                                      shared=shared)
@@ -145,6 +150,8 @@ def bench_layout(geometry, layout, widths, n_dev, tokens_list, impls, scope, ite
                 continue  # "pairs" runs on the routed pairs, never on sorted rows
             if impl == "pairs_shared" and (not shared or layout == "ep"):
                 continue  # the fold needs a shared expert of the routed experts' width (not ep: MoE.folds_shared)
+            if impl.startswith("pairs_du") and not moe_ops.pairs_built():
+                continue  # the CUDA op called directly: nothing to time without it
             run = make_loop(impl, iters, scope, bps)
             seconds, final = median_per_call(run, args, iters, reps)
             # The loop's final x, against ragged_dot's: a cheap end-to-end agreement check (tests check more).
@@ -172,7 +179,7 @@ def markdown(meta, rows):
              f" / 4.3 TB/s. `cuda bps4` / `bps1`: the CUDA op at "
              f"128 registers (4 blocks/SM) / ~200 registers (2 blocks/SM), R = {meta['cuda_rows_per_item']} rows of an "
              f"expert per work item (each its own blocks); `pairs`: the CUDA op on the router's pairs in place (no sort, "
-             f"gather or combine launches; `auto` takes it up to {moe_ops.PAIRS_MAX} pairs); `dense`: every expert on every row, masked (≤ "
+             f"gather or combine launches; `auto` takes it up to {moe_ops.PAIRS_MAX} pairs; `pairs du1` / `du2`: its down kernel loading one / two steps together); `dense`: every expert on every row, masked (≤ "
              f"{DENSE_MAX_EXPERTS} local experts); `auto`: the dispatch (CUDA op up to {meta['cuda_max_rows']} rows). "
              f"Last column: largest |difference| of the loop's final x (≈ unit scale) from ragged_dot's, over the impls.",
              "", "| geometry / layout | T | rows | active experts | max rows / expert | items | floor µs | "

@@ -182,31 +182,44 @@ __device__ __forceinline__ void gate_up_sums(const uint16_t* x, int64_t x_stride
 
 // Down sums of kRows activation rows (hid, hid + hid_stride, ...: float32 [I] each; the first n real) for the
 // block's 64 hidden columns starting at `col0`: wd is one expert's [I, H] weights. On return (after a block
-// barrier) red[0] holds the per-warp sums.
-template <bool kVec, int kRows>
+// barrier) red[0] holds the per-warp sums. kUnroll: the slice's steps whose loads are issued together (2: 256 bytes
+// in flight a thread, as gate_up_sums has; affordable with one row's accumulators) -- the steps are still added in
+// order, so the bits do not depend on it.
+template <bool kVec, int kRows, int kUnroll = 1>
 __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, int n, const uint16_t* wd, int64_t I,
                                           int64_t H, int64_t col0, Reduction<1>& red) {
   const ThreadPart t = thread_part(col0, H);
   const int slice = t.slice, col_valid = t.col_valid;
   wd += t.col;
-
   float acc[1][kRows][8] = {};
-  for (int64_t i0 = int64_t{slice} * kStep; i0 < I; i0 += int64_t{kSlices} * kStep) {
-    uint4 d_raw[kStep];
+  constexpr int64_t kStride = int64_t{kSlices} * kStep;  // rows between a slice's consecutive steps
+  for (int64_t i00 = int64_t{slice} * kStep; i00 < I; i00 += kUnroll * kStride) {
+    uint4 d_raw[kUnroll][kStep];
+    float hv[kUnroll][kRows][8];
 #pragma unroll
-    for (int i = 0; i < kStep; ++i) d_raw[i] = load_bf16x8<kVec>(wd + (i0 + i) * H, i0 + i < I ? col_valid : 0);
-    const int i_valid = static_cast<int>(I - i0 < 8 ? I - i0 : 8);
-    float hv[kRows][8];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i0 = i00 + u * kStride;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + i0, r < n ? i_valid : 0, hv[r]);
+      for (int i = 0; i < kStep; ++i) d_raw[u][i] = load_bf16x8<kVec>(wd + (i0 + i) * H, i0 + i < I ? col_valid : 0);
+    }
 #pragma unroll
-    for (int i = 0; i < kStep; ++i) {
-      float d[8];
-      unpack(d_raw[i], d);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i0 = i00 + u * kStride;
+      const int i_valid = static_cast<int>(I - i0 >= 8 ? 8 : (I - i0 > 0 ? I - i0 : 0));
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+      for (int r = 0; r < kRows; ++r) load_f32x8<kVec>(hid + r * hid_stride + i0, r < n ? i_valid : 0, hv[u][r]);
+    }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[r][i], d[j], acc[0][r][j]);
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int i = 0; i < kStep; ++i) {
+        float d[8];
+        unpack(d_raw[u][i], d);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[0][r][j] = fmaf(hv[u][r][i], d[j], acc[0][r][j]);
+      }
     }
   }
   reduce_slices<kRows, 1>(acc, red);

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_gate_up_kernel(
   }
 }
 
-template <bool kVec, int kMinBlocks>
+template <bool kVec, int kMinBlocks, int kUnroll>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(PairParams p) {
   __shared__ Reduction<1> red;
   kdtree::wait_for_previous_grid();
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(Pai
     const PairWeights w = pair_weights(p, pair);
     const int64_t t = w.token;
     if (w.down != nullptr) {
-      down_sums<kVec, 1>(p.hidden + pair * p.I, p.I, 1, w.down, p.I, p.H, col0, red);
+      down_sums<kVec, 1, kUnroll>(p.hidden + pair * p.I, p.I, 1, w.down, p.I, p.H, col0, red);
       if (mine) p.pair_out[pair * p.H + col] = bf16_bits(column_sum(red, 0, 0, threadIdx.x));
     }
     // Pairs held elsewhere arrive too: every (token, tile) counts to K (+ 1 with the shared expert), written once.
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_pair_down_kernel(Pai
 }
 
 template <bool kVec, int kMinBlocks>
-void launch(const PairParams& p, cudaStream_t stream) {
+void launch(const PairParams& p, cudaStream_t stream, int down_unroll) {
   const bool pdl = kdtree::pdl_supported();
   const int64_t counters = p.A * p.i_tiles + p.T * p.h_tiles;
   constexpr int kZeroThreads = 256;
@@ -221,8 +221,8 @@ void launch(const PairParams& p, cudaStream_t stream) {
                           dim3(static_cast<unsigned>(p.i_tiles), static_cast<unsigned>(p.splits), pair_blocks),
                           dim3(kThreads), 0, stream, pdl, p);
   }
-  kdtree::launch_kernel(moe_pair_down_kernel<kVec, kMinBlocks>, dim3(static_cast<unsigned>(p.h_tiles), pair_blocks),
-                        dim3(kThreads), 0, stream, pdl, p);
+  auto down = down_unroll == 2 ? moe_pair_down_kernel<kVec, kMinBlocks, 2> : moe_pair_down_kernel<kVec, kMinBlocks, 1>;
+  kdtree::launch_kernel(down, dim3(static_cast<unsigned>(p.h_tiles), pair_blocks), dim3(kThreads), 0, stream, pdl, p);
 }
 
 using Pairs32 = ffi::Buffer<ffi::S32, 2>;
@@ -239,6 +239,7 @@ struct SharedExpert {
 
 ffi::Error MoePairs(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, PairsF32 weights, ffi::AnyBuffer gate,
                     ffi::AnyBuffer up, ffi::AnyBuffer down, SharedExpert shared, int64_t blocks_per_sm, int64_t splits,
+                    int64_t down_unroll,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<Scratch> partial, ffi::Result<Scratch> hidden,
                     ffi::Result<ffi::AnyBuffer> pair_out, ffi::Result<Arrivals> arrivals) {
   const ffi::AnyBuffer* bf16_inputs[] = {&x, &gate, &up, &down, shared.gate, shared.up, shared.down};
@@ -269,12 +270,13 @@ ffi::Error MoePairs(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, Pair
   if (kd[0] != T || wd[0] != T || wd[1] != K || gd[1] != H || ud[0] != E || ud[1] != H || ud[2] != I ||
       dd[0] != E || dd[1] != I || dd[2] != H || od[0] != T || od[1] != H || K < 1 ||
       (blocks_per_sm != 1 && blocks_per_sm != 4) || splits < 1 || splits > 65535 ||
+      (down_unroll != 1 && down_unroll != 2) ||
       partial->element_count() < splits * A * 2 * I || hidden->element_count() < A * I ||
       pair_out->element_count() < A * H || arrivals->element_count() < A * i_tiles + T * h_tiles) {
     return ffi::Error::InvalidArgument(
         "moe_pairs (CUDA): inconsistent shapes (x [T,H], experts/weights [T,K>=1], gate/up [E,H,I], down [E,I,H], "
         "out [T,H], with A = T*K pairs (+ T with the shared expert): partial >= splits*A*2*I, hidden >= A*I, "
-        "pair_out >= A*H, arrivals >= A*ceil(I/64) + T*ceil(H/64)) or blocks_per_sm not 1/4");
+        "pair_out >= A*H, arrivals >= A*ceil(I/64) + T*ceil(H/64)), blocks_per_sm not 1/4 or down_unroll not 1/2");
   }
   if (T == 0 || H == 0) return ffi::Error::Success();
 
@@ -311,12 +313,13 @@ ffi::Error MoePairs(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, Pair
                    aligned16(p.down) && aligned16(p.hidden) &&
                    (p.shared_gate == nullptr ||
                     (aligned16(p.shared_gate) && aligned16(p.shared_up) && aligned16(p.shared_down)));
+  const int unroll = static_cast<int>(down_unroll);
   if (vec && blocks_per_sm == 4) {
-    launch<true, 4>(p, stream);
+    launch<true, 4>(p, stream, unroll);
   } else if (vec) {
-    launch<true, 1>(p, stream);
+    launch<true, 1>(p, stream, unroll);
   } else {
-    launch<false, 1>(p, stream);
+    launch<false, 1>(p, stream, unroll);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return ffi::Error::Internal(std::string("moe_pairs (CUDA): kernel launch: ") + cudaGetErrorString(err));
@@ -326,20 +329,21 @@ ffi::Error MoePairs(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, Pair
 
 ffi::Error MoePairsCuda(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, PairsF32 weights, ffi::AnyBuffer gate,
                         ffi::AnyBuffer up, ffi::AnyBuffer down, int64_t blocks_per_sm, int64_t splits,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<Scratch> partial, ffi::Result<Scratch> hidden,
+                        int64_t down_unroll, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Scratch> partial, ffi::Result<Scratch> hidden,
                         ffi::Result<ffi::AnyBuffer> pair_out, ffi::Result<Arrivals> arrivals) {
-  return MoePairs(stream, x, experts, weights, gate, up, down, SharedExpert{}, blocks_per_sm, splits, out, partial,
-                  hidden, pair_out, arrivals);
+  return MoePairs(stream, x, experts, weights, gate, up, down, SharedExpert{}, blocks_per_sm, splits, down_unroll,
+                  out, partial, hidden, pair_out, arrivals);
 }
 
 ffi::Error MoePairsSharedCuda(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, PairsF32 weights,
                               ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::AnyBuffer shared_gate,
                               ffi::AnyBuffer shared_up, ffi::AnyBuffer shared_down, int64_t blocks_per_sm,
-                              int64_t splits, ffi::Result<ffi::AnyBuffer> out, ffi::Result<Scratch> partial,
+                              int64_t splits, int64_t down_unroll, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<Scratch> partial,
                               ffi::Result<Scratch> hidden, ffi::Result<ffi::AnyBuffer> pair_out,
                               ffi::Result<Arrivals> arrivals) {
   return MoePairs(stream, x, experts, weights, gate, up, down, SharedExpert{&shared_gate, &shared_up, &shared_down},
-                  blocks_per_sm, splits, out, partial, hidden, pair_out, arrivals);
+                  blocks_per_sm, splits, down_unroll, out, partial, hidden, pair_out, arrivals);
 }
 
 }  // namespace
@@ -355,6 +359,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_pairs_cuda, MoePairsCuda,
                                   .Arg<ffi::AnyBuffer>()  // down
                                   .Attr<int64_t>("blocks_per_sm")  // 1 or 4: register budget
                                   .Attr<int64_t>("splits")         // hidden-dim splits of kernel 1
+                                  .Attr<int64_t>("down_unroll")    // 1 or 2: kernel 2's steps loaded together
                                   .Ret<ffi::AnyBuffer>()  // out [T, H]
                                   .Ret<Scratch>()         // partial (scratch) [splits * P * 2, I]
                                   .Ret<Scratch>()         // hidden (scratch) [P, I]
@@ -376,6 +381,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kdtree_moe_pairs_shared_cuda, MoePairsSharedCuda,
                                   .Arg<ffi::AnyBuffer>()  // shared expert down [I, H]
                                   .Attr<int64_t>("blocks_per_sm")
                                   .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("down_unroll")
                                   .Ret<ffi::AnyBuffer>()  // out [T, H]
                                   .Ret<Scratch>()         // partial (scratch) [splits * A * 2, I], A = T * (K + 1)
                                   .Ret<Scratch>()         // hidden (scratch) [A, I]

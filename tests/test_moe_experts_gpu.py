@@ -339,10 +339,12 @@ def test_pairs_op_with_expert_offset():
     assert_close(out, reference_routed(x, indices, weights, gate, up, down, expert_offset=experts))
 
 
-@pytest.mark.parametrize("hidden,inter", [(7168 // 8, 2048 // 8), (2056, 40), (37, 21)])
-def test_pairs_op_equals_sorted_op_bitwise(hidden, inter):
+@pytest.mark.parametrize("down_unroll", [1, 2])
+@pytest.mark.parametrize("hidden,inter", [(7168 // 8, 2048 // 8), (2056, 40), (37, 21), (256, 200)])
+def test_pairs_op_equals_sorted_op_bitwise(hidden, inter, down_unroll):
     """At the sorted op's split count a pair's expert output is the sorted op's row bit for bit: with one choice a
-    token and weight 1 the two ops' results are equal (each is that output, rounded once)."""
+    token and weight 1 the two ops' results are equal (each is that output, rounded once), whichever down_unroll
+    (its steps are added in the same order; I = 200 leaves the second step of some slices past I)."""
     rng = np.random.default_rng(hidden)
     tokens, experts = 24, 6
     gate, up, down = make_weights(rng, experts, hidden, inter)
@@ -350,7 +352,8 @@ def test_pairs_op_equals_sorted_op_bitwise(hidden, inter):
     weights = jnp.ones((tokens, 1), jnp.float32)
     x = jnp.asarray(rng.normal(0, 1, (tokens, hidden)).astype(np.float32)).astype(jnp.bfloat16)
     splits = moe_ops.choose_splits(tokens, hidden, inter)
-    pairs = jax.jit(lambda *a: moe_ops.pair_expert_mlp(*a, splits=splits))(x, indices, weights, gate, up, down)
+    pairs = jax.jit(lambda *a: moe_ops.pair_expert_mlp(*a, splits=splits, down_unroll=down_unroll))(
+        x, indices, weights, gate, up, down)
     on_sorted = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, gate, up, down, impl="cuda")
     np.testing.assert_array_equal(np.asarray(pairs), np.asarray(on_sorted))
 
@@ -481,6 +484,10 @@ SANITIZER_SCRIPT = textwrap.dedent("""
         shared = tuple(a[0] for a in w)  # the pairs op with a shared expert
         out = jax.jit(routed_experts, static_argnames=("impl",))(x, indices, weights, *w, impl="pairs", shared=shared)
         assert np.isfinite(np.asarray(out, np.float32)).all()
+        from kdtree_jax.ops import moe as moe_ops  # the pairs op's down kernel at both unrolls
+        for unroll in (1, 2):
+            out = jax.jit(lambda *a: moe_ops.pair_expert_mlp(*a, down_unroll=unroll))(x, indices, weights, *w)
+            assert np.isfinite(np.asarray(out, np.float32)).all()
     # The router's choice (ffi/moe_route.cu): K2's sizes, and groups with softmax scores.
     from kdtree_jax.config import ModelConfig
     from kdtree_jax.ops.route import cuda_choose_experts

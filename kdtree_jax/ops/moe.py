@@ -88,6 +88,9 @@ PAIRS_MAX = 72
 # K2 TP8-rank MoE layer (H100, fa0e52c, benchmarks/results/history/moe_shared_fold_h100_fa0e52c.md): pairs op + XLA
 # shared expert against the fold, 78.7 -> 68.7 us at T = 1, 172.0 -> 166.1 at T = 4, 341.8 -> 360.2 at T = 9.
 SHARED_FOLD_MAX_TOKENS = 4
+# The pairs op's down kernel issues this many of a slice's 8-row steps' loads together (ffi/moe_device.cuh down_sums:
+# 2 keeps 256 bytes in flight a thread, as the gate/up kernel does; the sums' order, and so the bits, do not change).
+PAIRS_DOWN_UNROLL = 1
 # "auto" on a GPU runs every held expert on every token (`all_experts_routed`: no sort, gather, table or combine
 # launches, three tensor-core products) past PAIRS_MAX pairs when the pairs can be expected to reach every held expert
 # (pairs >= experts held) and the products over all of them stay under this many FLOPs (~5 us of an H200's tensor
@@ -291,7 +294,7 @@ def call_cuda_op(rows, group_sizes, gate, up, down, requested_rows_per_item: int
 
 
 def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = None,
-                    blocks_per_sm: int = CUDA_BLOCKS_PER_SM, shared=None):
+                    blocks_per_sm: int = CUDA_BLOCKS_PER_SM, shared=None, down_unroll: int = PAIRS_DOWN_UNROLL):
     """out [T, H] = sum over k of weights[t, k] * expert_{experts[t, k]}(x2d[t]), the CUDA pairs op (a GPU, bf16).
 
     x2d [T, H]; experts [T, K] local expert ids (ids outside [0, E) are held elsewhere and add nothing); weights
@@ -302,8 +305,11 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
 
     `shared`: (gate [H, I], up [H, I], down [I, H]), a shared expert of the routed experts' width run on every token in
     the same kernels (one more pair per token, weight 1, added after the routed choices in the same float32 sum:
-    out[t] = bf16(routed sum + bf16(shared(x[t])))); `splits` then stays the routed pairs' choice."""
+    out[t] = bf16(routed sum + bf16(shared(x[t])))); `splits` then stays the routed pairs' choice.  `down_unroll`:
+    1 or 2, PAIRS_DOWN_UNROLL (benchmarks pass it for A/B runs)."""
     _check_blocks_per_sm(blocks_per_sm)
+    if down_unroll not in (1, 2):
+        raise ValueError(f"pair_expert_mlp: down_unroll must be 1 or 2; got {down_unroll!r}")
     if not pairs_built():  # also registers the target: a first call here must find it
         raise ValueError("pair_expert_mlp needs the CUDA extension (built with nvcc): this one has no pairs op")
     if shared is not None and not pairs_shared_built():
@@ -323,7 +329,7 @@ def pair_expert_mlp(x2d, experts, weights, gate, up, down, splits: int | None = 
     target = PAIRS_TARGET if shared is None else PAIRS_SHARED_TARGET
     call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
     return call(x2d, experts.astype(jnp.int32), weights.astype(jnp.float32), gate, up, down, *(shared or ()),
-                blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits))[0]
+                blocks_per_sm=np.int64(blocks_per_sm), splits=np.int64(splits), down_unroll=np.int64(down_unroll))[0]
 
 
 def weighted_pair_sum(pair_out, held, weights, dtype):
