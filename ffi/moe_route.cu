@@ -67,6 +67,26 @@ __device__ __forceinline__ void warp_best(float& v, int32_t& i, float& carry) {
   }
 }
 
+// The warp's best open choice (bit j of `open`: slot j, expert j * 32 + lane) that `keep(expert)` admits, with its
+// score riding along; every lane returns it.
+template <int PER, typename Keep>
+__device__ __forceinline__ void best_open(const float (&choice)[PER], const float (&score)[PER], uint32_t open, int lane,
+                                          Keep keep, float& v, int32_t& i, float& s) {
+  v = -INFINITY;
+  i = kNoIndex;
+  s = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int e = j * 32 + lane;
+    if (((open >> j) & 1u) && keep(e) && better(choice[j], e, v, i)) {
+      v = choice[j];
+      i = e;
+      s = score[j];
+    }
+  }
+  warp_best(v, i, s);
+}
+
 template <bool kMax>
 __device__ __forceinline__ float warp_reduce(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -114,28 +134,10 @@ __device__ __forceinline__ void route_token(const RouteParams& p, int64_t t, int
     const int per = p.E / p.groups;
     float group_lo = -INFINITY, group_hi = -INFINITY;  // this lane's groups: lane and lane + 32
     for (int g = 0; g < p.groups; ++g) {
-      float v1 = -INFINITY, c = 0.f;
-      int32_t i1 = kNoIndex;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int e = j * 32 + lane;
-        if (((open >> j) & 1u) && e / per == g && better(choice[j], e, v1, i1)) {
-          v1 = choice[j];
-          i1 = e;
-        }
-      }
-      warp_best(v1, i1, c);
-      float v2 = -INFINITY;
-      int32_t i2 = kNoIndex;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int e = j * 32 + lane;
-        if (((open >> j) & 1u) && e / per == g && e != i1 && better(choice[j], e, v2, i2)) {
-          v2 = choice[j];
-          i2 = e;
-        }
-      }
-      warp_best(v2, i2, c);
+      float v1, v2, unused;
+      int32_t i1, i2;
+      best_open(choice, score, open, lane, [&](int e) { return e / per == g; }, v1, i1, unused);
+      best_open(choice, score, open, lane, [&](int e) { return e / per == g && e != i1; }, v2, i2, unused);
       const float value = per >= 2 ? v1 + v2 : v1;
       if (g == lane) group_lo = value;
       if (g == lane + 32) group_hi = value;
@@ -164,18 +166,9 @@ __device__ __forceinline__ void route_token(const RouteParams& p, int64_t t, int
   int32_t mine = 0;  // lane r: round r's expert and score
   float my_score = 0.f, total = 0.f;
   for (int r = 0; r < p.K; ++r) {
-    float v = -INFINITY, s = 0.f;
-    int32_t i = kNoIndex;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int e = j * 32 + lane;
-      if (((open >> j) & 1u) && better(choice[j], e, v, i)) {
-        v = choice[j];
-        i = e;
-        s = score[j];
-      }
-    }
-    warp_best(v, i, s);
+    float v, s;
+    int32_t i;
+    best_open(choice, score, open, lane, [](int) { return true; }, v, i, s);
     if ((i & 31) == lane) open &= ~(1u << (i >> 5));
     if (lane == r) {
       mine = i;
