@@ -86,11 +86,14 @@ PAIRS_MAX = 72
 # The model runs a shared expert inside the pairs op (pair_expert_mlp(shared=...), MoE.folds_shared) up to this many
 # tokens: each token's shared pair reads the shared expert's weights again, where XLA's product reads them once.  One
 # K2 TP8-rank MoE layer (H100, fa0e52c, benchmarks/results/history/moe_shared_fold_h100_fa0e52c.md): pairs op + XLA
-# shared expert against the fold, 78.7 -> 68.7 us at T = 1, 172.0 -> 166.1 at T = 4, 341.8 -> 360.2 at T = 9.
+# shared expert against the fold, 78.7 -> 68.7 us at T = 1, 172.0 -> 166.1 at T = 4, 341.8 -> 360.2 at T = 9 (a repeat
+# at 4d9fce1: 91.0 -> 85.5, 177.8 -> 162.7, 327.9 -> 332.3).
 SHARED_FOLD_MAX_TOKENS = 4
 # The pairs op's down kernel issues this many of a slice's 8-row steps' loads together (ffi/moe_device.cuh down_sums:
 # 2 keeps 256 bytes in flight a thread, as the gate/up kernel does; the sums' order, and so the bits, do not change).
-PAIRS_DOWN_UNROLL = 1
+# One K2 TP8-rank MoE layer, the shared expert apart (H100, same run, 4d9fce1, history/moe_shared_fold_h100_4d9fce1.md):
+# 1 -> 2: 91.0 -> 87.4 us at T = 1, 177.8 -> 170.2 at T = 4, 327.9 -> 320.3 at T = 9.
+PAIRS_DOWN_UNROLL = 2
 # "auto" on a GPU runs every held expert on every token (`all_experts_routed`: no sort, gather, table or combine
 # launches, three tensor-core products) past PAIRS_MAX pairs when the pairs can be expected to reach every held expert
 # (pairs >= experts held) and the products over all of them stay under this many FLOPs (~5 us of an H200's tensor
