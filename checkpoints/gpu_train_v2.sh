@@ -24,8 +24,9 @@
 # Writes under $OUT (nothing in the repository; checkpoints/default is never touched):
 #   pair.tar.part-*          the new pair, <= 15 MiB per part:  cat pair.tar.part-* | tar -xf - -C DIR  -> DIR/default_v2
 #                            (the same parts in $WORK/parts: see "Getting the pair back")
-#   gpu_train_v2.log         this script's log;  target.log, drafter.log, default_pair.log, build.log
-#   target_summary.json, drafter_summary.json, default_pair_v2_h200.{json,md}, metrics_v2.json (all of it, merged)
+#   0_results.tgz            everything else, at the end (the device returns at most 8 files):
+#     gpu_train_v2.log       this script's log;  target.log, drafter.log, default_pair.log, build.log
+#     target_summary.json, drafter_summary.json, default_pair_v2_h200.{json,md}, metrics_v2.json (all of it, merged)
 # Knobs (environment): DEADLINE_S (560), TARGET_END_S (170), DRAFTER_END_S (480), TARGET_BATCH (256), TARGET_LR (3e-3),
 # LAYERS (5), DRAFTER_BATCH (32), GEN_SEQUENCES (6144), GEN_BATCH (512), GEN_TEMPERATURES (0,0.7,1.0),
 # HARD_WEIGHT (0.5), DRAFTER_EVAL_EVERY (2000), EVAL_PROMPTS (16), EVAL_MAX_NEW (128), EVAL_BUDGETS (32), SKIP_BUILD (0),
@@ -145,3 +146,6 @@ fi
 merge_metrics
 echo "done at $(since) s"
 ls -la "$OUT"
+# The device returns at most 8 files: the pair's parts as they are, everything else in one archive (0_results.tgz).
+tar -czf "$WORK/0_results.tgz" -C "$OUT" --exclude 'pair.tar.part-*' . && \
+  find "$OUT" -maxdepth 1 -type f ! -name 'pair.tar.part-*' -delete && mv "$WORK/0_results.tgz" "$OUT/"
