@@ -33,6 +33,12 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+# How the router picks experts (model/moe.py route): "noaux_tc" (DeepSeek-V3, Kimi K2: on score + bias, groups ranked
+# by the sum of their two best), "greedy" (the best scores), "group_limited_greedy" (DeepSeek-V2: groups ranked by
+# their best score).
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field of a DeepSeek-V3 / Kimi K2 `config.json` that the math needs."""
@@ -77,6 +83,8 @@ class ModelConfig:
             problems.append(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, {self.n_routed_experts}]")
         if self.scoring_func not in ("sigmoid", "softmax"):
             problems.append(f"scoring_func must be 'sigmoid' or 'softmax'; got {self.scoring_func!r}")
+        if self.topk_method not in TOPK_METHODS:
+            problems.append(f"topk_method must be one of {', '.join(TOPK_METHODS)}; got {self.topk_method!r}")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act must be 'silu'; got {self.hidden_act!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:

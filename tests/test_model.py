@@ -98,6 +98,50 @@ def naive_route(x, w_router, bias, cfg):
     return np.array(chosen), np.array(weights)
 
 
+def v2_gate(x, w_router, cfg):
+    """DeepSeek-V2's gate (group_limited_greedy), per token in numpy: softmax scores; groups ranked by their best
+    score; the other groups' experts masked to 0; the top-k of what is left; weights the chosen scores (no
+    normalisation here: norm_topk_prob is false in V2's configs) times routed_scaling_factor."""
+    logits = x @ w_router.T
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    per_group = cfg.n_routed_experts // cfg.n_group
+    chosen, weights = [], []
+    for s in scores:
+        group_best = s.reshape(cfg.n_group, per_group).max(-1)
+        keep = np.argsort(-group_best, kind="stable")[: cfg.topk_group]
+        masked = np.zeros_like(s)
+        for g in keep:
+            masked[g * per_group:(g + 1) * per_group] = s[g * per_group:(g + 1) * per_group]
+        idx = np.argsort(-masked, kind="stable")[: cfg.num_experts_per_tok]
+        chosen.append(idx)
+        weights.append(s[idx] * cfg.routed_scaling_factor)
+    return np.array(chosen), np.array(weights)
+
+
+def test_route_group_limited_greedy_is_deepseek_v2s():
+    """DeepSeek-V2 (group_limited_greedy, softmax, no bias, no normalisation) ranks groups by their best expert, where
+    V3 ranks them by their two best: the same tokens must route differently under the two rules, and as V2's gate
+    under its own."""
+    cfg = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3, scoring_func="softmax",
+                       topk_method="group_limited_greedy", norm_topk_prob=False, routed_scaling_factor=16.0)
+    rng = np.random.default_rng(5)
+    w_router = rng.normal(0, 1, (16, cfg.hidden_size)).astype(np.float32)
+    x = rng.standard_normal((64, cfg.hidden_size)).astype(np.float32)
+    logits = jnp.asarray(x) @ jnp.asarray(w_router).T
+    idx, w = route(logits, jnp.zeros(16), cfg)
+    ref_idx, ref_w = v2_gate(x.astype(np.float64), w_router.astype(np.float64), cfg)
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(ref_idx, -1))
+    np.testing.assert_allclose(np.sort(np.asarray(w), -1), np.sort(ref_w, -1), rtol=1e-5)
+    v3_rule, _ = route(logits, jnp.zeros(16), cfg.replace(topk_method="noaux_tc"))
+    assert (np.sort(np.asarray(v3_rule), -1) != np.sort(ref_idx, -1)).any()
+
+
+def test_unknown_topk_method_is_one_line():
+    with pytest.raises(ValueError, match="topk_method must be one of"):
+        TINY.replace(topk_method="sinkhorn")
+
+
 def test_moe_matches_per_token_loop():
     cfg = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)
     moe = MoE(cfg, jnp.float32, nnx.Rngs(7))

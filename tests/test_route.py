@@ -35,5 +35,9 @@ def test_kernel_limits(monkeypatch):
         n_routed_experts=route_ops.MAX_EXPERTS + 8, n_group=1, topk_group=1))
     assert not route_ops.kernel_applies(64, CFG.replace(n_routed_experts=64, num_experts_per_tok=route_ops.MAX_K + 1,
                                                         n_group=1, topk_group=1))
+    # The kernel ranks groups by their two best choices (noaux_tc): DeepSeek-V2's rule stays with `route`.
+    assert route_ops.kernel_applies(16, CFG)
+    assert not route_ops.kernel_applies(16, CFG.replace(topk_method="group_limited_greedy"))
+    assert route_ops.kernel_applies(16, CFG.replace(topk_method="group_limited_greedy", n_group=1, topk_group=1))
     monkeypatch.setattr(route_ops, "cuda_built", lambda: False)
     assert not route_ops.kernel_applies(16, CFG)

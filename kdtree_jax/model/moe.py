@@ -21,9 +21,10 @@ from kdtree_jax.sharding import MeshLayout
 def route(router_logits, bias, cfg: ModelConfig):
     """Choose experts per token: (indices [N, k] int32, weights [N, k] float32).
 
-    Experts are *chosen* on `score + e_score_correction_bias` (first the best `topk_group` groups,
-    ranked by the sum of each group's top-2 biased scores), but *weighted* by the unbiased scores of
-    the chosen experts, normalised, times `routed_scaling_factor`.
+    Experts are *chosen* on `score + e_score_correction_bias` (noaux_tc; first the best `topk_group` groups,
+    ranked by the sum of each group's top-2 biased scores; DeepSeek-V2's group_limited_greedy ranks a group by its
+    best score, without a bias), but *weighted* by the unbiased scores of the chosen experts, normalised, times
+    `routed_scaling_factor`.
     """
     logits = router_logits.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
@@ -31,8 +32,11 @@ def route(router_logits, bias, cfg: ModelConfig):
     num_tokens, num_experts = choice.shape
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
-        top2 = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, G]
-        _, best_groups = jax.lax.top_k(top2, cfg.topk_group)
+        if cfg.topk_method == "group_limited_greedy":
+            group_score = grouped.max(-1)  # [N, G]
+        else:
+            group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)
+        _, best_groups = jax.lax.top_k(group_score, cfg.topk_group)
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
         # Experts of excluded groups can never be chosen (-inf, as in transformers >= 5 and DeepSeek's code).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)

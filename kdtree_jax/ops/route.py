@@ -33,9 +33,12 @@ def cuda_built() -> bool:
 
 
 def kernel_applies(num_experts: int, cfg) -> bool:
-    """Whether the router's sizes are within the kernel's limits (and the extension has it)."""
+    """Whether the router's sizes are within the kernel's limits (and the extension has it). The kernel ranks groups
+    as noaux_tc does (the sum of their two best choices): DeepSeek-V2's group_limited_greedy keeps `route`."""
+    grouped = cfg.n_group > 1 and cfg.topk_group < cfg.n_group
     return (num_experts <= MAX_EXPERTS and cfg.num_experts_per_tok <= min(MAX_K, num_experts)
-            and cfg.n_group <= MAX_GROUPS and cuda_built())
+            and cfg.n_group <= MAX_GROUPS and not (grouped and cfg.topk_method == "group_limited_greedy")
+            and cuda_built())
 
 
 def cuda_choose_experts(router_logits, bias, cfg):
