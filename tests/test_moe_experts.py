@@ -238,3 +238,10 @@ def test_pair_expert_mlp_without_cuda_build_says_so():
     w = jnp.zeros((2, 8, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="CUDA extension"):
         moe_ops.pair_expert_mlp(x, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), w, w, w)
+
+
+def test_pair_expert_mlp_refuses_a_bad_down_unroll():
+    x = jnp.zeros((1, 8), jnp.bfloat16)
+    w = jnp.zeros((2, 8, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="down_unroll must be 1 or 2"):
+        moe_ops.pair_expert_mlp(x, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), w, w, w, down_unroll=3)
