@@ -5,7 +5,9 @@
 // the Kimi-K2 TP8-rank step at T = 1 on an H200, b64d7bb), the gather of the chosen scores and the normalisation:
 // ~10 us a layer for ~1.5 KB of scores a token.  Here one kernel does it, one warp per token, everything in registers
 // (no shared memory, no block barrier: a first form with a block per token and k block-wide argmax rounds took 7.9 us
-// a layer on an H100, fa0e52c):
+// a layer on an H100, fa0e52c; this one 6.6 us in the same step's profile at 4d9fce1, a span that may include its
+// programmatic wait on the router's product; the K2 rank's MoE at T = 1 went 0.966 -> 0.790 ms a step with the
+// shared expert's fold, benchmarks/results/history/k2_moe_fusions_h100_4d9fce1.md):
 //   scores     lane l holds experts l, l + 32, ... (PER of them: E <= 32 PER): sigmoid (or softmax: a warp max and
 //              sum first), and the choice, the score plus the bias (noaux_tc)
 //   groups     (n_group > 1 and topk_group < n_group) per group the sum of its two best choices (two warp argmax
