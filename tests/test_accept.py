@@ -276,3 +276,25 @@ def test_filter_logits_edge_cases():
             filter_logits(logits, **kwargs)
     with pytest.raises(ValueError, match="target_logits"):
         accept_greedy(random_tree(np.random.default_rng(0), batch=2), np.zeros((2, 3, VOCAB), np.float32))
+
+
+def test_a_root_only_walk_is_the_loops_first_pick():
+    """A depth-0 tree (an autoregressive step) skips the walk's loop: its Acceptance is what the loop gives the same
+    root with room for deeper nodes (max_depth 3), which stops after the root's pick."""
+    from kdtree_jax.speculative.accept import walk
+    from kdtree_jax.speculative.tree import root_only_tree
+    logits = jax.random.normal(jax.random.key(3), (4, 1, 50))
+    keys = jax.random.split(jax.random.key(4), 4)
+
+    def choose(node):
+        row = jnp.take_along_axis(logits, node[:, None, None], axis=1)[:, 0]
+        return jax.vmap(jax.random.categorical)(jax.vmap(jax.random.fold_in)(keys, node), row).astype(jnp.int32)
+
+    roots, starts = jnp.array([5, 6, 7, 8]), jnp.array([3, 9, 1, 4])
+    fast = walk(root_only_tree(roots, starts, max_depth=0), choose)
+    loop = walk(root_only_tree(roots, starts, max_depth=3), choose)
+    for name in ("num_accepted", "bonus", "num_emitted", "last_node"):
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(loop, name)), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(fast.path), np.asarray(loop.path)[:, :1])
+    np.testing.assert_array_equal(np.asarray(fast.emitted), np.asarray(loop.emitted)[:, :1])
+    assert fast.emitted.dtype == loop.emitted.dtype == jnp.int32

@@ -68,6 +68,13 @@ def walk(tree: Tree, choose) -> Acceptance:
     batch = tree.tokens.shape[0]
     max_depth = tree.max_depth
     rows = jnp.arange(batch)
+    if max_depth == 0:
+        # A root-only tree (an autoregressive step): its one pick is the bonus. No loop: on a CPU the while loop's
+        # condition and carry cost more thunks than the pick itself.
+        token = choose(jnp.zeros((batch,), jnp.int32))
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return Acceptance(path=jnp.zeros((batch, 1), jnp.int32), num_accepted=zeros, bonus=token,
+                          emitted=token[:, None], num_emitted=zeros + 1, last_node=zeros)
 
     def not_finished(carry):
         s, _, done = carry[:3]
