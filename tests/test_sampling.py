@@ -69,56 +69,6 @@ def test_filter_rows_finds_the_cutoffs_in_the_head_or_past_it():
                 np.testing.assert_allclose(got[b][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
 
 
-def draws(logits, params, num_keys, head):
-    """num_keys draws of each row (one key each), [num_keys, B]."""
-    rows = RowSampling.of(params)
-    keys = jax.random.split(jax.random.key(11), num_keys * len(params)).reshape(num_keys, len(params))
-    fn = jax.jit(jax.vmap(lambda k: sampling.draw(jnp.asarray(logits), rows, k, head=head)))
-    return np.asarray(fn(keys))
-
-
-def chi_square_p(samples, probs):
-    from scipy import stats
-    support = probs > 0
-    assert np.isin(samples, np.flatnonzero(support)).all(), "a draw outside the filtered support"
-    observed = np.bincount(samples, minlength=len(probs))[support]
-    return stats.chisquare(observed, probs[support] / probs[support].sum() * len(samples)).pvalue
-
-
-def test_draw_samples_among_the_head_when_the_filters_keep_only_it():
-    """On a CPU `draw` samples among the HEAD best tokens when every token a row keeps is among them: the same
-    distribution as the whole filtered row (chi-square against filter_logits' softmax), other draws for the same keys
-    (it took the head's branch), and a greedy row still its argmax."""
-    vocab = 4 * sampling.HEAD + 7
-    rng = np.random.default_rng(3)
-    nucleus = np.full(vocab, -10.0)  # about 20 likely tokens: a top-p 0.9 nucleus of several, inside the head
-    nucleus[rng.permutation(vocab)[:20]] = rng.normal(size=20) * 0.5 + 3
-    logits = np.stack([nucleus, rng.normal(size=vocab), rng.normal(size=vocab)]).astype(np.float32)
-    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=6),
-              SamplingParams(temperature=0.0)]
-    n = 3000
-    head, whole = draws(logits, params, n, True), draws(logits, params, n, False)
-    for b, p in enumerate(params[:2]):
-        probs = np.asarray(jax.nn.softmax(filter_logits(logits[b], p.temperature, p.top_k, p.top_p)), np.float64)
-        assert chi_square_p(head[:, b], probs) > 1e-3 and chi_square_p(whole[:, b], probs) > 1e-3
-        assert (head[:, b] != whole[:, b]).any()
-    assert (head[:, 2] == np.argmax(logits[2])).all() and (whole[:, 2] == np.argmax(logits[2])).all()
-
-
-def test_draw_keeps_ties_past_the_head():
-    """Tokens tied with a row's threshold all stay, also those past the head: 100 equal logits and top-p 0.5 keep all
-    100, so the draws reach the 36 past the first 64 (the whole row's branch), uniformly."""
-    vocab = 4 * sampling.HEAD + 7
-    logits = np.full((1, vocab), -30.0, np.float32)
-    tied = np.arange(3, 203, 2)  # 100 tokens, ids spread past the head's
-    logits[0, tied] = 5.0
-    got = draws(logits, [SamplingParams(temperature=1.0, top_p=0.5)], 3000, True)[:, 0]
-    probs = np.zeros(vocab)
-    probs[tied] = 1.0
-    assert chi_square_p(got, probs) > 1e-3
-    assert np.isin(got, tied[64:]).any()
-
-
 def numpy_penalize(logits, counts, p: SamplingParams):
     out = logits.astype(np.float64).copy()
     seen = counts > 0

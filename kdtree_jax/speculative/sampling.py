@@ -174,16 +174,14 @@ def path_tokens(tree: Tree):
 # lax.top_k(64) of 8,192 logits took ~30 us against ~1.6 ms for sorting them (a sampled autoregressive decode of the
 # default pair there: 215 tok/s against greedy's 387). The whole sorted row is used only when some row's cutoff lies
 # past the head (lax.cond). A GPU sorts the row in one kernel, and a conditional in the decode loop would split its
-# command buffer (budget_policy.py's note on control flow in the step): it keeps the sort. On a CPU `draw` also samples
-# among the head alone when every token the filters keep is in it: the categorical over 8,192 logits took ~370 us
-# there (its random bits), over 64 ~30.
+# command buffer (budget_policy.py's note on control flow in the step): it keeps the sort.
 HEAD = 64
 
 
-def _threshold(scaled, best, k, top_p):
-    """Each row's top-k and top-p as one threshold (a token stays where its scaled logit >= it), read from `best`
-    [B, n], each row's n largest scaled logits best first (n = V: the whole sorted row): -> (threshold [B, 1],
-    exact [B]: n was enough, i.e. the cutoffs are the whole row's)."""
+def _filtered(scaled, best, k, top_p):
+    """scaled [B, V] with each row's top-k and top-p applied, the cutoffs read from `best` [B, n], each row's n largest
+    values best first (n = V: the whole sorted row): -> (filtered [B, V], exact [B]: n was enough, i.e. the cutoffs
+    are the whole row's)."""
     vocab, n = scaled.shape[-1], best.shape[-1]
     kth = jnp.where(k < vocab, jnp.take_along_axis(best, jnp.clip(k, 1, n) - 1, axis=-1), -jnp.inf)
     kept = jnp.where(scaled >= kth, scaled, -jnp.inf)  # ties with the k-th all stay
@@ -194,25 +192,9 @@ def _threshold(scaled, best, k, top_p):
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     count = jnp.sum((mass_before < top_p) & (index < k), axis=-1, keepdims=True)
     cutoff = jnp.take_along_axis(best, jnp.clip(count, 1, n) - 1, axis=-1)
-    threshold = jnp.where(top_p >= 1.0, kth, jnp.maximum(kth, cutoff))
+    filtered = jnp.where((kept >= cutoff) | (top_p >= 1.0), kept, -jnp.inf)
     exact = ((k >= vocab) | (k <= n)) & ((top_p >= 1.0) | (count < n))
-    return threshold, exact[:, 0]
-
-
-def _filtered(scaled, best, k, top_p):
-    """scaled [B, V] with each row's top-k and top-p applied (`_threshold`): -> (filtered [B, V], exact [B])."""
-    threshold, exact = _threshold(scaled, best, k, top_p)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf), exact
-
-
-def _scaled(logits, rows: RowSampling):
-    """(scaled logits f32 [B, V], k [B, 1]: the tokens top-k keeps in the sorted order, top_p [B, 1])."""
-    logits = jnp.asarray(logits, jnp.float32)
-    vocab = logits.shape[-1]
-    temperature = rows.temperature[:, None]
-    top_k = rows.top_k[:, None]
-    return (logits / jnp.where(temperature > 0, temperature, 1.0),
-            jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab), rows.top_p[:, None])
+    return filtered, exact[:, 0]
 
 
 def filter_rows(logits, rows: RowSampling, head: Optional[bool] = None):
@@ -223,7 +205,10 @@ def filter_rows(logits, rows: RowSampling, head: Optional[bool] = None):
     vocab = logits.shape[-1]
     temperature = rows.temperature[:, None]
     argmax_only = jnp.where(jnp.arange(vocab) == argmax_last(logits)[:, None], 0.0, -jnp.inf)
-    scaled, k, top_p = _scaled(logits, rows)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    top_k = rows.top_k[:, None]
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # tokens top-k keeps in the sorted order
+    top_p = rows.top_p[:, None]
 
     def whole_row():
         return _filtered(scaled, -jnp.sort(-scaled, axis=-1), k, top_p)[0]
@@ -238,37 +223,13 @@ def filter_rows(logits, rows: RowSampling, head: Optional[bool] = None):
     return jnp.where(temperature > 0, filtered, argmax_only)
 
 
-def draw(logits, rows: RowSampling, keys, counts=None, head: Optional[bool] = None):
+def draw(logits, rows: RowSampling, keys, counts=None):
     """One token per row [B] int32: logits [B, V] penalised (when counts are given), filtered and sampled with keys
-    [B] (a greedy row takes the argmax of its penalised logits). head (default: on a CPU): when every token each
-    sampled row keeps is among its HEAD best, sample among those (the same distribution, fewer random draws; a row's
-    draw for a key then differs from the whole row's)."""
+    [B] (a greedy row takes the argmax of its penalised logits)."""
     if counts is not None:
         logits = penalize(logits, counts, rows)
-    logits = jnp.asarray(logits, jnp.float32)
-    vocab = logits.shape[-1]
-
-    def whole_row():
-        return jax.vmap(jax.random.categorical)(keys, filter_rows(logits, rows, head)).astype(jnp.int32)
-
-    if head is None:
-        head = jax.default_backend() == "cpu"
-    if not head or vocab <= HEAD:
-        return whole_row()
-    scaled, k, top_p = _scaled(logits, rows)
-    best, ids = jax.lax.top_k(scaled, HEAD + 1)
-    threshold, exact = _threshold(scaled, best[:, :HEAD], k, top_p)
-    # Every kept token is in the head when the one past it is below the threshold (ties at the threshold stay whole).
-    inside = exact & (best[:, HEAD] < threshold[:, 0])
-    greedy = rows.temperature <= 0
-
-    def from_head():
-        head_logits = jnp.where(best[:, :HEAD] >= threshold, best[:, :HEAD], -jnp.inf)
-        pick = jax.vmap(jax.random.categorical)(keys, head_logits)
-        sampled = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-        return jnp.where(greedy, argmax_last(logits), sampled).astype(jnp.int32)
-
-    return jax.lax.cond(jnp.all(inside | greedy), from_head, whole_row)
+    filtered = filter_rows(logits, rows)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
 
 def first_tokens(last_logits, rows: RowSampling, keys, counts=None):
