@@ -174,8 +174,11 @@ def path_tokens(tree: Tree):
 # lax.top_k(64) of 8,192 logits took ~30 us against ~1.6 ms for sorting them (a sampled autoregressive decode of the
 # default pair there: 215 tok/s against greedy's 387). The whole sorted row is used only when some row's cutoff lies
 # past the head (lax.cond). A GPU sorts the row in one kernel, and a conditional in the decode loop would split its
-# command buffer (budget_policy.py's note on control flow in the step): it keeps the sort.
-HEAD = 64
+# command buffer (budget_policy.py's note on control flow in the step): it keeps the sort. 512, not 64: at batch 16 one
+# row whose top-p 0.95 nucleus passed 64 tokens sorted the whole batch; the default pair at T = 0.7 on that CPU,
+# autoregressive batch 16, 348 -> 730 tok/s, batch 1 unchanged within its spread
+# (benchmarks/results/history/spec_decode_cpu_sampling_head_size_ab.md).
+HEAD = 512
 
 
 def _filtered(scaled, best, k, top_p):
