@@ -89,17 +89,16 @@ def make_loop(impl, iters, scope, blocks_per_sm=moe_ops.CUDA_BLOCKS_PER_SM):
         def body(i, x):
             if scope == "op":
                 out = moe_ops.grouped_expert_mlp(x, indices, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
-            elif impl.startswith("pairs_du"):  # the pairs op at a down_unroll (A/B; the routed result exactly)
-                out = moe_ops.pair_expert_mlp(x, indices, weights, gate, up, down, blocks_per_sm=blocks_per_sm,
-                                              down_unroll=int(impl[len("pairs_du"):]))
-                if shared:
-                    out = out + swiglu(x, *shared)
             elif impl == "pairs_shared":
                 out = routed_experts(x, indices, weights, gate, up, down, impl="pairs", blocks_per_sm=blocks_per_sm,
                                      shared=shared)
             else:
-                out = routed_experts(x, indices, weights, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
-                if shared:
+                if impl.startswith("pairs_du"):  # the pairs op at a down_unroll (A/B; the routed result exactly)
+                    out = moe_ops.pair_expert_mlp(x, indices, weights, gate, up, down, blocks_per_sm=blocks_per_sm,
+                                                  down_unroll=int(impl[len("pairs_du"):]))
+                else:
+                    out = routed_experts(x, indices, weights, gate, up, down, impl=impl, blocks_per_sm=blocks_per_sm)
+                if shared:  # the shared expert apart, as XLA products
                     out = out + swiglu(x, *shared)
             return x + out * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, iters, body, x)
