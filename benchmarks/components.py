@@ -72,8 +72,7 @@ def dense_loop(iters: int):
             for block, (w_uk, w_uv) in zip(model.layers, absorbed):
                 mla = block.self_attn
                 h = block.input_layernorm(x)
-                rows = mla.latent_rows(h, cos, sin)
-                q_rows = mla.query_rows(h, cos, sin, w_uk)
+                rows, q_rows = mla.latent_and_query_rows(h, cos, sin, w_uk)
                 latent = w_uk.shape[1]
                 stand_in = q_rows[..., :latent] + rows[:, :, None, :latent] + q_rows[..., latent:latent + 1]
                 x = x + mla.output(stand_in, w_uv, x.dtype)

@@ -2,6 +2,7 @@
 // and exposes the few host helpers the Python side and the benchmarks need.
 #include <nanobind/nanobind.h>
 
+#include "mla_prologue.h"
 #include "moe_experts.h"
 #include "moe_route.h"
 #include "topk.h"
@@ -28,6 +29,7 @@ NB_MODULE(_verify_attention_ext, m) {
   m.def("moe_pairs_shared_cuda_handler", []() { return encapsulate(kdtree_moe_pairs_shared_cuda); });
   m.def("log_softmax_top_k_cuda_handler", []() { return encapsulate(kdtree_log_softmax_top_k_cuda); });
   m.def("moe_route_cuda_handler", []() { return encapsulate(kdtree_moe_route_cuda); });
+  m.def("mla_prologue_cuda_handler", []() { return encapsulate(kdtree_mla_prologue_cuda); });
   m.def("sm_count", &kdtree::cuda_sm_count, nb::arg("device") = 0,
         "Multiprocessor count of a CUDA device (cached after the first query); -1 without a usable device.");
   m.def("resolve_variant", &kdtree::cuda_resolve_variant, nb::arg("variant"), nb::arg("rows"), nb::arg("device") = 0,

@@ -21,7 +21,7 @@ from kdtree_jax.attention_batch import AttentionBatch  # noqa: F401  (re-exporte
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, apply_rope, linear
 from kdtree_jax.model.row_invariant import RowLayout
-from kdtree_jax.ops import verify_attention
+from kdtree_jax.ops import mla_prologue, verify_attention
 from kdtree_jax.sharding import MeshLayout
 
 
@@ -67,16 +67,35 @@ class MLA(nnx.Module):
         return AbsorbedWeights(jnp.transpose(w[..., : cfg.qk_nope_head_dim], (1, 0, 2)),
                                jnp.transpose(w[..., cfg.qk_nope_head_dim:], (1, 2, 0)))
 
-    def queries(self, x, cos, sin):
-        """[B, T, H, qk_nope], [B, T, H, qk_rope] (rope applied)."""
+    def queries(self, q_in, cos, sin):
+        """[B, T, H, qk_nope], [B, T, H, qk_rope] (rope applied) from the query's input (`projections`)."""
         cfg = self.cfg
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
+        q = (self.q_proj if cfg.q_lora_rank is None else self.q_b_proj)(q_in)
+        q = q.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         return q_nope, apply_rope(q_pe, cos[..., None, :], sin[..., None, :])
+
+    def projections(self, x, cos, sin):
+        """(the query's input: q_a_layernorm(q_a_proj(x)) [.., q_lora_rank], or x itself without q_lora; the cache
+        rows of these tokens [.., kv_lora_rank + qk_rope]). At decode sizes on a GPU one CUDA op computes both
+        (ops/mla_prologue.py: the two products over the shared input, the norms and the rope), else the modules."""
+        cfg = self.cfg
+
+        def reference(x, cos, sin):
+            q_in = x if cfg.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+            return q_in, self.latent_rows(x, cos, sin)
+
+        if cfg.q_lora_rank is None or cfg.attention_bias:
+            return reference(x, cos, sin)
+        weights = mla_prologue.PrologueWeights(self.q_a_proj.kernel[...], self.kv_a_proj_with_mqa.kernel[...],
+                                               self.q_a_layernorm.weight[...], self.kv_a_layernorm.weight[...])
+        mesh = None if self.placement is None else self.placement.mesh
+        return mla_prologue.prologue(x, weights, cos, sin, LATENT_NORM_EPS, reference, mesh=mesh)
+
+    def latent_and_query_rows(self, x, cos, sin, w_uk):
+        """(the cache rows of these tokens, the attention op's query rows: `query_rows`)."""
+        q_in, latent = self.projections(x, cos, sin)
+        return latent, self.query_rows(q_in, cos, sin, w_uk)
 
     def latent_rows(self, x, cos, sin):
         """The cache rows of these tokens: [B, T, kv_lora_rank + qk_rope]."""
@@ -93,8 +112,7 @@ class MLA(nnx.Module):
         row-invariant pass, so that the output product and the add fuse alike in every pass)."""
         rows = RowLayout(*x.shape[:2]) if rows is None else rows
         w_uk, w_uv = self.absorbed_weights() if absorbed is None else absorbed
-        latent, q_rows = rows.map(lambda h, c, s: (self.latent_rows(h, c, s), self.query_rows(h, c, s, w_uk)),
-                                  x, cos, sin)
+        latent, q_rows = rows.map(lambda h, c, s: self.latent_and_query_rows(h, c, s, w_uk), x, cos, sin)
         # In place when kv_pages is donated: one row per new token, no copy of the pool.
         kv_pages = kv_pages.at[layer, batch.write_slots].set(rows.unflat(latent).astype(kv_pages.dtype), mode="drop")
         out_latent = self.attend(rows.unflat(q_rows).astype(kv_pages.dtype), kv_pages, layer, batch, impl,
@@ -103,10 +121,10 @@ class MLA(nnx.Module):
             return rows.map(lambda o: self.output(o, w_uv, x.dtype), rows.flat(out_latent)), kv_pages
         return rows.map(lambda r, o: r + self.output(o, w_uv, x.dtype), residual, rows.flat(out_latent)), kv_pages
 
-    def query_rows(self, x, cos, sin, w_uk):
-        """The attention op's queries [.., H, kv_lora_rank + qk_rope]: q_nope absorbed into the latent
-        space by W_UK, then the roped part."""
-        q_nope, q_pe = self.queries(x, cos, sin)
+    def query_rows(self, q_in, cos, sin, w_uk):
+        """The attention op's queries [.., H, kv_lora_rank + qk_rope] from the query's input (`projections`): q_nope
+        absorbed into the latent space by W_UK, then the roped part."""
+        q_nope, q_pe = self.queries(q_in, cos, sin)
         q_latent = jnp.einsum("...hn,hcn->...hc", q_nope, w_uk)
         return jnp.concatenate([q_latent, q_pe], axis=-1)
 
