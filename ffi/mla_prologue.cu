@@ -206,10 +206,9 @@ ffi::Error MlaPrologueCuda(cudaStream_t stream, F32x2 x, ffi::AnyBuffer w_qa, ff
   p.W = Q + C + R;
   p.q_tiles = (Q + kTileCols - 1) / kTileCols;
   p.eps = eps;
-  // A multiple of kStep rows a split, none empty (as the MoE ops split).
-  p.split_rows = ((H + splits - 1) / splits + kStep - 1) / kStep * kStep;
-  p.splits = H > 0 ? static_cast<int>((H + p.split_rows - 1) / p.split_rows) : 1;
-  if (H == 0) p.split_rows = 0;
+  const DimSplits cut = split_dim(H, splits);
+  p.split_rows = cut.rows;
+  p.splits = cut.count;
   const bool vec = H % 8 == 0 && Q % 8 == 0 && (C + R) % 8 == 0 && aligned16(p.x) && aligned16(p.w_qa) &&
                    aligned16(p.w_kva);
   if (vec) {

@@ -226,6 +226,17 @@ __device__ __forceinline__ void down_sums(const float* hid, int64_t hid_stride, 
   __syncthreads();
 }
 
+// A reduction dim of `rows` cut into at most `splits` splits: rows per split (a multiple of kStep) and how many splits
+// that makes (none empty; 1 when rows is 0).
+struct DimSplits {
+  int64_t rows;
+  int count;
+};
+inline DimSplits split_dim(int64_t rows, int64_t splits) {
+  const int64_t per = ((rows + splits - 1) / splits + kStep - 1) / kStep * kStep;
+  return {per, per > 0 ? static_cast<int>((rows + per - 1) / per) : 1};
+}
+
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // Multiprocessor count of the current device (cached; 132 when the query fails).

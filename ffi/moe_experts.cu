@@ -371,8 +371,9 @@ ffi::Error MoeExpertsCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuff
   p.G = static_cast<int>(td[1]);
   p.rows_per_item = rows_per_item;
   // Split rows: a multiple of kStep, so that every split but the last is whole 8-row steps.
-  p.split_rows = ((H + splits - 1) / splits + kStep - 1) / kStep * kStep;
-  p.splits = static_cast<int>((H + p.split_rows - 1) / p.split_rows);  // <= splits: none is empty
+  const DimSplits cut = split_dim(H, splits);  // <= splits: none is empty
+  p.split_rows = cut.rows;
+  p.splits = cut.count;
   // 16-byte loads need every weight row and input row to start on a 16-byte boundary.
   const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.rows) && aligned16(p.gate) && aligned16(p.up) &&
                    aligned16(p.down) && aligned16(p.hidden);

@@ -307,8 +307,9 @@ ffi::Error MoePairs(cudaStream_t stream, ffi::AnyBuffer x, Pairs32 experts, Pair
   p.i_tiles = i_tiles;
   p.h_tiles = h_tiles;
   // As the sorted op splits: a multiple of kStep rows a split, none empty.
-  p.split_rows = ((H + splits - 1) / splits + kStep - 1) / kStep * kStep;
-  p.splits = static_cast<int>((H + p.split_rows - 1) / p.split_rows);
+  const DimSplits cut = split_dim(H, splits);  // <= splits: none is empty
+  p.split_rows = cut.rows;
+  p.splits = cut.count;
   const bool vec = H % 8 == 0 && I % 8 == 0 && aligned16(p.x) && aligned16(p.gate) && aligned16(p.up) &&
                    aligned16(p.down) && aligned16(p.hidden) &&
                    (p.shared_gate == nullptr ||
