@@ -27,8 +27,8 @@ namespace {
 
 using namespace kdtree::moe;  // the GEMV loop (down_sums: float32 rows times bf16 [rows, width] weights)
 
-constexpr int kNormThreads = 256;
-constexpr int kBatch = 8;  // splits' partial loads in flight at once in kernel 2
+constexpr int kNormThreads = 512;  // a K2 q row (1536 columns) is 3 columns a thread: 3 round trips for its splits
+constexpr int kBatch = 16;  // splits' partial loads in flight at once in kernel 2 (choose_splits gives <= 16 on a K2 layer)
 
 struct PrologueParams {
   const float* x;          // [N, H]
