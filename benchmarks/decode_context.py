@@ -586,9 +586,10 @@ def main(argv=None):
                         "(ops/route.py) and the shared expert inside the routed experts' pairs op where the model folds "
                         "it (MoE.folds_shared); xla: both as XLA ops, as the model ran them before (an A/B arm: run "
                         "once with each)")
-    p.add_argument("--prologue", choices=("cuda", "xla"), default="cuda",
-                   help="cuda: MLA's q_a / kv_a products, norms and rope as one CUDA op at decode sizes, as the model "
-                        "runs them (ops/mla_prologue.py); xla: as XLA ops (the model before it: an A/B arm)")
+    p.add_argument("--prologue", choices=("cuda", "xla"), default="xla",
+                   help="cuda: MLA's q_a / kv_a products, norms and rope as one CUDA op at decode sizes "
+                        "(ops/mla_prologue.py, forced on: the model does not take it yet, MODEL_TAKES_IT); xla: as "
+                        "XLA ops, as the model runs them (an A/B arm)")
     p.add_argument("--render", default=None, metavar="PATH",
                    help="only recompute PATH.json's derived figures and rewrite PATH.md (no device work)")
     args = p.parse_args(argv)
@@ -604,9 +605,8 @@ def main(argv=None):
         from kdtree_jax.ops import route as route_ops
         moe_ops.pairs_shared_built = lambda: False
         route_ops.cuda_built = lambda: False
-    if args.prologue == "xla":  # the prologue A/B's other arm
-        from kdtree_jax.ops import mla_prologue
-        mla_prologue.cuda_built = lambda: False
+    from kdtree_jax.ops import mla_prologue
+    mla_prologue.MODEL_TAKES_IT = args.prologue == "cuda"  # the prologue A/B's two arms
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
@@ -972,8 +972,9 @@ def write_markdown(path, meta, rows):
              + (" MoE: " + {"fused": "the router's choice one CUDA kernel, the shared expert inside the routed "
                 "experts' pairs op (as the model runs them)", "xla": "the router's choice and the shared expert as XLA "
                 "ops (the model before them: an A/B arm)"}[meta["moe"]] + "." if "moe" in meta else "")
-             + (" MLA prologue: " + {"cuda": "one CUDA op (ops/mla_prologue.py)", "xla": "XLA ops (an A/B arm)"}[
-                 meta["prologue"]] + "." if "prologue" in meta else ""), ""]
+             + (" MLA prologue: " + {"cuda": "one CUDA op (ops/mla_prologue.py, forced on: an A/B arm)",
+                                     "xla": "XLA ops (as the model runs it)"}[meta["prologue"]] + "."
+                if "prologue" in meta else ""), ""]
     if meta.get("timed_beside_compiles"):
         lines += [f"**Warning:** {meta['timed_beside_compiles']} compile(s) cut short by `--deadline-s` still ran while "
                   "the rows below were timed (XLA cannot stop a compile): their times may read slow. Rerun with a "

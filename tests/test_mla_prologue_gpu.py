@@ -152,6 +152,7 @@ def test_mla_takes_the_kernel_at_decode_sizes(tokens, lowered, monkeypatch):
     from flax import nnx
 
     from kdtree_jax.model.layers import rope_cos_sin
+    monkeypatch.setattr(ops, "MODEL_TAKES_IT", True)
     cfg, mla = _mla()
     x = jax.random.normal(jax.random.key(1), (1, tokens, cfg.hidden_size), jnp.bfloat16)
     cos, sin = rope_cos_sin(cfg, jnp.arange(tokens)[None] + 40)
@@ -165,8 +166,9 @@ def test_mla_takes_the_kernel_at_decode_sizes(tokens, lowered, monkeypatch):
         assert_close_bf16(g[0], np.asarray(v[0].astype(jnp.float32), np.float64))
 
 
-def test_on_a_mesh_each_device_runs_it_whole():
+def test_on_a_mesh_each_device_runs_it_whole(monkeypatch):
     from jax.sharding import Mesh
+    monkeypatch.setattr(ops, "MODEL_TAKES_IT", True)
 
     shape = SHAPES["small"]
     x, w, cos, sin = make(shape, 2, seed=9)

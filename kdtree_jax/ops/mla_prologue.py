@@ -31,6 +31,11 @@ MAX_WIDTH = 12288  # Q and C + R: kernel 2 holds a token's row in 48 KB of share
 TILE_COLS = 64  # ffi/moe_device.cuh kTileCols: output columns a block of kernel 1
 BLOCKS_PER_SM = 4  # kernel 1's grid aims at this many blocks a multiprocessor (128 registers x 128 threads)
 MIN_SPLIT_ROWS = 128  # a split of kernel 1 covers at least one step of its 16 slices x 8 rows
+# Whether the model takes the op (`prologue`; cuda_prologue itself always runs it): off until its GPU tests and its
+# A/B have run on a device. It was written in a session that was lent no GPU after it (2026-12-07), so its CUDA code
+# has only been compiled; benchmarks/gpu_k2_prologue.sh runs the tests, then decode_context with the op forced on
+# (--prologue cuda) and off, and says whether to turn it on here.
+MODEL_TAKES_IT = False
 
 
 class PrologueWeights(NamedTuple):
@@ -48,11 +53,11 @@ def cuda_built() -> bool:
 
 
 def kernel_applies(rows: int, weights: PrologueWeights, x_dtype) -> bool:
-    """Whether a call of `rows` tokens is within the kernel's limits (and the extension has it): bfloat16 input and
-    weights, at most MAX_TOKENS rows, an even rope width."""
+    """Whether the model takes the op (MODEL_TAKES_IT) for a call of `rows` tokens within the kernel's limits (and the
+    extension has it): bfloat16 input and weights, at most MAX_TOKENS rows, an even rope width."""
     q, kv, c = weights.w_qa.shape[1], weights.w_kva.shape[1], weights.kv_norm.shape[0]
     bf16 = all(jnp.dtype(a.dtype) == jnp.bfloat16 for a in weights) and jnp.dtype(x_dtype) == jnp.bfloat16
-    return (bf16 and 1 <= rows <= MAX_TOKENS and q <= MAX_WIDTH and kv <= MAX_WIDTH and (kv - c) % 2 == 0
+    return (MODEL_TAKES_IT and bf16 and 1 <= rows <= MAX_TOKENS and q <= MAX_WIDTH and kv <= MAX_WIDTH and (kv - c) % 2 == 0
             and kv > c and cuda_built())
 
 
