@@ -30,7 +30,8 @@
 # Knobs (environment): DEADLINE_S (560), TARGET_END_S (170), DRAFTER_END_S (480), TARGET_BATCH (256), TARGET_LR (3e-3),
 # LAYERS (5), DRAFTER_BATCH (32), GEN_SEQUENCES (6144), GEN_BATCH (512), GEN_TEMPERATURES (0,0.7,1.0),
 # HARD_WEIGHT (0.5), DRAFTER_EVAL_EVERY (2000), EVAL_PROMPTS (16), EVAL_MAX_NEW (128), EVAL_BUDGETS (32), SKIP_BUILD (0),
-# SKIP_EVAL (0), WEIGHTS (plain | int8: how both phases store their matrices), TARGET_FROM (a checkpoint whose target
+# SKIP_EVAL (0), AB_SHIPPED (0; 1: step 3 times the new pair beside checkpoints/default instead, pair_ab's knobs),
+# WEIGHTS (plain | int8: how both phases store their matrices), TARGET_FROM (a checkpoint whose target
 # the drafter distils from instead of training one: phase 1 only re-stores it with WEIGHTS); for a CPU dry run of the
 # plumbing: PACK (another pack), EXTRA_TARGET_ARGS, EXTRA_DRAFTER_ARGS (appended to the phases' arguments).
 set -uo pipefail
@@ -134,7 +135,11 @@ echo "packed $src at $(since) s: $(du -sh "$WORK/$src" | cut -f1)"
 
 # 3. Held-out perplexity, tau and speed, greedy and T = 0.7 ---------------------------------------------------
 left=$(( DEADLINE_S - $(since) - 5 ))
-if [ "${SKIP_EVAL:-0}" != 1 ] && [ "$src" = default_v2 ] && [ "$left" -gt 20 ]; then
+if [ "${AB_SHIPPED:-0}" = 1 ] && [ "$src" = default_v2 ]; then
+  # The new pair beside the shipped one, decoding (device_common.sh's pair_ab): a drafter-only run's verdict in the
+  # same call as its training (ROUNDS 1, BATCHES 1 unless set; a run must fit in the deadline: RUN_COST_S).
+  ROUNDS=${ROUNDS:-1} BATCHES=${BATCHES:-1} BUDGETS=${BUDGETS:-${EVAL_BUDGETS:-16}} pair_ab checkpoints/default "$WORK/default_v2"
+elif [ "${SKIP_EVAL:-0}" != 1 ] && [ "$src" = default_v2 ] && [ "$left" -gt 20 ]; then
   # A target taken as it was (TARGET_FROM) has its held-out loss measured already: the time goes to the speed rows.
   skip_loss=""; [ -n "${TARGET_FROM:-}" ] && skip_loss="--skip-loss"
   timeout "$left" python3 benchmarks/default_pair.py --checkpoint "$WORK/default_v2" --corpus "$PACK" $skip_loss \
