@@ -10,8 +10,9 @@ the first backend starts (the first array or computation, not `import jax`), so:
     kdtree_jax.runtime.configure()   # before the first JAX computation of the process
     import kdtree_jax                 # ... and use it as usual
 
-The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. It changes nothing
-on a CPU (the flags only concern the GPU compiler), leaves XLA_FLAGS alone if they already choose command buffers
+The package's entry points (`python -m kdtree_jax.generate`, the benchmarks) call it themselves. On a CPU it turns
+off XLA's YNNPACK library fusions (CPU_FLAGS: XLA's own dots were up to 1.6x faster for the decode loop's few-row
+products; the GPU flags concern only the GPU compiler). It leaves XLA_FLAGS alone if they already choose command buffers
 (`--xla_gpu_enable_command_buffer`), and adds no command buffers with KDTREE_JAX_COMMAND_BUFFERS=0. It also turns on
 programmatic dependent launch (`--xla_gpu_enable_pdl=true`, LAUNCH_FLAGS) unless XLA_FLAGS name it.
 
@@ -50,6 +51,15 @@ ROW_INVARIANT_FLAGS = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotu
 LAUNCH_FLAGS = (("xla_gpu_enable_pdl", "true"),)
 # XLA aborts on a flag it does not know; 0.10.2 is the oldest jaxlib checked to have this one (pyproject allows 0.10).
 LAUNCH_FLAGS_SINCE = (0, 10, 2)
+# XLA:CPU hands dots, reductions and element-wise ops to YNNPACK "library fusions" (jaxlib 0.10.2's default), which on
+# this project's 2-core CPU ran the products of a few rows several times slower than XLA's own dots: the default pair
+# (float32, 16 prompts x 64 tokens, two alternating rounds, ebefe8f) decoded autoregressively at batch 1 235 / 261 ->
+# 275 / 260 tok/s and at batch 16 782 / 587 -> 988 / 960, DDTree 4 143 / 116 -> 192 / 193 and 382 / 303 -> 457 / 465
+# with them off (benchmarks/results/history/cpu_ynn_fusions_ab.md). The empty list turns them off. Only for the jaxlib
+# versions checked to know the flag ([since, before)): it is an experimental one, and XLA aborts on a flag it does not
+# know.
+CPU_FLAGS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+CPU_FLAGS_JAXLIB = ((0, 10, 2), (0, 11))
 
 
 def _jaxlib_version() -> tuple:
@@ -59,6 +69,14 @@ def _jaxlib_version() -> tuple:
         return tuple(int(p) for p in re.findall(r"\d+", version("jaxlib"))[:3])
     except Exception:  # noqa: BLE001 - not installed as a distribution: assume the oldest
         return (0,)
+
+
+def cpu_flags(flags: str) -> list[str]:
+    """The CPU_FLAGS that XLA_FLAGS `flags` do not name yet, where this jaxlib is one checked to know them."""
+    since, before = CPU_FLAGS_JAXLIB
+    if not since <= _jaxlib_version() < before:
+        return []
+    return [f"--{name}={value}" for name, value in CPU_FLAGS if not _flag_values(name, flags)]
 
 
 def _flag_values(name: str, flags: str) -> list[str]:
@@ -120,6 +138,7 @@ def configure(command_buffers: bool | None = None, row_invariant: bool = False, 
         add += [f"--{name}={value}" for name, value in LAUNCH_FLAGS if not _flag_values(name, flags)]
     if row_invariant:
         add += [f"--{name}={value}" for name, value in ROW_INVARIANT_FLAGS if not _flag_values(name, flags)]
+    add += cpu_flags(flags)
     if add and backends_started():
         warnings.warn("kdtree_jax.runtime.configure() ran after JAX started its backends: XLA has read its flags "
                       "already, so on a GPU a decode loop may copy its predicate to the host every step"

@@ -31,6 +31,20 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusio
 FAST_COMPILE = not _cuda_plugin_installed() and not any(f.split("=")[0] in _flags for f in FAST_COMPILE_FLAGS)
 if FAST_COMPILE:
     _flags += " " + " ".join(FAST_COMPILE_FLAGS)
+# The CPU flags kdtree_jax.runtime.configure() sets (the CLI's and the server's processes set them), so that the
+# suite's own process and the children it starts compile alike.
+def _runtime_module():
+    """kdtree_jax/runtime.py by its path: importing the package would import jax before XLA_FLAGS are final."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kdtree_jax", "runtime.py")
+    spec = importlib.util.spec_from_file_location("_kdtree_jax_runtime_flags", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_flags += " " + " ".join(_runtime_module().cpu_flags(_flags))
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent compilation cache per test session, in a fresh temporary directory (removed at exit; never a

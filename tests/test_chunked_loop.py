@@ -202,6 +202,7 @@ def test_runtime_flags(monkeypatch):
     monkeypatch.setenv(runtime.ENV_SWITCH, "0")
     assert runtime.configure() is False
     monkeypatch.delenv(runtime.ENV_SWITCH)
+    assert runtime.cpu_flags("--xla_cpu_experimental_ynn_fusion_type=dot") == []  # the user's choice wins
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")  # the user's choice wins
     assert runtime.configure() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
     monkeypatch.setenv("XLA_FLAGS", runtime.COMMAND_BUFFER_FLAGS)
@@ -215,13 +216,16 @@ def test_runtime_flags(monkeypatch):
 
 
 def test_configure_before_jax_starts():
-    """In a fresh process configure() sets the flags (with row_invariant, those too, leaving the one the user named),
-    and XLA (here the CPU backend) accepts them."""
+    """In a fresh process configure() sets the flags (with row_invariant, those too, leaving the one the user named;
+    the CPU flags where this jaxlib is one checked to know them), and XLA (here the CPU backend) accepts them."""
     code = ("import os, kdtree_jax.runtime as r; assert r.configure(row_invariant=True) is True; "
             "assert r.COMMAND_BUFFER_FLAGS in os.environ['XLA_FLAGS']; "
             "assert ('--xla_gpu_enable_pdl=true' in os.environ['XLA_FLAGS']) == (r._jaxlib_version() >= r.LAUNCH_FLAGS_SINCE); "
             "assert '--xla_gpu_autotune_level=4' in os.environ['XLA_FLAGS'] and not r.row_invariant_configured(); "
             "assert '--xla_allow_excess_precision=false' in os.environ['XLA_FLAGS']; "
+            "since, before = r.CPU_FLAGS_JAXLIB; "
+            "assert ('--xla_cpu_experimental_ynn_fusion_type=' in os.environ['XLA_FLAGS']) == "
+            "(since <= r._jaxlib_version() < before); "
             "import jax.numpy as jnp; print(int(jnp.arange(4).sum()))")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.ENV_SWITCH)}
     env = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=4"}
