@@ -607,6 +607,8 @@ def main(argv=None):
         route_ops.cuda_built = lambda: False
     from kdtree_jax.ops import mla_prologue
     mla_prologue.MODEL_TAKES_IT = args.prologue == "cuda"  # the prologue A/B's two arms
+    if args.prologue == "cuda" and jax.default_backend() == "gpu" and not mla_prologue.cuda_built():
+        p.error("--prologue cuda: this extension has no CUDA prologue op (rebuild it with nvcc)")
 
     def time_left():
         return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else float("inf")
