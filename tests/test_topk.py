@@ -97,11 +97,13 @@ on_cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU
 
 @on_cpu_only
 def test_xla_path_is_the_formulation(logits_f32):
-    """On a CPU the op is lax.top_k(log_softmax(x / t)) itself: bit for bit; and the float64 reference's values."""
+    """On a CPU the op is lax.top_k(log_softmax(x / t)) itself, compiled as one program: bit for bit (op by op, XLA's
+    own reductions may round the last bit otherwise); and the float64 reference's values."""
+    formulation = jax.jit(lambda x, t: jax.lax.top_k(jax.nn.log_softmax(x if t == 1.0 else x / jnp.float32(t),
+                                                                         axis=-1), 4), static_argnums=1)
     for temperature in (1.0, 0.7):
         got = op(logits_f32, k=4, temperature=temperature)
-        x = logits_f32 if temperature == 1.0 else logits_f32 / temperature
-        want = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), 4)
+        want = formulation(logits_f32, temperature)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
         assert_matches(got, logits_f32, 4, temperature)
