@@ -25,17 +25,10 @@ fi
 timeout 120 python3 benchmarks/moe_experts.py --geometry k2 --layouts tp --devices 8 --tokens-k2 1,4,9 \
   --impls pairs_du1,pairs_du2,pairs_shared --shared ${DC_EXTRA:+--smoke} --out "$OUT" --name moe_shared_fold > "$OUT/moe.log" 2>&1
 echo "moe_experts: rc=$? at $(since) s"; tail -6 "$OUT/moe_shared_fold.md" 2>/dev/null
-dc() {  # dc ARM SECONDS ARGS...: one decode_context process, stopped from starting points SECONDS from now
-  local arm=$1 limit=$2; shift 2
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $(( limit + 30 )) python3 benchmarks/decode_context.py \
-    --layers "${DC_LAYERS:-fit}" --contexts 65536 --nodes "${NODES:-1,9,33}" --steps 8 --engine-chunks 4 \
-    --deadline-s "$limit" --moe "$arm" --out "$OUT/decode_context_$arm" ${DC_EXTRA:-} "$@" \
-    > "$OUT/dc_$arm.log" 2>&1
-  echo "decode_context $arm: rc=$? at $(since) s"
-}
-dc xla "${BEFORE_S:-190}" --impls auto
+nodes=${NODES:-1,9,33}
+decode_context_arm xla "${BEFORE_S:-190}" --nodes "$nodes" --moe xla --impls auto
 left=$(( ${DEADLINE_S:-575} - $(since) - 30 ))
-dc fused $(( left > 60 ? left : 60 )) --impls auto,xla
+decode_context_arm fused $(( left > 60 ? left : 60 )) --nodes "$nodes" --moe fused --impls auto,xla
 for arm in xla fused; do grep -A5 'kernels |$' "$OUT/decode_context_$arm.md" 2>/dev/null; done
 tar -czf "$OUT/0_results.tgz" -C "$OUT" --exclude 0_results.tgz . 2>/dev/null
 echo "done at $(since) s"

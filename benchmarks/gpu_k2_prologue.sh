@@ -17,17 +17,10 @@ if [ "${SKIP_TESTS:-0}" = 0 ]; then
     > "$OUT/tests.log" 2>&1
   echo "tests: rc=$? at $(since) s"; tail -4 "$OUT/tests.log"
 fi
-dc() {  # dc ARM SECONDS: one decode_context process, stopped from starting points SECONDS from now
-  local arm=$1 limit=$2
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $(( limit + 30 )) python3 benchmarks/decode_context.py \
-    --layers "${DC_LAYERS:-fit}" --contexts 65536 --nodes "${NODES:-1,9}" --steps 8 --engine-chunks 4 \
-    --deadline-s "$limit" --prologue "$arm" --impls auto --out "$OUT/decode_context_$arm" ${DC_EXTRA:-} \
-    > "$OUT/dc_$arm.log" 2>&1
-  echo "decode_context $arm: rc=$? at $(since) s"
-}
-dc xla "${BEFORE_S:-200}"
+nodes=${NODES:-1,9}
+decode_context_arm xla "${BEFORE_S:-200}" --nodes "$nodes" --prologue xla --impls auto
 left=$(( ${DEADLINE_S:-575} - $(since) - 30 ))
-dc cuda $(( left > 60 ? left : 60 ))
+decode_context_arm cuda $(( left > 60 ? left : 60 )) --nodes "$nodes" --prologue cuda --impls auto
 for arm in xla cuda; do grep -A5 'kernels |$' "$OUT/decode_context_$arm.md" 2>/dev/null; done
 tar -czf "$OUT/0_results.tgz" -C "$OUT" --exclude 0_results.tgz . 2>/dev/null
 echo "done at $(since) s"

@@ -2,7 +2,8 @@
 #   source checkpoints/device_common.sh WORK_DEFAULT LOG_NAME
 # $OUT (the device's result folder, /tmp/out elsewhere), a fresh $WORK (WORK_DEFAULT unless set), everything printed
 # also kept in $OUT/LOG_NAME, T0 and since (seconds since the start), and build_extension (the editable install for
-# sm_90 in the foreground, its log in $OUT/build.log; SKIP_BUILD=1 skips it), and pair_ab (two pairs timed side by side).
+# sm_90 in the foreground, its log in $OUT/build.log; SKIP_BUILD=1 skips it), pair_ab (two pairs timed side by side)
+# and decode_context_arm (one arm of a K2-step A/B).
 OUT=${OUT:-/tmp/out}
 WORK=${WORK:-$1}
 T0=$(date +%s)
@@ -50,4 +51,16 @@ for path in sorted(glob.glob(os.path.join(out, "spec_decode_*_round*.json"))):
 open(os.path.join(out, "ab.md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 EOF
+}
+
+# decode_context_arm NAME SECONDS ARGS...: one benchmarks/decode_context.py process (the K2 TP8 rank, DC_LAYERS layers
+# (fit), 64k context, 8 steps, 4 engine chunks; ARGS: its nodes and the arm's own flags), stopped from starting points
+# SECONDS from now; writes $OUT/decode_context_NAME.{md,json} and $OUT/dc_NAME.log (DC_EXTRA: more arguments).
+decode_context_arm() {
+  local name=$1 limit=$2
+  shift 2
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $(( limit + 30 )) python3 benchmarks/decode_context.py \
+    --layers "${DC_LAYERS:-fit}" --contexts 65536 --steps 8 --engine-chunks 4 --deadline-s "$limit" \
+    --out "$OUT/decode_context_$name" ${DC_EXTRA:-} "$@" > "$OUT/dc_$name.log" 2>&1
+  echo "decode_context $name: rc=$? at $(since) s"
 }

@@ -125,7 +125,8 @@ def backends_started() -> bool:
 def configure(command_buffers: bool | None = None, row_invariant: bool = False, overlap_launches: bool = True) -> bool:
     """Set XLA_FLAGS so that the decode loop's while loop runs inside a command buffer on a GPU, with
     `overlap_launches` programmatic dependent launch (LAUNCH_FLAGS), and with `row_invariant` the flags a
-    row-invariant decode needs (ROW_INVARIANT_FLAGS). Call it before the process's first JAX computation.
+    row-invariant decode needs (ROW_INVARIANT_FLAGS); on a CPU, XLA's YNNPACK fusions off (CPU_FLAGS, `cpu_flags`).
+    Call it before the process's first JAX computation.
     command_buffers: None reads KDTREE_JAX_COMMAND_BUFFERS (default on); False leaves XLA_FLAGS' command buffers as
     they are. A flag XLA_FLAGS already name is the user's choice and left alone. Returns whether the command-buffer
     flags are in XLA_FLAGS now (set here or before)."""

@@ -57,8 +57,8 @@ def kernel_applies(rows: int, weights: PrologueWeights, x_dtype) -> bool:
     extension has it): bfloat16 input and weights, at most MAX_TOKENS rows, an even rope width."""
     q, kv, c = weights.w_qa.shape[1], weights.w_kva.shape[1], weights.kv_norm.shape[0]
     bf16 = all(jnp.dtype(a.dtype) == jnp.bfloat16 for a in weights) and jnp.dtype(x_dtype) == jnp.bfloat16
-    return (MODEL_TAKES_IT and bf16 and 1 <= rows <= MAX_TOKENS and q <= MAX_WIDTH and kv <= MAX_WIDTH and (kv - c) % 2 == 0
-            and kv > c and cuda_built())
+    return (MODEL_TAKES_IT and bf16 and 1 <= rows <= MAX_TOKENS and q <= MAX_WIDTH and kv <= MAX_WIDTH
+            and kv > c and (kv - c) % 2 == 0 and cuda_built())
 
 
 def choose_splits(hidden: int, width: int) -> int:
