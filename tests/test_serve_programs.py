@@ -459,3 +459,51 @@ def test_a_cost_model_measured_at_start_that_refuses_serves_the_autoregressive_p
     assert _run(s, (GREEDY, {})) == _run(schedulers[False], (GREEDY, {}))  # float32: greedy is the target's own
     assert set(bucket.programs.runs - runs) == {(1, True, LONE)}  # one row, not the batch
     s.stop(drain=False, timeout=30)
+
+
+def test_a_request_runs_greedy_programs_only_without_sampling_or_penalties():
+    """Request.greedy (read by every chunk's launch to pick a greedy-only program) is its settings' verdict: no
+    temperature and no penalty; top-k / top-p alone leave a row greedy."""
+    from kdtree_jax.serve import scheduler as sched
+
+    def greedy(**settings):
+        return sched.Request(prompt=[1], max_tokens=1, emit=lambda *a: None, **settings).greedy
+
+    assert greedy() and greedy(top_k=5, top_p=0.5)
+    assert not greedy(temperature=0.7)
+    assert not any(greedy(**{k: v}) for k, v in (("repetition_penalty", 1.1), ("presence_penalty", 0.5),
+                                                   ("frequency_penalty", -0.5)))
+
+
+def test_a_sub_batch_chunk_takes_each_set_of_rows_copied_to_the_device_once():
+    """A chunk of fewer rows than the batch gets its rows (the live ones, then free ones: distinct) as a device array
+    that RowPrograms keeps per set of rows: the same set again is the same array, not a numpy array copied by the
+    call. Stand-in programs record what they are given."""
+    import collections
+    import types
+
+    import jax
+
+    from kdtree_jax.serve import programs
+    from kdtree_jax.speculative import engine
+    from kdtree_jax.speculative.step import SpecConfig
+
+    State = collections.namedtuple("State", "counts")
+    full = types.SimpleNamespace(spec=SpecConfig(budget=0, sampled=True, penalties=True), steps=2, leaves=[],
+                                 loop_weights=None)
+    rp = programs.RowPrograms(full, 8, lone_steps=4)
+    given = []
+
+    def program(leaves, weights, state, rows=None, costs=None):
+        given.append(rows)
+        return engine.ChunkOutput(state, None, None, None, None, None)
+
+    rp._compiled = {key + (None,): program for key in rp.keys()}
+    calls = (([3], False), ([5, 1, 6], False), ([3], False), ([3], True), ([2, 7], False))
+    for live, lone in calls:
+        rp(State(None), live, True, lone=lone)
+    want = ([3], [5, 1, 6, 0], [3], [3], [2, 7])
+    assert all(isinstance(rows, jax.Array) for rows in given)
+    assert [np.asarray(rows).tolist() for rows in given] == [list(w) for w in want]
+    assert given[2] is given[0] and given[3] is given[0]  # k = 1 either way: the lone chunk's program, same rows
+    assert set(rp.runs) == {(1, True, 2), (4, True, 2), (1, True, 4), (2, True, 2)}

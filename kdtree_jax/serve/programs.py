@@ -111,6 +111,10 @@ def rows_chunk(leaves, loop_weights, state: LoopState, rows, costs: Optional[Row
     return engine.ChunkOutput(full, tokens, state.num_out, full.num_out, sub.any_active, full.active, sub.next_entry)
 
 
+# The sets of rows whose device array RowPrograms keeps (each a few bytes; a load that churns through more starts over).
+ROWS_KEPT = 256
+
+
 def row_sizes(batch: int) -> tuple:
     """The programs' row counts: powers of two below the batch, then the batch."""
     sizes, k = [], 1
@@ -160,6 +164,10 @@ class RowPrograms:
         self._compiled: dict = {}
         self.runs: collections.Counter = collections.Counter()  # chunks launched by (rows, greedy, steps)
         self.lone_costs: Optional[RowCosts] = None  # an adaptive loop's lone row's costs (set_lone_costs)
+        # A chunk of fewer rows than the batch takes its rows as an argument: a numpy array there is copied to the
+        # device by every call (a lone stream's every chunk), so each set of rows is copied once (a few sets under a
+        # steady load; forgotten at ROWS_KEPT).
+        self._rows: dict = {}
 
     def keys(self) -> list:
         """Every program's (rows, greedy, steps) (an adaptive loop's: each for every menu entry)."""
@@ -227,10 +235,9 @@ class RowPrograms:
         counts = state.counts
         rows = None
         if k < self.batch:
-            rows = list(live_rows)
-            taken = set(rows)
-            rows += [r for r in range(self.batch) if r not in taken][:k - len(rows)]  # distinct: padding rows are free
-            rows = np.asarray(rows, np.int32)
+            rows = self._rows.get((k, *live_rows))
+            if rows is None:
+                rows = self._device_rows(live_rows, k)
 
         def run(entry: Optional[int]) -> engine.ChunkOutput:
             given = state._replace(counts=None) if greedy else state
@@ -243,6 +250,16 @@ class RowPrograms:
         if greedy:
             out = out._replace(state=out.state._replace(counts=counts))
         return out
+
+    def _device_rows(self, live_rows: list, k: int) -> jax.Array:
+        """The k rows a chunk of `live_rows` computes (the live rows, then free ones: distinct), on the device."""
+        rows = list(live_rows)
+        taken = set(rows)
+        rows += [r for r in range(self.batch) if r not in taken][:k - len(rows)]  # distinct: padding rows are free
+        if len(self._rows) >= ROWS_KEPT:
+            self._rows.clear()
+        device = self._rows[(k, *live_rows)] = jax.device_put(np.asarray(rows, np.int32))
+        return device
 
     def lone_loop(self) -> "LoneLoop":
         """An adaptive loop's lone row's greedy program on row 0, as engine.calibrate times a loop (the calibration's

@@ -58,6 +58,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 import threading
 import time
 import traceback
@@ -166,6 +167,8 @@ class Request:
                                        repetition_penalty=self.repetition_penalty,
                                        presence_penalty=self.presence_penalty,
                                        frequency_penalty=self.frequency_penalty)
+        # Whether the row may run a greedy-only program (programs.py), read by every chunk's launch: once here.
+        self.greedy = not (self.sampling.sampled or self.sampling.penalised)
 
 
 def _as_int32(x):
@@ -175,7 +178,7 @@ def _as_int32(x):
 
 
 @jax.jit
-def _host_view(tokens, start, num_out, hist, num_free, policy: Optional[dict]):
+def _host_view(tokens, start, num_out, hist, num_free, policy: Optional[tuple]):
     """Everything the host reads of a chunk as one int32 vector (`ChunkRead.of` takes it apart): its tokens, start and
     num_out, the acceptance histogram and the pool's free slots (/metrics) and, in an adaptive loop, the budget
     policy's counters (budget_policy.SUMMARY_FIELDS, int32 and float32 arrays). One array: a read of each small array
@@ -184,14 +187,19 @@ def _host_view(tokens, start, num_out, hist, num_free, policy: Optional[dict]):
     the next chunk donates its state."""
     parts = [tokens.ravel(), start, num_out, hist, num_free[None]]
     if policy is not None:
-        parts += [policy[k] for k in budget_policy.SUMMARY_FIELDS]
+        parts += list(policy)
     return jnp.concatenate([_as_int32(x) for x in parts])
+
+
+# The policy's counters in SUMMARY_FIELDS' order as a tuple: a dict was built, and flattened with its keys sorted, at
+# every chunk's launch.
+_summary_fields = operator.attrgetter(*budget_policy.SUMMARY_FIELDS)
 
 
 def host_view(out: engine.ChunkOutput):
     """`_host_view` of a chunk's output (on device, asynchronous)."""
     state = out.state
-    policy = None if state.policy is None else {k: getattr(state.policy, k) for k in budget_policy.SUMMARY_FIELDS}
+    policy = None if state.policy is None else _summary_fields(state.policy)
     return _host_view(out.tokens, out.start, out.num_out, state.accepted_hist, state.cache.num_free, policy)
 
 
@@ -585,7 +593,7 @@ class Bucket:
         t = time.perf_counter()
         if self.programs is not None:
             live = [r for r, req in enumerate(self.owner) if req is not None]
-            greedy = all(not (req.sampling.sampled or req.sampling.penalised) for req in self.owner if req is not None)
+            greedy = all(self.owner[r].greedy for r in live)
             # Nothing waiting for a row (len of a deque: no lock needed for a hint): a lone row may take a long chunk.
             out = self.programs(self.state, live, greedy, lone=not self.sched._waiting)
         else:
