@@ -10,7 +10,7 @@ from flax import nnx
 import kdtree_jax
 from kdtree_jax import kv_pool
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import rope_cos_sin
+from kdtree_jax.model.layers import dot_transposed, rope_cos_sin
 from kdtree_jax.model.moe import MoE, expert_counts, route
 
 TINY = ModelConfig.preset("tiny")
@@ -180,6 +180,29 @@ def test_moe_matches_per_token_loop():
         sh = moe.shared_experts
         expected[n] += (silu(x[n] @ _np(sh.gate_proj.kernel)) * (x[n] @ _np(sh.up_proj.kernel))) @ _np(sh.down_proj.kernel)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [(1,), (5,), (2, 3)])
+def test_dot_transposed_is_x_times_w_transposed(rows):
+    rng = np.random.default_rng(sum(rows))
+    x = rng.standard_normal(rows + (48,)).astype(np.float32)
+    w = rng.standard_normal((80, 48)).astype(np.float32)
+    fn = jax.jit(lambda x, w: dot_transposed(x, w, preferred_element_type=jnp.float32))
+    out = np.asarray(fn(jnp.asarray(x), jnp.asarray(w)))
+    assert out.shape == rows + (80,)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+    # On a CPU the product is w @ x.T behind a barrier (XLA:CPU's x @ w.T is 5-40x slower past one row).
+    if jax.default_backend() == "cpu":
+        assert "optimization_barrier" in fn.lower(jnp.asarray(x), jnp.asarray(w)).as_text()
+
+
+def test_tied_lm_head_is_the_embedding():
+    cfg = TINY.replace(tie_word_embeddings=True)
+    tied = kdtree_jax.init_model(cfg, seed=5)
+    assert tied.lm_head is None
+    x = np.random.default_rng(4).standard_normal((2, 3, cfg.hidden_size)).astype(np.float32)
+    logits = np.asarray(jax.jit(lambda m, x: m.lm_logits(x))(tied, jnp.asarray(x)))
+    np.testing.assert_allclose(logits, x.astype(np.float64) @ _np(tied.embed_tokens.embedding).T, rtol=1e-5, atol=1e-5)
 
 
 def _random_prompts(rng, batch, length):

@@ -37,6 +37,26 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype, *, bias: bool = False,
     return layer
 
 
+def dot_transposed(x, w, preferred_element_type=None):
+    """x [..., K] times w.T, for a weight stored [N, K] (a tied embedding used as the lm head, a router in HF's
+    layout) -> [..., N].
+
+    XLA:CPU (jaxlib 0.10, YNNPACK fusions off: runtime.CPU_FLAGS) runs x @ w.T several times slower than w @ x.T once
+    x has more than one row, and at one row too where K is wide (2 cores, float32: a tied head 8192 x 256 at 5 rows
+    3.1 ms against 0.55, a Kimi-K2 router 384 x 7168 at 1 row 2.2 ms against 0.15; history/cpu_dot_transposed.md).
+    On a CPU the product is therefore taken as w @ x.T and transposed after an optimization barrier (without it XLA
+    folds the transpose back into the slow form); elsewhere it is left as written: cuBLAS takes either layout."""
+    def as_written(x, w):
+        return jnp.dot(x, w.T, preferred_element_type=preferred_element_type)
+
+    def on_cpu(x, w):
+        rows = x.reshape(-1, x.shape[-1])
+        out = jnp.dot(w, rows.T, preferred_element_type=preferred_element_type)  # [N, rows]
+        return jax.lax.optimization_barrier(out).T.reshape(*x.shape[:-1], w.shape[0])
+
+    return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=as_written)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis: str | None = "embed"):
         self.eps = eps

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdtree_jax.config import MESH_AXIS, ModelConfig
-from kdtree_jax.model.layers import MLP, logical_axes
+from kdtree_jax.model.layers import MLP, dot_transposed, logical_axes
 from kdtree_jax.model.row_invariant import RowLayout
 from kdtree_jax.ops import moe as moe_ops
 from kdtree_jax.ops import route as route_ops
@@ -124,7 +124,7 @@ class Router(nnx.Module):
 
     def __call__(self, x2d):
         # The router runs in float32 whatever the model's dtype (as HF does).
-        logits = x2d.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
+        logits = dot_transposed(x2d.astype(jnp.float32), self.weight[...].astype(jnp.float32))
         # One CUDA kernel on a GPU (ops/route.py), `route` elsewhere.
         return route_ops.choose_experts(logits, self.e_score_correction_bias[...], self.cfg, route)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import MLP, RMSNorm, linear, logical_axes, rope_cos_sin
+from kdtree_jax.model.layers import MLP, RMSNorm, dot_transposed, linear, logical_axes, rope_cos_sin
 from kdtree_jax.model.mla import MLA, AbsorbedWeights, AttentionBatch
 from kdtree_jax.model.moe import MoE, expert_counts
 from kdtree_jax.model.row_invariant import RowLayout
@@ -91,7 +91,7 @@ class Transformer(nnx.Module):
         a bfloat16 product cast afterwards rounds the logits to bfloat16 steps (0.06 near 10), and near-tied
         logits then tie exactly far more often, which is where greedy decoders part (issue 24)."""
         if self.lm_head is None:
-            return jnp.dot(x, self.embed_tokens.embedding[...].T, preferred_element_type=jnp.float32)
+            return dot_transposed(x, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
         kernel = self.lm_head.kernel[...]  # the input in the head's dtype, as nnx.Linear takes it
         logits = jnp.dot(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
         # A vocabulary split over a mesh it does not divide is padded with zero columns (sharding.pad_vocab);
