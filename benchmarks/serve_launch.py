@@ -41,8 +41,8 @@ PROFILED = 10  # launches profiled after the timed ones
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="default: the embedded pair")
-    p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--max-batch", type=int, default=16, help="the bucket's batch rows, as the server's (default 16)")
+    p.add_argument("--max-len", type=int, default=256, help="pool positions per row, as the server's (default 256)")
     p.add_argument("--chunks", type=int, default=60, help="launches timed per kind (default 60)")
     p.add_argument("--kinds", default="ar,adaptive,fixed", help="comma-separated: ar, adaptive, fixed")
     p.add_argument("--live", default="16,1",

@@ -91,7 +91,9 @@ def test_an_int8_checkpoint_reads_back_within_its_rounding_in_fewer_bytes(int8_p
             assert not np.array_equal(got[name], w), name  # it was rounded, so it went through the int8 path
     assert quantized >= 10
     target_bytes = _bytes(os.path.join(packed, "target")), _bytes(os.path.join(plain, "target"))
-    assert target_bytes[0] < 0.85 * target_bytes[1], target_bytes  # the tiny model's files have a fixed overhead
+    # The tiny model's files have a fixed overhead, and OCDBT splits its data into a varying number of files: the
+    # ratio came out 0.80-0.88 over seeds (0.876 failed a 0.85 bound once); an int8 stored as 16 bits would be >= 1.
+    assert target_bytes[0] < 0.92 * target_bytes[1], target_bytes
 
 
 def test_an_int8_checkpoint_reads_into_a_mesh_as_it_reads_onto_one_device(int8_pair):
