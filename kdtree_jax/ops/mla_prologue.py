@@ -31,10 +31,11 @@ MAX_WIDTH = 12288  # Q and C + R: kernel 2 holds a token's row in 48 KB of share
 TILE_COLS = 64  # ffi/moe_device.cuh kTileCols: output columns a block of kernel 1
 BLOCKS_PER_SM = 4  # kernel 1's grid aims at this many blocks a multiprocessor (128 registers x 128 threads)
 MIN_SPLIT_ROWS = 128  # a split of kernel 1 covers at least one step of its 16 slices x 8 rows
-# Whether the model takes the op (`prologue`; cuda_prologue itself always runs it): off until its GPU tests and its
-# A/B have run on a device. It was written in a session that was lent no GPU after it (2026-12-07), so its CUDA code
-# has only been compiled; benchmarks/gpu_k2_prologue.sh runs the tests, then decode_context with the op forced on
-# (--prologue cuda) and off, and says whether to turn it on here.
+# Whether the model takes the op (`prologue`; cuda_prologue itself always runs it). Off: on an H100 (cc32e4b,
+# benchmarks/gpu_k2_prologue.sh: its GPU tests pass, sanitizers included) the K2 step with it was 1.0-1.3% shorter at
+# T = 1 and 1.0-1.2% longer at T = 4 / 9, 3.7 kernels a layer fewer (history/k2_prologue_h100_cc32e4b.md): the
+# product kernel reads at ~78% of the copy bandwidth as XLA's split-K reductions do, the second launch costs what
+# the fusion saved, and past 4 rows the weights are read once per 4 rows. decode_context --prologue cuda forces it.
 MODEL_TAKES_IT = False
 
 
