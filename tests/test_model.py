@@ -191,7 +191,7 @@ def test_dot_transposed_is_x_times_w_transposed(rows):
     out = np.asarray(fn(jnp.asarray(x), jnp.asarray(w)))
     assert out.shape == rows + (80,)
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
-    # On a CPU the product is w @ x.T behind a barrier (XLA:CPU's x @ w.T is 5-40x slower past one row).
+    # On a CPU the product is w @ x.T behind a barrier (XLA:CPU's x @ w.T measured 2-15x slower: cpu_dot_transposed.md).
     if jax.default_backend() == "cpu":
         assert "optimization_barrier" in fn.lower(jnp.asarray(x), jnp.asarray(w)).as_text()
 
